@@ -1,0 +1,214 @@
+"""The codec contract (DESIGN.md, "The codec contract").
+
+A codec is the quantizer plus its four hop operations. Per all-reduce call (a
+*round*) the engine calls, on every rank:
+
+1. ``plan = codec.plan(x, stats)``: local statistics, exchanged through
+   ``stats.all_reduce``, turned into a plan identical on all ranks: how the
+   working vector splits into chunks and how many payload bytes each takes.
+   ``work = codec.prepare(plan, x)`` then gives this rank's working vector
+   (float32, fresh memory, in the plan's layout).
+2. ``encode(plan, chunk, ctx)``: leaf compression of a chunk.
+3. ``decode_accumulate(plan, payload, acc, ctx)``: ``acc += decode(payload)``.
+4. ``decode_accumulate_encode(plan, payload, local, ctx)``: the fused hop.
+5. ``decode(plan, payload, ctx, out)``: all-gather receive.
+6. ``finish(plan, y, op)``: undo the plan's transform; result in input layout.
+
+Payloads are contiguous uint8 tensors that codecs never modify after creating
+them (the simulator may hand the same tensor to several ranks).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from hopq.errors import PayloadError
+
+
+class ReduceOp(str, Enum):
+    """Reductions a compressed all-reduce offers."""
+
+    SUM = "sum"
+    AVG = "avg"
+
+    @classmethod
+    def parse(cls, op: str | ReduceOp) -> ReduceOp:
+        try:
+            return cls(op)
+        except ValueError:
+            raise ValueError(f"op must be one of {[o.value for o in cls]}, got {op!r}") from None
+
+
+#: Floating dtypes accepted as input; accumulation is float32 whatever the input.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+class StatsExchange(Protocol):
+    """What a codec sees of the world while planning a round."""
+
+    world_size: int
+    n_chunks: int
+    seed: int
+    round: int
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """Uncompressed all-reduce of a small tensor; op is "sum", "max" or "min".
+        The result is bit-identical on every rank."""
+        ...
+
+
+@dataclass(frozen=True)
+class HopContext:
+    """Where an encode or decode happens, for the hash RNG and correlated rounding.
+
+    ``hop`` is the encoder's position on the chunk's aggregation tree; it is
+    unique per (round, chunk) among the ``world_size`` encoders of that chunk
+    (every rank encodes each chunk exactly once: as a leaf, an inner node, or
+    the sink compressing the final sum).
+    """
+
+    seed: int
+    round: int
+    chunk: int
+    hop: int
+    rank: int
+    world_size: int
+
+
+@dataclass
+class Plan:
+    """A round's plan; identical on every rank.
+
+    ``chunks[c]`` is the [start, end) range of chunk ``c`` in the working vector
+    of ``work_numel`` float32 entries; ``payload_nbytes[c]`` its payload size.
+    ``numel`` is the length of the caller's flattened tensor.
+    """
+
+    numel: int
+    work_numel: int
+    chunks: tuple[tuple[int, int], ...]
+    payload_nbytes: tuple[int, ...]
+
+    def chunk_view(self, work: torch.Tensor, c: int) -> torch.Tensor:
+        start, end = self.chunks[c]
+        return work[start:end]
+
+    def chunk_numel(self, c: int) -> int:
+        start, end = self.chunks[c]
+        return end - start
+
+
+def even_chunks(numel: int, n_chunks: int, align: int = 1) -> tuple[tuple[int, int], ...]:
+    """Split [0, numel) into ``n_chunks`` contiguous ranges whose boundaries are
+    multiples of ``align`` (the last range takes the remainder); sizes differ by
+    at most ``align``, earlier chunks being the larger, like ``torch.tensor_split``."""
+    units = -(-numel // align) if numel else 0
+    base, extra = divmod(units, n_chunks)
+    bounds = []
+    start = 0
+    for c in range(n_chunks):
+        end = min(numel, start + (base + (1 if c < extra else 0)) * align)
+        bounds.append((start, end))
+        start = end
+    return tuple(bounds)
+
+
+def view_as_dtype(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret uint8 payload bytes as ``dtype`` (copying only if misaligned)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if payload.numel() % size:
+        raise PayloadError(f"payload of {payload.numel()} bytes is not a whole number of {dtype}")
+    if payload.storage_offset() % size:
+        payload = payload.clone()
+    return payload.view(dtype)
+
+
+def check_payload(payload: torch.Tensor, expected: int, what: str = "payload") -> None:
+    """Raise PayloadError unless ``payload`` is a 1-D uint8 tensor of ``expected`` bytes."""
+    if payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise PayloadError(f"{what} must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+    if payload.numel() != expected:
+        raise PayloadError(f"{what} has {payload.numel()} bytes, the plan says {expected}")
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Base of every codec's frozen, validated configuration."""
+
+
+class Codec(ABC):
+    """A compression scheme usable inside multi-hop all-reduce."""
+
+    #: Registry name, e.g. "bf16".
+    name: ClassVar[str]
+    #: The frozen config dataclass this codec takes.
+    config_class: ClassVar[type[CodecConfig]] = CodecConfig
+    #: Whether chunk c of the working vector is chunk c of the caller's vector
+    #: (no permutation or transform across chunk boundaries): reduce_scatter
+    #: can then hand each rank its own slice.
+    layout_preserving: ClassVar[bool] = False
+
+    def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
+        if config is None:
+            config = self.config_class(**overrides)
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        if not isinstance(config, self.config_class):
+            raise TypeError(f"{self.name} takes a {self.config_class.__name__}, got {type(config).__name__}")
+        self.config = config
+        #: Number of all-reduce calls this instance has run; part of the RNG stream key.
+        self.round = 0
+
+    # -- the contract -----------------------------------------------------
+    @abstractmethod
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan: ...
+
+    @abstractmethod
+    def prepare(self, plan: Plan, x: torch.Tensor) -> torch.Tensor: ...
+
+    @abstractmethod
+    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor: ...
+
+    @abstractmethod
+    def decode_accumulate(
+        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None: ...
+
+    def decode_accumulate_encode(
+        self, plan: Plan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        """The fused hop; codecs override it with a fused version. ``local`` may be
+        overwritten with the accumulated sum."""
+        self.decode_accumulate(plan, payload, local, ctx)
+        return self.encode(plan, local, ctx)
+
+    @abstractmethod
+    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor: ...
+
+    # -- state across rounds ----------------------------------------------
+    def end_round(self, plan: Plan) -> None:
+        """Called once after every round on every rank; adaptive codecs update state here."""
+        self.round += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+
+    def clone(self) -> Codec:
+        """An independent copy with the same config and state (one per virtual rank)."""
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config})"

@@ -1,0 +1,74 @@
+"""Uncompressed baselines fp32, bf16 and fp16 through the codec contract.
+
+Payload = the chunk in the wire dtype; accumulation in float32. fp32 is exact
+in the sense of the schedule's summation order; bf16 and fp16 round once per
+hop (and once at the sink), like an all-reduce that keeps partial sums in that
+dtype.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from hopq.codecs.base import (
+    Codec,
+    HopContext,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    check_payload,
+    even_chunks,
+    view_as_dtype,
+)
+from hopq.codecs.registry import register
+
+
+class Uncompressed(Codec):
+    """Send each chunk as ``wire_dtype``; no statistics exchange."""
+
+    wire_dtype: ClassVar[torch.dtype]
+    layout_preserving = True
+
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan:
+        d = x.numel()
+        chunks = even_chunks(d, stats.n_chunks)
+        size = torch.empty((), dtype=self.wire_dtype).element_size()
+        return Plan(d, d, chunks, tuple((e - s) * size for s, e in chunks))
+
+    def prepare(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1).to(torch.float32, copy=True)
+
+    def _wire(self, plan: Plan, payload: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        check_payload(payload, plan.payload_nbytes[ctx.chunk])
+        return view_as_dtype(payload, self.wire_dtype)
+
+    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        return chunk.to(self.wire_dtype, copy=True).view(torch.uint8)
+
+    def decode_accumulate(
+        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        acc.add_(self._wire(plan, payload, ctx))
+
+    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        out.copy_(self._wire(plan, payload, ctx))
+
+    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        return y.div_(world_size) if op is ReduceOp.AVG else y
+
+
+@register("fp32", "uncompressed float32 (exact up to summation order)")
+class Fp32(Uncompressed):
+    wire_dtype = torch.float32
+
+
+@register("bf16", "uncompressed bfloat16 payloads, float32 accumulation")
+class Bf16(Uncompressed):
+    wire_dtype = torch.bfloat16
+
+
+@register("fp16", "uncompressed float16 payloads, float32 accumulation")
+class Fp16(Uncompressed):
+    wire_dtype = torch.float16

@@ -1,0 +1,145 @@
+"""Pure all-reduce schedules: who sends which chunks to whom at each step.
+
+A schedule is data, computed from (topology, world size) alone and tested
+without any process group. Each step is a set of transfers that run
+concurrently; a transfer moves a set of chunks in one message, either as
+partial sums (REDUCE, the reduce-scatter phase) or as final compressed sums
+(GATHER, the all-gather phase).
+
+Semantics the engine gives a REDUCE transfer: the sender hands over everything
+it has accumulated for those chunks (its own contribution plus what its
+children sent) and is done with them until the gather phase. A chunk's *sink*
+(``owner``) is the rank that ends the reduce phase holding it; it compresses
+the final sum once and every rank, itself included, decodes those bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+
+
+class Phase(str, Enum):
+    REDUCE = "reduce"
+    GATHER = "gather"
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    chunks: tuple[int, ...]
+    phase: Phase
+
+
+@dataclass(frozen=True)
+class Schedule:
+    topology: str
+    world_size: int
+    n_chunks: int
+    steps: tuple[tuple[Transfer, ...], ...]
+    #: owner[c]: the sink of chunk c, the rank that holds its final sum first.
+    owner: tuple[int, ...]
+
+    def sends(self, rank: int, step: int) -> list[Transfer]:
+        return [t for t in self.steps[step] if t.src == rank]
+
+    def recvs(self, rank: int, step: int) -> list[Transfer]:
+        return [t for t in self.steps[step] if t.dst == rank]
+
+    def owned_chunks(self, rank: int) -> list[int]:
+        return [c for c, o in enumerate(self.owner) if o == rank]
+
+    def compression_chains(self) -> list[int]:
+        """Per chunk: the longest chain of compressions any contribution goes
+        through (each REDUCE hop recompresses; the sink compresses once more)."""
+        out = []
+        for c in range(self.n_chunks):
+            depth = dict.fromkeys(range(self.world_size), 0)  # compressions applied to what a rank holds
+            for step in self.steps:
+                for t in step:
+                    if t.phase is Phase.REDUCE and c in t.chunks:
+                        depth[t.dst] = max(depth[t.dst], depth[t.src] + 1)
+            out.append(depth[self.owner[c]] + 1)
+        return out
+
+
+def ring(n: int) -> Schedule:
+    """Ring: n chunks; chunk c travels c+1 -> c+2 -> ... -> c (its sink), then
+    circulates once more as the final sum (reduce-scatter, then all-gather)."""
+    _check_n(n)
+    steps: list[tuple[Transfer, ...]] = []
+    for s in range(n - 1):
+        steps.append(
+            tuple(Transfer(r, (r + 1) % n, ((r - s - 1) % n,), Phase.REDUCE) for r in range(n))
+        )
+    for s in range(n - 1):
+        steps.append(tuple(Transfer(r, (r + 1) % n, ((r - s) % n,), Phase.GATHER) for r in range(n)))
+    return Schedule("ring", n, n, tuple(steps), tuple(range(n)))
+
+
+def butterfly(n: int) -> Schedule:
+    """Butterfly: recursive-halving reduce-scatter, recursive-doubling all-gather
+    over p = 2**floor(log2 n) core ranks and p chunks. For n not a power of two,
+    the standard fold: for i < r = n - p, rank 2i hands its whole vector to rank
+    2i+1 before, and gets the final result from it after."""
+    _check_n(n)
+    p = 1 << (n.bit_length() - 1)
+    r = n - p
+
+    def real(q: int) -> int:
+        return 2 * q + 1 if q < r else q + r
+
+    steps: list[tuple[Transfer, ...]] = []
+    everything = tuple(range(p))
+    if r:
+        steps.append(tuple(Transfer(2 * i, 2 * i + 1, everything, Phase.REDUCE) for i in range(r)))
+    ranges = {q: (0, p) for q in range(p)}
+    dists = []
+    dist = p >> 1
+    while dist:
+        dists.append(dist)
+        step = []
+        new = {}
+        for q in range(p):
+            lo, hi = ranges[q]
+            mid = (lo + hi) // 2
+            keep, give = ((lo, mid), (mid, hi)) if not q & dist else ((mid, hi), (lo, mid))
+            step.append(Transfer(real(q), real(q ^ dist), tuple(range(*give)), Phase.REDUCE))
+            new[q] = keep
+        ranges = new
+        steps.append(tuple(step))
+        dist >>= 1
+    for dist in reversed(dists):
+        step = []
+        new = {}
+        for q in range(p):
+            lo, hi = ranges[q]
+            step.append(Transfer(real(q), real(q ^ dist), tuple(range(lo, hi)), Phase.GATHER))
+            plo, phi = ranges[q ^ dist]
+            new[q] = (min(lo, plo), max(hi, phi))
+        ranges = new
+        steps.append(tuple(step))
+    if r:
+        steps.append(tuple(Transfer(2 * i + 1, 2 * i, everything, Phase.GATHER) for i in range(r)))
+    return Schedule("butterfly", n, p, tuple(steps), tuple(real(q) for q in range(p)))
+
+
+TOPOLOGIES: dict[str, Callable[[int], Schedule]] = {"ring": ring, "butterfly": butterfly}
+
+
+@lru_cache(maxsize=256)
+def get_schedule(topology: str, world_size: int) -> Schedule:
+    """The schedule of ``topology`` for ``world_size`` ranks (cached)."""
+    try:
+        make = TOPOLOGIES[topology]
+    except KeyError:
+        raise ValueError(f"unknown topology {topology!r}; available: {sorted(TOPOLOGIES)}") from None
+    return make(world_size)
+
+
+def _check_n(n: int) -> None:
+    if n < 1:
+        raise ValueError(f"world size must be >= 1, got {n}")

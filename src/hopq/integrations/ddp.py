@@ -1,0 +1,70 @@
+"""DDP communication hook: ``model.register_comm_hook(state, hopq.ddp_hook)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hopq.codecs.base import Codec
+from hopq.codecs.registry import get_codec
+from hopq.comm.collectives import all_reduce
+from hopq.comm.engine import RunStats
+
+
+class HookState:
+    """State of the hopq DDP hook.
+
+    ``process_group`` may be None (the default group) and is resolved at the
+    first call, so the state can be built before ``init_process_group``. One
+    codec instance lives here for the whole training, so adaptive codecs keep
+    their state and the round counter (part of the RNG key) advances.
+    """
+
+    def __init__(
+        self,
+        codec: str | Codec = "bf16",
+        topology: str = "ring",
+        process_group: torch.distributed.ProcessGroup | None = None,
+        seed: int = 0,
+        **codec_config: Any,
+    ) -> None:
+        self.codec = get_codec(codec, **codec_config)
+        self.topology = topology
+        self.process_group = process_group
+        self.seed = seed
+        #: Stats of every bucket of the last step, appended by the hook.
+        self.calls: list[RunStats] = []
+
+    def pop_stats(self) -> list[RunStats]:
+        """The stats of every call since the last pop (e.g. one training step)."""
+        out, self.calls = self.calls, []
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"codec": self.codec.state_dict(), "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.codec.load_state_dict(state["codec"])
+        self.seed = int(state["seed"])
+
+
+def ddp_hook(
+    state: HookState, bucket: torch.distributed.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket's gradients over the group with hopq's compressed all-reduce.
+
+    The hops run to completion inside the hook (Gloo's point-to-point works have
+    no futures), and a completed future is returned; on CUDA the work is queued
+    on the current stream, which DDP waits on.
+    """
+    buf = bucket.buffer()
+    info = all_reduce(
+        buf, state.codec, state.topology, "avg", state.process_group, state.seed
+    )
+    state.calls.append(info)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buf.device] if buf.is_cuda else None
+    )
+    fut.set_result(buf)
+    return fut
