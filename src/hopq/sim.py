@@ -79,10 +79,10 @@ def simulate(
         work(0)
     else:
         threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
     if errors:
         first = next((e for e in errors if type(e).__name__ != "TransportError"), errors[0])
         raise first

@@ -133,7 +133,9 @@ def view_as_dtype(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def check_payload(payload: torch.Tensor, expected: int, what: str = "payload") -> None:
     """Raise PayloadError unless ``payload`` is a 1-D uint8 tensor of ``expected`` bytes."""
     if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise PayloadError(f"{what} must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}")
+        raise PayloadError(
+            f"{what} must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}"
+        )
     if payload.numel() != expected:
         raise PayloadError(f"{what} has {payload.numel()} bytes, the plan says {expected}")
 
@@ -161,7 +163,9 @@ class Codec(ABC):
         elif overrides:
             config = dataclasses.replace(config, **overrides)
         if not isinstance(config, self.config_class):
-            raise TypeError(f"{self.name} takes a {self.config_class.__name__}, got {type(config).__name__}")
+            raise TypeError(
+                f"{self.name} takes a {self.config_class.__name__}, got {type(config).__name__}"
+            )
         self.config = config
         #: Number of all-reduce calls this instance has run; part of the RNG stream key.
         self.round = 0
@@ -190,10 +194,20 @@ class Codec(ABC):
         return self.encode(plan, local, ctx)
 
     @abstractmethod
-    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None: ...
+    def decode(
+        self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None: ...
 
     @abstractmethod
-    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor: ...
+    def finish(
+        self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int
+    ) -> torch.Tensor: ...
+
+    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+        """Documented worst-case |result - exact sum| per coordinate, given the sum
+        over ranks of |x_i| and the longest compression chain; None where the
+        codec only promises a statistical bound (stochastic codecs)."""
+        return None
 
     # -- state across rounds ----------------------------------------------
     def end_round(self, plan: Plan) -> None:

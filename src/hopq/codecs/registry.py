@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ class CodecInfo:
 _REGISTRY: dict[str, CodecInfo] = {}
 
 
-def register(name: str, summary: str, **support: Any):  # type: ignore[no-untyped-def]
+def register(name: str, summary: str, **support: Any) -> Callable[[type[Codec]], type[Codec]]:
     """Class decorator: register a Codec subclass under ``name``."""
 
     def deco(cls: type[Codec]) -> type[Codec]:

@@ -58,6 +58,14 @@ class Uncompressed(Codec):
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         return y.div_(world_size) if op is ReduceOp.AVG else y
 
+    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor:
+        """Each compression rounds a partial sum (|partial| <= sum |x_i|) to nearest in
+        the wire dtype: at most half an ulp, i.e. u |partial| for normal numbers and
+        half the subnormal spacing below; float32 accumulation adds u32 per hop."""
+        fi = torch.finfo(self.wire_dtype)
+        u = fi.eps / 2 + torch.finfo(torch.float32).eps / 2
+        return chain * (u * abs_sum + fi.smallest_normal * fi.eps / 2)
+
 
 @register("fp32", "uncompressed float32 (exact up to summation order)")
 class Fp32(Uncompressed):

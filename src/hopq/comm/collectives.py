@@ -20,7 +20,9 @@ def check_input(tensor: torch.Tensor, codec: Codec, topology: str) -> None:
             f"hopq reduces floating-point tensors {[str(d) for d in FLOAT_DTYPES]}; got {tensor.dtype}"
         )
     get_schedule(topology, 1)  # unknown topology -> ValueError
-    why = codec_info(codec.name).refusal(dtype=tensor.dtype, device=tensor.device, topology=topology)
+    why = codec_info(codec.name).refusal(
+        dtype=tensor.dtype, device=tensor.device, topology=topology
+    )
     if why:
         raise (TypeError if "does not take" in why else ValueError)(why)
 

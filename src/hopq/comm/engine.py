@@ -118,7 +118,9 @@ def run(
     stats = _StatsExchange(transport, schedule.n_chunks, seed, codec.round)
     plan = codec.plan(x, stats)
     if len(plan.chunks) != schedule.n_chunks:
-        raise RuntimeError(f"{codec.name} planned {len(plan.chunks)} chunks, the schedule has {schedule.n_chunks}")
+        raise RuntimeError(
+            f"{codec.name} planned {len(plan.chunks)} chunks, the schedule has {schedule.n_chunks}"
+        )
     work = codec.prepare(plan, x)
     info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
 
@@ -166,7 +168,9 @@ def run(
                 if t.phase is Phase.GATHER:
                     finalize(c, payload)
                 elif last_recv[c] == s:
-                    out = codec.decode_accumulate_encode(plan, payload, plan.chunk_view(work, c), ctx(c))
+                    out = codec.decode_accumulate_encode(
+                        plan, payload, plan.chunk_view(work, c), ctx(c)
+                    )
                     if schedule.owner[c] == rank:
                         finalize(c, out)
                     else:
@@ -174,7 +178,9 @@ def run(
                 else:
                     codec.decode_accumulate(plan, payload, plan.chunk_view(work, c), ctx(c))
     if outgoing:
-        raise RuntimeError(f"schedule left partial sums unsent on rank {rank}: chunks {sorted(outgoing)}")
+        raise RuntimeError(
+            f"schedule left partial sums unsent on rank {rank}: chunks {sorted(outgoing)}"
+        )
     info.stats_bytes = stats.bytes
     info.owned = tuple(plan.chunks[c] for c in schedule.owned_chunks(rank))
     if not gather:

@@ -57,7 +57,9 @@ class Schedule:
         through (each REDUCE hop recompresses; the sink compresses once more)."""
         out = []
         for c in range(self.n_chunks):
-            depth = dict.fromkeys(range(self.world_size), 0)  # compressions applied to what a rank holds
+            depth = dict.fromkeys(
+                range(self.world_size), 0
+            )  # compressions applied to what a rank holds
             for step in self.steps:
                 for t in step:
                     if t.phase is Phase.REDUCE and c in t.chunks:
@@ -76,7 +78,9 @@ def ring(n: int) -> Schedule:
             tuple(Transfer(r, (r + 1) % n, ((r - s - 1) % n,), Phase.REDUCE) for r in range(n))
         )
     for s in range(n - 1):
-        steps.append(tuple(Transfer(r, (r + 1) % n, ((r - s) % n,), Phase.GATHER) for r in range(n)))
+        steps.append(
+            tuple(Transfer(r, (r + 1) % n, ((r - s) % n,), Phase.GATHER) for r in range(n))
+        )
     return Schedule("ring", n, n, tuple(steps), tuple(range(n)))
 
 
@@ -136,7 +140,9 @@ def get_schedule(topology: str, world_size: int) -> Schedule:
     try:
         make = TOPOLOGIES[topology]
     except KeyError:
-        raise ValueError(f"unknown topology {topology!r}; available: {sorted(TOPOLOGIES)}") from None
+        raise ValueError(
+            f"unknown topology {topology!r}; available: {sorted(TOPOLOGIES)}"
+        ) from None
     return make(world_size)
 
 

@@ -60,7 +60,10 @@ class DistTransport(Transport):
                 "or use hopq.simulate for an in-process run"
             )
         self._dist = dist
-        self.group = group if group is not None else dist.group.WORLD
+        resolved = group if group is not None else dist.group.WORLD
+        if resolved is None:
+            raise RuntimeError("torch.distributed has no default process group")
+        self.group = resolved
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
@@ -98,9 +101,7 @@ class _Hub:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.boxes = {
-            (s, d): queue.Queue() for s in range(world_size) for d in range(world_size)
-        }  # type: dict[tuple[int, int], queue.Queue[torch.Tensor]]
+        self.boxes = {(s, d): queue.Queue() for s in range(world_size) for d in range(world_size)}  # type: dict[tuple[int, int], queue.Queue[torch.Tensor]]
         self.slots: list[torch.Tensor | None] = [None] * world_size
         self.barrier = threading.Barrier(world_size, timeout=SIM_TIMEOUT_S)
         self.failed = threading.Event()

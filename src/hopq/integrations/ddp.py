@@ -1,10 +1,11 @@
 """DDP communication hook: ``model.register_comm_hook(state, hopq.ddp_hook)``."""
 
-from __future__ import annotations
-
+# No "from __future__ import annotations": DDP compares the hook's annotations
+# with dist.GradBucket and Future[Tensor] as objects.
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from hopq.codecs.base import Codec
 from hopq.codecs.registry import get_codec
@@ -23,9 +24,9 @@ class HookState:
 
     def __init__(
         self,
-        codec: str | Codec = "bf16",
+        codec: "str | Codec" = "bf16",
         topology: str = "ring",
-        process_group: torch.distributed.ProcessGroup | None = None,
+        process_group: "dist.ProcessGroup | None" = None,
         seed: int = 0,
         **codec_config: Any,
     ) -> None:
@@ -49,9 +50,7 @@ class HookState:
         self.seed = int(state["seed"])
 
 
-def ddp_hook(
-    state: HookState, bucket: torch.distributed.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients over the group with hopq's compressed all-reduce.
 
     The hops run to completion inside the hook (Gloo's point-to-point works have
@@ -59,9 +58,7 @@ def ddp_hook(
     on the current stream, which DDP waits on.
     """
     buf = bucket.buffer()
-    info = all_reduce(
-        buf, state.codec, state.topology, "avg", state.process_group, state.seed
-    )
+    info = all_reduce(buf, state.codec, state.topology, "avg", state.process_group, state.seed)
     state.calls.append(info)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buf.device] if buf.is_cuda else None

@@ -1,0 +1,82 @@
+"""Schedules, checked as pure data for every world size 1..16."""
+
+import math
+
+import pytest
+
+from hopq.comm.topology import TOPOLOGIES, Phase, get_schedule
+
+
+def _replay(s):
+    """Replay a schedule symbolically: which contributions each rank holds per
+    chunk after the reduce phase, and which final chunks each rank ends with."""
+    n = s.world_size
+    holds = {(r, c): {r} for r in range(n) for c in range(s.n_chunks)}
+    handed_over = set()
+    final = {r: set() for r in range(n)}
+    for c, o in enumerate(s.owner):
+        final[o].add(c)
+    reduce_done = False
+    for step in s.steps:
+        phases = {t.phase for t in step}
+        assert len(phases) == 1, "a step mixes phases"
+        if Phase.GATHER in phases:
+            reduce_done = True
+        senders = [(t.src, t.dst) for t in step]
+        assert len(senders) == len(set(senders)), "one message per pair and step"
+        for t in step:
+            for c in t.chunks:
+                if t.phase is Phase.REDUCE:
+                    assert not reduce_done
+                    assert (t.src, c) not in handed_over, "a rank sends a chunk it gave away"
+                    assert not holds[(t.dst, c)] & holds[(t.src, c)], "a contribution counted twice"
+                    holds[(t.dst, c)] |= holds[(t.src, c)]
+                    handed_over.add((t.src, c))
+                else:
+                    assert c in final[t.src], "a rank forwards a final chunk it does not have"
+        for t in step:
+            if t.phase is Phase.GATHER:
+                final[t.dst] |= set(t.chunks)
+    return holds, final
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("n", range(1, 17))
+def test_schedule_reduces_everything_once(topology, n):
+    s = get_schedule(topology, n)
+    holds, final = _replay(s)
+    for c, o in enumerate(s.owner):
+        assert holds[(o, c)] == set(range(n)), f"chunk {c} reduced from {holds[(o, c)]}"
+    for r in range(n):
+        assert final[r] == set(range(s.n_chunks)), f"rank {r} ends with {final[r]}"
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_chain_lengths(n):
+    assert max(get_schedule("ring", n).compression_chains()) == n
+    chain = max(get_schedule("butterfly", n).compression_chains())
+    p = 1 << (n.bit_length() - 1)
+    if p == n:
+        assert chain == int(math.log2(n)) + 1
+    else:  # the fold adds one hop
+        assert chain == int(math.log2(p)) + 2
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 6, 8])
+def test_butterfly_ranges_and_owners(n):
+    s = get_schedule("butterfly", n)
+    p = 1 << (n.bit_length() - 1)
+    assert s.n_chunks == p
+    assert len(set(s.owner)) == p  # each owner distinct
+    # recursive halving sends contiguous chunk ranges halving in size
+    core = [st for st in s.steps if len(st) == p]
+    sizes = [len(st[0].chunks) for st in core]
+    half = sizes[: len(sizes) // 2]
+    assert half == [p >> (k + 1) for k in range(len(half))]
+
+
+def test_unknown_topology():
+    with pytest.raises(ValueError, match="unknown topology"):
+        get_schedule("torus", 4)
+    with pytest.raises(ValueError):
+        get_schedule("ring", 0)

@@ -1,0 +1,110 @@
+"""Worker bodies for the multi-process tests (imported by spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hopq
+from hopq.comm.topology import TOPOLOGIES
+
+SIZES = (0, 1, 7, 1000003)
+
+
+def make_input(kind: str, rank: int, size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Deterministic per-rank inputs: small integers (exact in every wire dtype
+    when summed over <= 4 ranks) or normal floats."""
+    g = torch.Generator().manual_seed(1000 * rank + size + (7 if kind == "float" else 0))
+    if kind == "int":
+        return torch.randint(-8, 9, (size,), generator=g).to(dtype)
+    return torch.randn(size, generator=g).to(dtype)
+
+
+def grid(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
+    """Every codec x topology x size x input kind, plus the checks that need a group."""
+    out: dict[Any, Any] = {}
+    for size in SIZES:
+        for kind in ("int", "float"):
+            ref = make_input(kind, rank, size)
+            dist.all_reduce(ref)
+            out[("dist", kind, size)] = ref
+            for codec in codecs:
+                for topo in TOPOLOGIES:
+                    x = make_input(kind, rank, size)
+                    info = hopq.all_reduce(x, codec=codec, topology=topo, seed=3)
+                    out[(codec, topo, kind, size)] = x
+                    out[("bits", codec, topo, kind, size)] = info.bytes_sent
+    # avg, in the input dtype; non-contiguous input handled in place
+    for topo in TOPOLOGIES:
+        x = make_input("float", rank, 4 * 37)
+        hopq.all_reduce(x, codec="fp32", topology=topo, op="avg")
+        out[("avg", topo)] = x
+        y = make_input("float", rank, 6 * 5).view(6, 5).t()  # non-contiguous
+        assert not y.is_contiguous()
+        hopq.all_reduce(y, codec="fp32", topology=topo)
+        out[("noncontig", topo)] = y
+        for dt in (torch.bfloat16, torch.float16):
+            z = make_input("int", rank, 101, dt)
+            hopq.all_reduce(z, codec="fp32", topology=topo)
+            out[("dtype", str(dt), topo)] = z
+        x = make_input("float", rank, 1000)
+        out[("rs", topo)] = hopq.reduce_scatter(x.clone(), codec="bf16", topology=topo)
+        hopq.all_reduce(x, codec="bf16", topology=topo)
+        out[("rs_full", topo)] = x
+    # bad dtypes are refused before anything is sent: the group stays usable
+    refused = []
+    for bad in (
+        torch.arange(5),
+        torch.zeros(3, dtype=torch.complex64),
+        torch.zeros(2, dtype=torch.bool),
+    ):
+        try:
+            hopq.all_reduce(bad)
+        except TypeError:
+            refused.append(str(bad.dtype))
+    out["refused"] = refused
+    x = torch.full((10,), float(rank + 1))
+    hopq.all_reduce(x, codec="fp32")
+    out["after_refusal"] = x
+    return out
+
+
+class TinyNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 64)
+        self.b = torch.nn.Linear(64, 64)
+        self.c = torch.nn.Linear(64, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def ddp_train(rank: int, n: int, codecs: list[str | None], steps: int) -> dict[str, Any]:
+    """Train TinyNet with plain DDP (None) or the hopq hook for each codec."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, Any] = {}
+    for codec in codecs:
+        torch.manual_seed(0)
+        model = TinyNet()
+        # small buckets so that the hook sees several of them
+        ddp = DDP(model, bucket_cap_mb=0.01)
+        state = None
+        if codec is not None:
+            state = hopq.HookState(codec=codec, topology="butterfly" if n == 3 else "ring")
+            ddp.register_comm_hook(state, hopq.ddp_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x = torch.randn(32, 16, generator=g)
+            y = torch.randn(32, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        out[str(codec)] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        if state is not None:
+            out[f"{codec}/calls"] = state.codec.round
+    return out
