@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import hopq
+from hopq.bench.launch import run_workers as run_ranks
 from hopq.comm.topology import TOPOLOGIES, get_schedule
-from tests.distributed import run_ranks
 from tests.workers import SIZES, ddp_train, grid, make_input
 
 CODECS = hopq.available_codecs()

@@ -18,6 +18,7 @@ receiver splits it with the payload sizes of the plan.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -42,6 +43,8 @@ class RunStats:
     #: Longest chain of compressions any contribution went through.
     hops_per_chunk: int = 0
     phases: tuple[str, ...] = field(default=("reduce", "gather"))
+    #: Wall-clock seconds of the whole call on this rank (stats exchange, codec, transfers).
+    seconds: float = 0.0
     #: [start, end) ranges of the working vector whose final sum this rank owns.
     owned: tuple[tuple[int, int], ...] = ()
 
@@ -111,6 +114,7 @@ def run(
     """One compressed all-reduce (or, with ``gather=False``, reduce-scatter) of the
     flat tensor ``x`` on this rank. Returns the float32 result in ``x``'s layout
     (for reduce-scatter, valid only on the chunks this rank owns) and the stats."""
+    t_start = time.perf_counter()
     rank, n = transport.rank, transport.world_size
     if schedule.world_size != n:
         raise ValueError(f"schedule is for {schedule.world_size} ranks, the group has {n}")
@@ -187,4 +191,5 @@ def run(
         info.phases = ("reduce",)
     y = codec.finish(plan, work, op, n)
     codec.end_round(plan)
+    info.seconds = time.perf_counter() - t_start
     return y, info

@@ -1,0 +1,5 @@
+import sys
+
+from hopq.cli import main
+
+sys.exit(main())

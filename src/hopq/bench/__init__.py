@@ -1,0 +1,1 @@
+"""Benchmarks and the main job (``hopq bench ...``, ``hopq train``)."""

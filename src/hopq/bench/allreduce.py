@@ -1,0 +1,105 @@
+"""``hopq bench allreduce``: nccl-tests style timings of hopq's all-reduce
+against ``torch.distributed.all_reduce`` measured in the same run.
+
+algbw = size / time, busbw = algbw x 2(n-1)/n (nccl-tests conventions), with
+size the bytes of the caller's float32 tensor. Each timing is the median over
+iterations of the slowest rank's time.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hopq.bench.launch import run_workers
+from hopq.bench.report import human_bytes, machine, markdown_table
+from hopq.codecs.registry import get_codec
+from hopq.comm.collectives import all_reduce
+
+NATIVE = "torch.distributed"
+
+
+@dataclass(frozen=True)
+class Options:
+    world_size: int = 4
+    min_bytes: int = 1 << 10
+    max_bytes: int = 64 << 20
+    codecs: tuple[str, ...] = ("fp32", "bf16")
+    topologies: tuple[str, ...] = ("ring", "butterfly")
+    #: Rough time to spend per (method, size), in seconds; sets the iteration count.
+    budget_s: float = 0.6
+
+
+def _sizes(o: Options) -> list[int]:
+    out, s = [], o.min_bytes
+    while s <= o.max_bytes:
+        out.append(s)
+        s *= 4
+    return out
+
+
+def _time(fn, iters: int) -> list[float]:  # type: ignore[no-untyped-def]
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time per iteration
+    return t.tolist()
+
+
+def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
+    out: dict[tuple[str, int], float] = {}
+    methods = [NATIVE] + [f"{c}/{t}" for c in o.codecs for t in o.topologies]
+    codecs = {m: get_codec(m.split("/")[0]) for m in methods if m != NATIVE}
+    for size in _sizes(o):
+        x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+        for m in methods:
+            if m == NATIVE:
+
+                def fn() -> None:
+                    dist.all_reduce(x)
+            else:
+                topo = m.split("/")[1]
+
+                def fn(m: str = m, topo: str = topo) -> None:
+                    all_reduce(x, codecs[m], topo)
+
+            fn()  # warm-up (and first-call setup)
+            first = _time(fn, 1)[0]
+            iters = max(3, min(200, int(o.budget_s / max(first, 1e-6))))
+            out[(m, size)] = statistics.median(_time(fn, iters))
+    return out
+
+
+def run(o: Options) -> str:
+    """Run the benchmark; return the report (markdown)."""
+    res = run_workers(o.world_size, _worker, o)[0]
+    n = o.world_size
+    methods = [NATIVE] + [f"{c}/{t}" for c in o.codecs for t in o.topologies]
+    rows = []
+    for size in _sizes(o):
+        base = res[(NATIVE, size)]
+        for m in methods:
+            t = res[(m, size)]
+            algbw = size / t / 1e9
+            rows.append(
+                [
+                    human_bytes(size),
+                    m,
+                    f"{t * 1e6:.0f}",
+                    f"{algbw:.3f}",
+                    f"{algbw * 2 * (n - 1) / n:.3f}",
+                    f"{t / base:.2f}",
+                ]
+            )
+    head = f"{n} Gloo ranks on one machine ({machine()})\n\n"
+    return head + markdown_table(
+        ["size", "method", "time (us)", "algbw (GB/s)", "busbw (GB/s)", f"time / {NATIVE}"], rows
+    )
