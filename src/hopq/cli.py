@@ -20,8 +20,9 @@ def _add_options(p: argparse.ArgumentParser, cls: type) -> None:
         t = hints[f.name]
         flag = "--" + f.name.replace("_", "-")
         if typing.get_origin(t) is tuple:
+            default: tuple[Any, ...] = f.default  # type: ignore[assignment]
             p.add_argument(
-                flag, nargs="+", default=f.default, help=f"default: {' '.join(map(str, f.default))}"
+                flag, nargs="+", default=default, help=f"default: {' '.join(map(str, default))}"
             )
         elif t is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)

@@ -8,8 +8,10 @@ iterations of the slowest rank's time.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,7 +44,7 @@ def _sizes(o: Options) -> list[int]:
     return out
 
 
-def _time(fn, iters: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _time(fn: Callable[[], object], iters: int) -> list[float]:
     times = []
     for _ in range(iters):
         dist.barrier()
@@ -61,16 +63,9 @@ def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
     for size in _sizes(o):
         x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
         for m in methods:
-            if m == NATIVE:
-
-                def fn() -> None:
-                    dist.all_reduce(x)
-            else:
-                topo = m.split("/")[1]
-
-                def fn(m: str = m, topo: str = topo) -> None:
-                    all_reduce(x, codecs[m], topo)
-
+            fn: Callable[[], object] = functools.partial(dist.all_reduce, x)
+            if m != NATIVE:
+                fn = functools.partial(all_reduce, x, codecs[m], m.split("/")[1])
             fn()  # warm-up (and first-call setup)
             first = _time(fn, 1)[0]
             iters = max(3, min(200, int(o.budget_s / max(first, 1e-6))))

@@ -34,7 +34,3 @@ class TinyGPT(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
         h = self.blocks(h, mask=mask, is_causal=True)
         return self.head(self.norm(h))
-
-    def loss(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))

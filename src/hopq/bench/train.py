@@ -51,11 +51,17 @@ class CodecRun:
     params: int = 0
 
 
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a (possibly DDP-wrapped) language model."""
+    logits = model(x)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
 def _evaluate(model: torch.nn.Module, tokens: torch.Tensor, o: TrainOptions) -> float:
     g = torch.Generator().manual_seed(12345)
     with torch.no_grad():
         losses = [
-            model.loss(*batch(tokens, o.batch_size, o.context, g)).item()
+            loss_of(model, *batch(tokens, o.batch_size, o.context, g)).item()
             for _ in range(o.eval_batches)
         ]
     return sum(losses) / len(losses)
