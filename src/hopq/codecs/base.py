@@ -6,16 +6,20 @@ A codec is the quantizer plus its four hop operations. Per all-reduce call (a
 1. ``plan = codec.plan(x, stats)``: local statistics, exchanged through
    ``stats.all_reduce``, turned into a plan identical on all ranks: how the
    working vector splits into chunks and how many payload bytes each takes.
-   ``work = codec.prepare(plan, x)`` then gives this rank's working vector
-   (float32, fresh memory, in the plan's layout).
+   ``work = codec.prepare(plan, x, scratch)`` then gives this rank's working
+   vector (float32, in the plan's layout); it may reuse ``x``'s memory only
+   when the engine passes ``scratch=True`` (an in-place all-reduce of a
+   contiguous float32 tensor), otherwise it is fresh memory.
 2. ``encode(plan, chunk, ctx)``: leaf compression of a chunk.
 3. ``decode_accumulate(plan, payload, acc, ctx)``: ``acc += decode(payload)``.
 4. ``decode_accumulate_encode(plan, payload, local, ctx)``: the fused hop.
 5. ``decode(plan, payload, ctx, out)``: all-gather receive.
 6. ``finish(plan, y, op)``: undo the plan's transform; result in input layout.
 
-Payloads are contiguous uint8 tensors that codecs never modify after creating
-them (the simulator may hand the same tensor to several ranks).
+Payloads are contiguous uint8 tensors that nobody modifies until they are sent
+(the simulator may hand the same tensor to several ranks). A payload may be a
+view of the chunk it encodes (fp32 does this): the engine sends a chunk's
+payload before it touches that chunk again.
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ class Codec(ABC):
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan: ...
 
     @abstractmethod
-    def prepare(self, plan: Plan, x: torch.Tensor) -> torch.Tensor: ...
+    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor: ...
 
     @abstractmethod
     def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor: ...

@@ -37,8 +37,11 @@ class Uncompressed(Codec):
         size = torch.empty((), dtype=self.wire_dtype).element_size()
         return Plan(d, d, chunks, tuple((e - s) * size for s, e in chunks))
 
-    def prepare(self, plan: Plan, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1).to(torch.float32, copy=True)
+    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        flat = x.reshape(-1)
+        if scratch and flat.dtype == torch.float32:
+            return flat
+        return flat.to(torch.float32, copy=True)
 
     def _wire(self, plan: Plan, payload: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         check_payload(payload, plan.payload_nbytes[ctx.chunk])
@@ -70,6 +73,11 @@ class Uncompressed(Codec):
 @register("fp32", "uncompressed float32 (exact up to summation order)")
 class Fp32(Uncompressed):
     wire_dtype = torch.float32
+
+    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        # The chunk's own bytes: the engine sends them before it writes the chunk
+        # again, and saves a pass over memory per hop (see the payload contract).
+        return chunk.view(torch.uint8)
 
 
 @register("bf16", "uncompressed bfloat16 payloads, float32 accumulation")

@@ -10,6 +10,19 @@ from hopq.comm import engine
 from hopq.comm.topology import get_schedule
 from hopq.comm.transport import DistTransport
 
+_TRANSPORTS: dict[object, DistTransport] = {}
+
+
+def _transport(group: torch.distributed.ProcessGroup | None) -> DistTransport:
+    """One transport per process group, kept so that its receive arena is reused."""
+    import torch.distributed as dist
+
+    key = group if group is not None else dist.group.WORLD
+    t = _TRANSPORTS.get(key)
+    if t is None:
+        t = _TRANSPORTS[key] = DistTransport(group)
+    return t
+
 
 def check_input(tensor: torch.Tensor, codec: Codec, topology: str) -> None:
     """Refuse bad input before anything is sent: TypeError for dtypes, ValueError otherwise."""
@@ -44,11 +57,14 @@ def all_reduce(
     op = ReduceOp.parse(op)
     c = get_codec(codec)
     check_input(tensor, c, topology)
-    transport = DistTransport(group)
+    transport = _transport(group)
     schedule = get_schedule(topology, transport.world_size)
-    y, info = engine.run(c, tensor.detach().reshape(-1), schedule, transport, seed=seed, op=op)
-    with torch.no_grad():
-        tensor.copy_(y.view(tensor.shape))
+    flat = tensor.detach().reshape(-1)  # a view when contiguous: then the work can be in place
+    in_place = tensor.is_contiguous()
+    y, info = engine.run(c, flat, schedule, transport, seed=seed, op=op, scratch=in_place)
+    if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
+        with torch.no_grad():
+            tensor.copy_(y.view(tensor.shape))
     return info
 
 
@@ -76,7 +92,7 @@ def reduce_scatter(
             f"codec {c.name!r} permutes the vector across chunks, so a rank's shard of the "
             "caller's layout is spread over other ranks' chunks; use all_reduce"
         )
-    transport = DistTransport(group)
+    transport = _transport(group)
     schedule = get_schedule(topology, transport.world_size)
     y, info = engine.run(
         c, tensor.detach().reshape(-1), schedule, transport, seed=seed, op=op, gather=False

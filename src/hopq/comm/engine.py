@@ -110,10 +110,12 @@ def run(
     seed: int = 0,
     op: ReduceOp = ReduceOp.SUM,
     gather: bool = True,
+    scratch: bool = False,
 ) -> tuple[torch.Tensor, RunStats]:
     """One compressed all-reduce (or, with ``gather=False``, reduce-scatter) of the
     flat tensor ``x`` on this rank. Returns the float32 result in ``x``'s layout
-    (for reduce-scatter, valid only on the chunks this rank owns) and the stats."""
+    (for reduce-scatter, valid only on the chunks this rank owns) and the stats.
+    With ``scratch=True`` the codec may work in ``x``'s memory (and return it)."""
     t_start = time.perf_counter()
     rank, n = transport.rank, transport.world_size
     if schedule.world_size != n:
@@ -125,13 +127,28 @@ def run(
         raise RuntimeError(
             f"{codec.name} planned {len(plan.chunks)} chunks, the schedule has {schedule.n_chunks}"
         )
-    work = codec.prepare(plan, x)
+    work = codec.prepare(plan, x, scratch)
     info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
 
     def ctx(c: int) -> HopContext:
         return HopContext(seed, codec.round, c, (rank - schedule.owner[c]) % n, rank, n)
 
     last_recv = _last_reduce_recv(schedule, rank)
+    active = [
+        i
+        for i, st in enumerate(schedule.steps)
+        if gather or any(t.phase is Phase.REDUCE for t in st)
+    ]
+    transport.reserve(
+        sum(
+            (plan.payload_nbytes[c] + 63) // 64 * 64
+            for i in active
+            for t in schedule.steps[i]
+            if t.dst == rank
+            for c in t.chunks
+        ),
+        device,
+    )
     outgoing: dict[int, torch.Tensor] = {}  # REDUCE payloads produced by a fused hop
     final: dict[int, torch.Tensor] = {}  # final (gather) payloads this rank holds
 
@@ -143,11 +160,10 @@ def run(
         if c not in last_recv:  # a sink with no children (world size 1)
             finalize(c, codec.encode(plan, plan.chunk_view(work, c), ctx(c)))
 
-    for s, step in enumerate(schedule.steps):
+    for s in active:
+        step = schedule.steps[s]
         mine_out = [t for t in step if t.src == rank]
         mine_in = [t for t in step if t.dst == rank]
-        if not gather and all(t.phase is Phase.GATHER for t in step):
-            continue
         sends = []
         for t in mine_out:
             parts = []
