@@ -75,7 +75,7 @@ class DistTransport(Transport):
         self._arena: torch.Tensor | None = None
         self._offset = 0
 
-    def reserve(self, nbytes: int, device: torch.device) -> None:  # noqa: B027 (optional hook)
+    def reserve(self, nbytes: int, device: torch.device) -> None:
         if self._arena is None or self._arena.device != device or self._arena.numel() < nbytes:
             self._arena = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._offset = 0
@@ -96,18 +96,25 @@ class DistTransport(Transport):
         device: torch.device,
     ) -> list[torch.Tensor]:
         dist = self._dist
-        ops = []
-        out = []
-        for peer, nbytes in recvs:
-            buf = self._buffer(nbytes, device)
-            out.append(buf)
-            if nbytes:
-                ops.append(dist.P2POp(dist.irecv, buf, self._global[peer], self.group))
-        for peer, t in sends:
-            if t.numel():
-                ops.append(dist.P2POp(dist.isend, t, self._global[peer], self.group))
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
+        out = [self._buffer(nbytes, device) for _, nbytes in recvs]
+        # One batch per step, sends first (NCCL needs a step's ops grouped).
+        # Measured on Gloo with 4 ranks on 2 cores: every ordering and grouping
+        # costs the same ~1.7-3 ms per step there; the cost is scheduling latency.
+        ops = [
+            dist.P2POp(dist.isend, t, self._global[peer], self.group)
+            for peer, t in sends
+            if t.numel()
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, b, self._global[peer], self.group)
+            for (peer, nbytes), b in zip(recvs, out, strict=True)
+            if nbytes
+        ]
+        if not ops:
+            return out
+        works = dist.batch_isend_irecv(ops)
+        for work in works:
+            if work is not None:
                 work.wait()
         return out
 
