@@ -56,8 +56,26 @@ def _time(fn: Callable[[], object], iters: int) -> list[float]:
     return t.tolist()
 
 
+def _step_latency(rank: int, n: int) -> float:
+    """Median time of one ring step (send 4 bytes to the next rank, receive from the
+    previous): the floor of a schedule with 2(n-1) sequential steps."""
+    s, r = torch.zeros(1), torch.empty(1)
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+
+    def step() -> None:
+        ops = [dist.P2POp(dist.isend, s, nxt), dist.P2POp(dist.irecv, r, prv)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    for _ in range(5):
+        step()
+    return statistics.median(_time(step, 100))
+
+
 def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
     out: dict[tuple[str, int], float] = {}
+    if n > 1:
+        out[("step", 0)] = _step_latency(rank, n)
     methods = [NATIVE] + [f"{c}/{t}" for c in o.codecs for t in o.topologies]
     codecs = {m: get_codec(m.split("/")[0]) for m in methods if m != NATIVE}
     for size in _sizes(o):
@@ -94,7 +112,14 @@ def run(o: Options) -> str:
                     f"{t / base:.2f}",
                 ]
             )
-    head = f"{n} Gloo ranks on one machine ({machine()})\n\n"
+    head = f"{n} Gloo ranks on one machine ({machine()})\n"
+    if ("step", 0) in res:
+        step = res[("step", 0)]
+        head += (
+            f"One ring step (4-byte isend/irecv to the neighbours) takes {step * 1e6:.0f} us here, "
+            f"so a {2 * (n - 1)}-step ring cannot finish in under {2 * (n - 1) * step * 1e6:.0f} us.\n"
+        )
+    head += "\n"
     return head + markdown_table(
         ["size", "method", "time (us)", "algbw (GB/s)", "busbw (GB/s)", f"time / {NATIVE}"], rows
     )
