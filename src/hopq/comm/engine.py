@@ -74,6 +74,8 @@ class _StatsExchange:
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         n = self.world_size
+        if t.numel() == 0:  # same shape on every rank: nothing to exchange
+            return t.clone()
         self.bytes += 2 * (n - 1) / n * t.numel() * t.element_size()
         parts = self.transport.all_gather(t)
         acc = parts[0].clone()

@@ -1,0 +1,577 @@
+"""DynamiQ (seed 000: sections 3, 4 and appendices A, B): the reference codec.
+
+Per round:
+
+1. *Statistics* (section 3.1): per super-group j of S entries each rank sends
+   its mean and sum of squares (two bfloat16 numbers); the engine's ordered
+   all-reduce gives every rank mu_j and F_j. Each rank subtracts mu_j; ``finish``
+   adds back n mu_j (sum) or mu_j (average).
+2. *Bit allocation* (section 3.2, appendix A) from F_j, so that payload, scales
+   and the statistics together stay within ``budget`` bits per coordinate.
+3. *Reorder* super-groups by width (stable), so every chunk is a few runs of
+   one width; chunks are cut at super-group boundaries with near-equal bytes.
+4. *Quantization* (section 3.3) of every chunk at every hop: sign bit plus a
+   level index on the non-uniform grid f(eps, r); groups of s entries are
+   normalised by their maximum; the super-group maximum travels as bfloat16
+   (rounded up), each group's maximum as a uint8 fraction of it, stochastically
+   rounded, so every entry stays unbiased; the rounding of entries is
+   correlated across the ranks of a chunk's aggregation tree,
+   u_i = (pi_i + gamma_i) / n.
+
+Chunk payload layout (the specification kernels follow), segment after segment
+(one segment per width run inside the chunk, in chunk order):
+
+* width 2, 4, 8 with hierarchical scales: k bfloat16 super-group scales, then
+  k * S/s uint8 group scales, then k * S * w / 8 bytes of packed codes
+  (code = sign << (w-1) | level, :mod:`hopq.numerics.bitpack` layout);
+* width 2, 4, 8 with full-precision scales: k * S/s bfloat16 group scales, codes;
+* width 16: the entries as bfloat16, stochastically rounded (k * S * 2 bytes);
+* width 0 (the zero class, F_j = 0 on every rank): nothing.
+
+Random streams (:mod:`hopq.numerics.rng`, key hop field = tag << 16 | position):
+tag 0 gamma for entries (index: position in the working vector), tag 1 the
+shared permutation for correlated rounding (position field 0: identical on all
+ranks), tag 2 group-scale rounding (index: group number).
+
+Non-finite input: a NaN or Inf poisons its super-group's mean and scale, so the
+whole super-group (the position included) comes out non-finite on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
+
+import torch
+
+from hopq.codecs.base import (
+    Codec,
+    CodecConfig,
+    HopContext,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    check_payload,
+)
+from hopq.codecs.registry import register
+from hopq.errors import PayloadError
+from hopq.numerics.bitpack import pack_bits, unpack_bits
+from hopq.numerics.levels import level_table, stochastic_level
+from hopq.numerics.rng import hash32, stream_key
+
+SUPPORTED_WIDTHS = (2, 4, 8, 16)
+#: Bits of the statistics exchange per super-group: mean and sum of squares in bfloat16.
+STATS_BITS = 32
+#: Stream tags (see module docstring).
+TAG_GAMMA, TAG_PERM, TAG_SCALE = 0, 1, 2
+
+#: eps of the non-uniform levels per width, chosen by the sweep of
+#: ``hopq bench vnmse`` (see the README's "Choosing eps" table).
+DEFAULT_EPS: dict[int, float] = {2: 0.0, 4: 0.3, 8: 0.05}
+
+
+class Allocation(str, Enum):
+    HEURISTIC = (
+        "heuristic"  # appendix A: thresholds tied by T_{2,4} = 17/512 T_{4,8}, offset u searched
+    )
+    EXACT = "exact"  # greedy by estimated error reduction per bit (beyond the paper)
+    FIXED = "fixed"  # one width for all: the widest that fits the budget (ablation)
+
+
+class Levels(str, Enum):
+    NONUNIFORM = "nonuniform"
+    UNIFORM = "uniform"
+
+
+class Scales(str, Enum):
+    HIERARCHICAL = "hierarchical"  # bf16 super-group max + uint8 group fractions
+    FULL = "full"  # a bfloat16 scale per group (ablation)
+
+
+class Rounding(str, Enum):
+    CORRELATED = "correlated"
+    INDEPENDENT = "independent"
+
+
+@dataclass(frozen=True)
+class DynamiQConfig(CodecConfig):
+    """DynamiQ's knobs; defaults are the paper's configuration (section 5)."""
+
+    budget: float = 5.0
+    widths: tuple[int, ...] = (2, 4, 8)
+    group_size: int = 16
+    supergroup_size: int = 256
+    allocation: Allocation = Allocation.HEURISTIC
+    levels: Levels = Levels.NONUNIFORM
+    scales: Scales = Scales.HIERARCHICAL
+    rounding: Rounding = Rounding.CORRELATED
+    #: Super-groups with F_j = 0 on every rank cost nothing and come out exact.
+    zero_class: bool = False
+    #: eps per width, as ((width, eps), ...); None: DEFAULT_EPS.
+    eps: tuple[tuple[int, float], ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("allocation", "levels", "scales", "rounding"):
+            enum = {
+                "allocation": Allocation,
+                "levels": Levels,
+                "scales": Scales,
+                "rounding": Rounding,
+            }[name]
+            try:
+                object.__setattr__(self, name, enum(getattr(self, name)))
+            except ValueError:
+                raise ValueError(
+                    f"dynamiq: {name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}"
+                ) from None
+        widths = tuple(sorted(set(int(w) for w in self.widths)))
+        if not widths or any(w not in SUPPORTED_WIDTHS for w in widths):
+            raise ValueError(
+                f"dynamiq: widths must be a non-empty subset of {SUPPORTED_WIDTHS}, got {self.widths}"
+            )
+        object.__setattr__(self, "widths", widths)
+        s, S = self.group_size, self.supergroup_size
+        for name, v in (("group_size", s), ("supergroup_size", S)):
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"dynamiq: {name} must be a power of two, got {v}")
+        if S % s:
+            raise ValueError(f"dynamiq: group_size {s} does not divide supergroup_size {S}")
+        if s < 2 and self.scales is Scales.HIERARCHICAL:
+            raise ValueError("dynamiq: hierarchical scales need groups of at least 2 entries")
+        floor = min(self.sg_bits(w) for w in widths) / S + STATS_BITS / S
+        if not self.budget >= floor:
+            raise ValueError(
+                f"dynamiq: budget {self.budget} bits/coordinate is below the metadata cost: the narrowest "
+                f"width {widths[0]} already takes {floor:.4f} with scales and statistics (S={S}, s={s})"
+            )
+        if self.eps is not None:
+            for w, e in self.eps:
+                if w not in SUPPORTED_WIDTHS or not e >= 0:
+                    raise ValueError(
+                        f"dynamiq: eps must be >= 0 per supported width, got {self.eps}"
+                    )
+
+    def eps_for(self, width: int) -> float:
+        if self.levels is Levels.UNIFORM:
+            return 0.0
+        table = dict(self.eps) if self.eps is not None else DEFAULT_EPS
+        return table.get(width, DEFAULT_EPS.get(width, 0.0))
+
+    def meta_bits(self, width: int) -> int:
+        """Scale bits per super-group of this width."""
+        if width in (0, 16):
+            return 0
+        groups = self.supergroup_size // self.group_size
+        return 16 * groups if self.scales is Scales.FULL else 16 + 8 * groups
+
+    def sg_bits(self, width: int) -> int:
+        """Payload bits of one super-group (codes and scales)."""
+        return self.supergroup_size * width + self.meta_bits(width)
+
+
+@dataclass
+class Segment:
+    """A run of super-groups of one width inside a chunk."""
+
+    width: int
+    lo: int  # first super-group (reordered index)
+    hi: int  # one past the last
+    offset: int  # byte offset in the chunk payload
+    nbytes: int
+
+
+@dataclass
+class DynamiQPlan(Plan):
+    supergroups: int = 0
+    #: Width of each super-group, in reordered order (host list).
+    widths: tuple[int, ...] = ()
+    #: perm[k] = original index of the k-th reordered super-group.
+    perm: torch.Tensor | None = None
+    #: Global mean per super-group (original order).
+    mu: torch.Tensor | None = None
+    segments: tuple[tuple[Segment, ...], ...] = ()
+    #: Payload bits per coordinate the allocation planned (stats included).
+    planned_bits: float = 0.0
+    #: Whether even the narrowest allocation exceeded the budget (tiny tensors).
+    over_budget: bool = False
+
+
+def _round_up_bf16(m: torch.Tensor) -> torch.Tensor:
+    """float32 >= 0 -> the smallest bfloat16 >= it (NaN and Inf preserved)."""
+    bits = m.contiguous().view(torch.int32).to(torch.int64)
+    up = ((bits + 0xFFFF) >> 16).to(torch.int16)
+    return up.view(torch.bfloat16)
+
+
+def _bf16_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
+def _units(n: int) -> list[int]:
+    return [a for a in range(1, n) if math.gcd(a, n) == 1] or [1]
+
+
+@register(
+    "dynamiq",
+    "DynamiQ: variable bitwidth per super-group, non-uniform levels, hierarchical scales, correlated rounding",
+)
+class DynamiQ(Codec):
+    config_class = DynamiQConfig
+    config: DynamiQConfig
+    layout_preserving: ClassVar[bool] = False
+
+    # -- planning ----------------------------------------------------------
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> DynamiQPlan:
+        cfg = self.config
+        S = cfg.supergroup_size
+        d = x.numel()
+        m = -(-d // S)
+        xs = self._padded(x, m)
+        counts = torch.full((m,), float(S), device=xs.device)
+        if m and d % S:
+            counts[-1] = d % S
+        local_mean = xs.sum(1) / counts
+        sq = xs.square().sum(1)
+        # F must stay > 0 whenever an entry is non-zero (the zero class is lossless):
+        # squares of tiny entries underflow, so floor F at the smallest normal.
+        nonzero = xs.ne(0).any(1)
+        sq = torch.where(nonzero & (sq == 0), torch.finfo(torch.float32).smallest_normal, sq)
+        local = torch.stack([local_mean, sq]).to(torch.bfloat16)
+        glob = stats.all_reduce(local, "sum").float()
+        mu = glob[0] / stats.world_size
+        F = glob[1]
+        widths = self._allocate(F.cpu().double(), d)
+        order = sorted(range(m), key=lambda j: widths[j])  # stable: by width, then position
+        sorted_widths = tuple(widths[j] for j in order)
+        perm = torch.tensor(order, dtype=torch.int64, device=x.device)
+        sg_bytes = [cfg.sg_bits(w) // 8 for w in sorted_widths]
+        chunks_sg = self._split(sg_bytes, stats.n_chunks)
+        segments = []
+        for lo, hi in chunks_sg:
+            segs = []
+            off = 0
+            k = lo
+            while k < hi:
+                w = sorted_widths[k]
+                e = k
+                while e < hi and sorted_widths[e] == w:
+                    e += 1
+                nb = sum(sg_bytes[k:e])
+                segs.append(Segment(w, k, e, off, nb))
+                off += nb
+                k = e
+            segments.append(tuple(segs))
+        total_bits = 8 * sum(sg_bytes) + STATS_BITS * m
+        return DynamiQPlan(
+            numel=d,
+            work_numel=m * S,
+            chunks=tuple((lo * S, hi * S) for lo, hi in chunks_sg),
+            payload_nbytes=tuple(sum(s.nbytes for s in segs) for segs in segments),
+            supergroups=m,
+            widths=sorted_widths,
+            perm=perm,
+            mu=mu,
+            segments=tuple(segments),
+            planned_bits=total_bits / d if d else 0.0,
+            over_budget=bool(d) and total_bits > cfg.budget * d + 1e-9,
+        )
+
+    def _padded(self, x: torch.Tensor, m: int) -> torch.Tensor:
+        S = self.config.supergroup_size
+        flat = x.reshape(-1).to(torch.float32)
+        if flat.numel() == m * S:
+            return flat.view(m, S)
+        out = flat.new_zeros(m * S)
+        out[: flat.numel()] = flat
+        return out.view(m, S)
+
+    @staticmethod
+    def _split(sg_bytes: list[int], n_chunks: int) -> list[tuple[int, int]]:
+        """Cut the reordered super-groups into n_chunks runs of near-equal bytes."""
+        m = len(sg_bytes)
+        total = sum(sg_bytes)
+        bounds = [0]
+        acc = 0
+        k = 0
+        for c in range(1, n_chunks):
+            target = total * c / n_chunks
+            while k < m and acc + sg_bytes[k] / 2 <= target:
+                acc += sg_bytes[k]
+                k += 1
+            bounds.append(k)
+        bounds.append(m)
+        return [(bounds[i], bounds[i + 1]) for i in range(n_chunks)]
+
+    def _allocate(self, F: torch.Tensor, d: int) -> list[int]:
+        """Width per super-group (original order), identical on every rank: pure
+        float64 CPU arithmetic on the all-reduced F."""
+        cfg = self.config
+        m = F.numel()
+        if m == 0:
+            return []
+        W = list(cfg.widths)
+        budget_bits = cfg.budget * d - STATS_BITS * m
+        F = torch.nan_to_num(F, nan=math.inf)
+        zero = (F == 0) if cfg.zero_class else torch.zeros(m, dtype=torch.bool)
+        live = ~zero
+        cost = {w: cfg.sg_bits(w) for w in W}
+        if cfg.allocation is Allocation.FIXED or len(W) == 1:
+            n_live = int(live.sum())
+            fit = [w for w in W if cost[w] * n_live <= budget_bits] or [W[0]]
+            width = torch.full((m,), fit[-1], dtype=torch.int64)
+        elif cfg.allocation is Allocation.HEURISTIC:
+            width = self._heuristic(F, live, W, cost, budget_bits)
+        else:
+            width = self._exact(F, live, W, cost, budget_bits)
+        width[zero] = 0
+        return width.tolist()
+
+    @staticmethod
+    def _heuristic(
+        F: torch.Tensor, live: torch.Tensor, W: list[int], cost: dict[int, int], budget: float
+    ) -> torch.Tensor:
+        """Appendix A: z_j = c log2 F_j + u with c = 4 / log2(512/17); a super-group
+        passes the boundary between consecutive widths a < b at z = B_{a,b}. For
+        W = {2, 4, 8} the boundaries are 4 and 8, i.e. q_j = 2^clamp(1, 3,
+        floor(log2 z_j)), and T_{2,4} = 17/512 T_{4,8}. Further boundaries follow
+        section 3.2's equal per-bit benefit, T_{a,b} (4^{b-a} - 1) / (4^b (b-a)).
+        u is the largest offset (bisection) whose allocation fits the budget."""
+        c = 4.0 / math.log2(512.0 / 17.0)
+
+        def benefit(a: int, b: int) -> float:
+            return (4.0 ** (b - a) - 1.0) / (4.0**b * (b - a))
+
+        bounds = [4.0]
+        for k in range(1, len(W) - 1):
+            a, b, nb = W[k - 1], W[k], W[k + 1]
+            # T_{b,nb} / T_{a,b} = benefit(a,b) / benefit(b,nb)
+            bounds.append(bounds[-1] + c * math.log2(benefit(a, b) / benefit(b, nb)))
+        B = torch.tensor(bounds, dtype=torch.float64)
+        # F = 0 outside the zero class -> very low; F = Inf (non-finite input) -> the
+        # widest; both kept finite so that the bisection range stays sane.
+        logF = torch.log2(F.clamp(min=1e-300)).clamp(max=1e4)
+        widths_t = torch.tensor(W, dtype=torch.int64)
+        costs_t = torch.tensor([cost[w] for w in W], dtype=torch.float64)
+        zc = c * logF[live]
+
+        def alloc(u: float) -> torch.Tensor:
+            return torch.bucketize(zc + u, B, right=True)  # index into W
+
+        def total(u: float) -> float:
+            return float(costs_t[alloc(u)].sum())
+
+        finite = zc[torch.isfinite(zc)]
+        if finite.numel():
+            lo = float(B[0]) - float(finite.max()) - 1.0
+            hi = float(B[-1]) - float(finite.min()) + 1.0
+        else:
+            lo, hi = -1.0, 1.0
+        if total(hi) <= budget:
+            u = hi
+        elif total(lo) > budget:
+            u = lo  # over budget: everything at the narrowest width (tiny tensors)
+        else:
+            for _ in range(64):
+                mid = 0.5 * (lo + hi)
+                if total(mid) <= budget:
+                    lo = mid
+                else:
+                    hi = mid
+            u = lo
+        width = torch.full((F.numel(),), W[0], dtype=torch.int64)
+        width[live] = widths_t[alloc(u)]
+        return width
+
+    @staticmethod
+    def _exact(
+        F: torch.Tensor, live: torch.Tensor, W: list[int], cost: dict[int, int], budget: float
+    ) -> torch.Tensor:
+        """Greedy by marginal benefit per bit (beyond the paper): the estimated error
+        of a super-group at width w is F_j e_w with e_w = 1/(2^(w-1) - 1)^2 (level
+        spacing squared; e_16 = 2^-18 for bfloat16), every upgrade step (j, w -> w')
+        is ranked by F_j (e_w - e_w') / (cost_w' - cost_w), and the best steps are
+        taken while the budget lasts. Steps of one super-group come in order
+        because e is convex in the bits spent."""
+
+        def err(w: int) -> float:
+            return 2.0**-18 if w == 16 else 1.0 / ((1 << (w - 1)) - 1) ** 2
+
+        m = F.numel()
+        idx = torch.nonzero(live).flatten()
+        Fl = torch.nan_to_num(F[idx], posinf=1e300)
+        spent = float(cost[W[0]]) * idx.numel()
+        gains, costs, owners, levels = [], [], [], []
+        for k in range(len(W) - 1):
+            a, b = W[k], W[k + 1]
+            dc = float(cost[b] - cost[a])
+            gains.append(Fl * ((err(a) - err(b)) / dc))
+            costs.append(torch.full((idx.numel(),), dc, dtype=torch.float64))
+            owners.append(idx)
+            levels.append(torch.full((idx.numel(),), k + 1, dtype=torch.int64))
+        level = torch.zeros(m, dtype=torch.int64)
+        if gains:
+            g = torch.cat(gains)
+            order = torch.sort(-g, stable=True).indices
+            csum = torch.cumsum(torch.cat(costs)[order], 0) + spent
+            take = order[csum <= budget]
+            own = torch.cat(owners)[take]
+            lev = torch.cat(levels)[take]
+            level.scatter_reduce_(0, own, lev, reduce="amax")
+        return torch.tensor(W, dtype=torch.int64)[level]
+
+    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        assert isinstance(plan, DynamiQPlan) and plan.perm is not None and plan.mu is not None
+        m, S, d = plan.supergroups, self.config.supergroup_size, plan.numel
+        xs = self._padded(x, m) - plan.mu[:, None]
+        if d % S and m:
+            xs[-1, d % S :] = 0  # padding stays exactly zero after the shift
+        return xs.index_select(0, plan.perm).reshape(-1)
+
+    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        assert isinstance(plan, DynamiQPlan) and plan.perm is not None and plan.mu is not None
+        m, S = plan.supergroups, self.config.supergroup_size
+        out = torch.empty_like(y).view(m, S)
+        out.index_copy_(0, plan.perm, y.view(m, S))
+        if op is ReduceOp.AVG:
+            out.div_(world_size).add_(plan.mu[:, None])
+        else:
+            out.add_(plan.mu[:, None] * world_size)
+        return out.reshape(-1)[: plan.numel]
+
+    # -- quantization ------------------------------------------------------
+    def _uniforms(
+        self, plan: DynamiQPlan, ctx: HopContext, start: int, count: int, device: torch.device
+    ) -> torch.Tensor:
+        """u for the entries [start, start + count) of the working vector."""
+        idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
+        gamma = (
+            hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop)) >> 8
+        ).to(torch.float32) * (2.0**-24)
+        n = ctx.world_size
+        if self.config.rounding is Rounding.INDEPENDENT or n == 1:
+            return gamma
+        h = hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16))
+        units = torch.tensor(_units(n), dtype=torch.int64, device=device)
+        mult = units[(h >> 16) % units.numel()]
+        shift = (h & 0xFFFF) % n
+        pi = (mult * ctx.hop + shift) % n
+        return (pi.to(torch.float32) + gamma) / float(n)
+
+    def _encode_rows(
+        self, plan: DynamiQPlan, rows: torch.Tensor, w: int, first_row: int, ctx: HopContext
+    ) -> list[torch.Tensor]:
+        cfg = self.config
+        S, s = cfg.supergroup_size, cfg.group_size
+        k = rows.shape[0]
+        dev = rows.device
+        u = self._uniforms(plan, ctx, first_row * S, k * S, dev).view(k, S)
+        if w == 16:
+            bits = rows.contiguous().view(torch.int32).to(torch.int64)
+            r16 = (u * 65536.0).to(torch.int64)  # the 16 random bits below bf16's mantissa
+            up = ((bits + r16) >> 16).to(
+                torch.int16
+            )  # sign-magnitude: rounds |x| up w.p. its low bits
+            return [_bf16_bytes(up.view(torch.bfloat16))]
+        G = rows.view(k, S // s, s)
+        gmax = G.abs().amax(-1)
+        parts = []
+        if cfg.scales is Scales.HIERARCHICAL:
+            M_bf = _round_up_bf16(gmax.amax(-1))
+            Mf = M_bf.float()[:, None]
+            g = torch.nan_to_num(
+                torch.where(Mf > 0, gmax / Mf * 255.0, 0.0), nan=0.0, posinf=0.0, neginf=0.0
+            )
+            gi = torch.arange(
+                first_row * (S // s), (first_row + k) * (S // s), dtype=torch.int64, device=dev
+            )
+            us = (
+                hash32(gi, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_SCALE << 16 | ctx.hop))
+                >> 8
+            ).to(torch.float32) * (2.0**-24)
+            fl = torch.floor(g)
+            rG = (
+                (fl + (us.view(k, S // s) < g - fl).to(torch.float32))
+                .clamp_(0, 255)
+                .to(torch.uint8)
+            )
+            parts += [_bf16_bytes(M_bf), rG.reshape(-1)]
+            norm = gmax
+        else:
+            sf = _round_up_bf16(gmax)
+            parts.append(_bf16_bytes(sf))
+            norm = sf.float()
+        y = torch.where(norm[..., None] > 0, G.abs() / norm[..., None], 0.0)
+        table = level_table(w, cfg.eps_for(w), dev)
+        level = stochastic_level(y.reshape(k, S), table, u)
+        code = (level | ((rows < 0).to(torch.int64) << (w - 1))).to(torch.uint8)
+        parts.append(pack_bits(code.reshape(-1), w))
+        return parts
+
+    def _decode_rows(self, seg_bytes: torch.Tensor, w: int, k: int) -> torch.Tensor:
+        cfg = self.config
+        S, s = cfg.supergroup_size, cfg.group_size
+        if w == 0:
+            return torch.zeros(k, S, device=seg_bytes.device)
+        if w == 16:
+            return seg_bytes.clone().view(torch.bfloat16).float().view(k, S)
+        ng = S // s
+        if cfg.scales is Scales.HIERARCHICAL:
+            M = seg_bytes[: 2 * k].clone().view(torch.bfloat16).float()
+            rG = seg_bytes[2 * k : 2 * k + k * ng].float().view(k, ng)
+            sf = rG * M[:, None] / 255.0
+            codes_at = 2 * k + k * ng
+        else:
+            sf = seg_bytes[: 2 * k * ng].clone().view(torch.bfloat16).float().view(k, ng)
+            codes_at = 2 * k * ng
+        code = unpack_bits(seg_bytes[codes_at:], w, k * S).to(torch.int64)
+        top = 1 << (w - 1)
+        table = level_table(w, cfg.eps_for(w), seg_bytes.device)
+        mag = table[code & (top - 1)].view(k, ng, s) * sf[..., None]
+        return torch.where((code >= top).view(k, ng, s), -mag, mag).view(k, S)
+
+    def _segments(
+        self, plan: Plan, ctx: HopContext
+    ) -> tuple[DynamiQPlan, tuple[Segment, ...], int]:
+        assert isinstance(plan, DynamiQPlan)
+        segs = plan.segments[ctx.chunk]
+        lo = segs[0].lo if segs else 0
+        return plan, segs, lo
+
+    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        p, segs, lo = self._segments(plan, ctx)
+        S = self.config.supergroup_size
+        rows = chunk.view(-1, S)
+        parts: list[torch.Tensor] = []
+        for sg in segs:
+            if sg.width == 0:
+                continue
+            parts += self._encode_rows(p, rows[sg.lo - lo : sg.hi - lo], sg.width, sg.lo, ctx)
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8, device=chunk.device)
+        out = torch.cat(parts)
+        if out.numel() != p.payload_nbytes[ctx.chunk]:
+            raise AssertionError("dynamiq: encoded size differs from the plan")
+        return out
+
+    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        p, segs, lo = self._segments(plan, ctx)
+        check_payload(payload, p.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload")
+        S = self.config.supergroup_size
+        rows = out.view(-1, S)
+        for sg in segs:
+            data = payload[sg.offset : sg.offset + sg.nbytes]
+            if data.numel() != sg.nbytes:
+                raise PayloadError("dynamiq: truncated segment")
+            rows[sg.lo - lo : sg.hi - lo] = self._decode_rows(data, sg.width, sg.hi - sg.lo)
+
+    def decode_accumulate(
+        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        tmp = torch.empty_like(acc)
+        self.decode(plan, payload, ctx, tmp)
+        acc.add_(tmp)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"round": self.round}

@@ -1,0 +1,51 @@
+"""Quantization level tables and the stochastic rounding onto them.
+
+DynamiQ (section 3.3) encodes an entry with ``w`` bits as a sign bit and a
+level index r in {0, ..., L-1}, L = 2**(w-1), whose magnitude is a point of
+
+    f(eps, r) = ((1 + 2 eps^2)^r - 1) / ((1 + 2 eps^2)^(L-1) - 1)
+
+(non-uniform; eps -> 0 gives the uniform grid r / (L-1)). Tables are computed
+in float64 and stored as float32: the float32 table is the specification.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=64)
+def _table(width: int, eps: float) -> tuple[float, ...]:
+    if width < 2:
+        raise ValueError(f"a level table needs at least 2 bits (sign + magnitude), got {width}")
+    top = (1 << (width - 1)) - 1
+    if eps <= 0:
+        vals = [r / top for r in range(top + 1)]
+    else:
+        a = 1.0 + 2.0 * eps * eps
+        den = a**top - 1.0
+        vals = [(a**r - 1.0) / den for r in range(top + 1)]
+    vals[0], vals[-1] = 0.0, 1.0
+    return tuple(float(torch.tensor(v, dtype=torch.float32)) for v in vals)
+
+
+def level_table(width: int, eps: float, device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 magnitudes of the 2**(width-1) levels in [0, 1]; eps <= 0: uniform."""
+    return torch.tensor(_table(width, eps), dtype=torch.float32, device=device)
+
+
+def stochastic_level(y: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Unbiased stochastic rounding of y in [0, 1] onto ``table``.
+
+    r = the last level <= y (clamped to L-2); round up to r+1 iff
+    u < (y - Q[r]) / (Q[r+1] - Q[r]). Returns the level index (int64).
+    Non-finite y gives some valid index (its output is poisoned by the scale).
+    """
+    top = table.numel() - 1
+    r = (torch.searchsorted(table, y, right=True) - 1).clamp_(0, top - 1)
+    lo = table[r]
+    hi = table[r + 1]
+    p = (y - lo) / (hi - lo)
+    return r + (u < p).to(torch.int64)
