@@ -113,18 +113,19 @@ class DynamiQConfig(CodecConfig):
     eps: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("allocation", "levels", "scales", "rounding"):
-            enum = {
-                "allocation": Allocation,
-                "levels": Levels,
-                "scales": Scales,
-                "rounding": Rounding,
-            }[name]
+        enums: dict[str, type[Enum]] = {
+            "allocation": Allocation,
+            "levels": Levels,
+            "scales": Scales,
+            "rounding": Rounding,
+        }
+        for name, enum in enums.items():
             try:
                 object.__setattr__(self, name, enum(getattr(self, name)))
             except ValueError:
+                choices = [str(e.value) for e in enum]
                 raise ValueError(
-                    f"dynamiq: {name} must be one of {[e.value for e in enum]}, got {getattr(self, name)!r}"
+                    f"dynamiq: {name} must be one of {choices}, got {getattr(self, name)!r}"
                 ) from None
         widths = tuple(sorted(set(int(w) for w in self.widths)))
         if not widths or any(w not in SUPPORTED_WIDTHS for w in widths):
