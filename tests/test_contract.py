@@ -49,14 +49,19 @@ def test_avg_and_sizes(codec):
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_nonfinite_is_not_hidden(codec):
-    xs = _inputs(4, 100)
-    xs[2][17] = float("nan")
-    xs[1][50] = float("inf")
+    block = hopq.get_codec(codec).nonfinite_block()
+    size = 4 * block
+    xs = _inputs(4, size)
+    nan_at, inf_at = block + 17 % block, 3 * block - 1
+    xs[2][nan_at] = float("nan")
+    xs[1][inf_at] = float("inf")
     r = hopq.simulate(xs, codec, "butterfly")
+    poisoned = {nan_at // block, inf_at // block}
+    clean = [i for i in range(size) if i // block not in poisoned]
     for o in r.outputs:
-        assert torch.isnan(o[17])
-        assert not torch.isfinite(o[50])
-        assert torch.isfinite(o[[i for i in range(100) if i not in (17, 50)]]).all()
+        assert not torch.isfinite(o[nan_at])
+        assert not torch.isfinite(o[inf_at])
+        assert torch.isfinite(o[clean]).all()
 
 
 def test_input_dtypes_and_refusals():

@@ -207,6 +207,12 @@ class Codec(ABC):
         self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int
     ) -> torch.Tensor: ...
 
+    def nonfinite_block(self) -> int:
+        """A NaN or Inf at position i makes the output non-finite at i on every rank,
+        and may spread to the other positions of its aligned block of this many
+        entries (1: it stays where it is)."""
+        return 1
+
     def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
         """Documented worst-case |result - exact sum| per coordinate, given the sum
         over ranks of |x_i| and the longest compression chain; None where the

@@ -223,6 +223,9 @@ class DynamiQ(Codec):
     config: DynamiQConfig
     layout_preserving: ClassVar[bool] = False
 
+    def nonfinite_block(self) -> int:
+        return self.config.supergroup_size  # the mean and the scale carry the poison
+
     # -- planning ----------------------------------------------------------
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> DynamiQPlan:
         cfg = self.config
