@@ -76,6 +76,11 @@ class HopContext:
     unique per (round, chunk) among the ``world_size`` encoders of that chunk
     (every rank encodes each chunk exactly once: as a leaf, an inner node, or
     the sink compressing the final sum).
+
+    ``depth`` is the longest chain of compressions below this encoding; the
+    ``peers`` encoders of the chunk at that depth (this one being number
+    ``peer``) hold values that do not depend on each other's randomness, which
+    is what lets their rounding be correlated without bias.
     """
 
     seed: int
@@ -84,6 +89,9 @@ class HopContext:
     hop: int
     rank: int
     world_size: int
+    depth: int = 0
+    peer: int = 0
+    peers: int = 1
 
 
 @dataclass

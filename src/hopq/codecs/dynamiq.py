@@ -30,8 +30,17 @@ Chunk payload layout (the specification kernels follow), segment after segment
 
 Random streams (:mod:`hopq.numerics.rng`, key hop field = tag << 16 | position):
 tag 0 gamma for entries (index: position in the working vector), tag 1 the
-shared permutation for correlated rounding (position field 0: identical on all
-ranks), tag 2 group-scale rounding (index: group number).
+permutation for correlated rounding, shared by the correlated encoders (position
+field: 0 for ``path``, depth + 1 for ``correlated``), tag 2 group-scale rounding
+(index: group number).
+
+Correlated rounding and unbiasedness: along a chain, hop k+1 rounds a value that
+contains hop k's rounding error, so its u must be uniform given hop k's to stay
+unbiased, and then the two errors are uncorrelated anyway (martingale
+differences). ``correlated`` (default) therefore correlates only encoders of
+equal depth in the chunk's tree, whose inputs are independent: leaves and
+siblings of a butterfly; a ring gains nothing. ``path`` is the paper's formula
+over all n encoders of the path; it is measurably biased (tests/test_dynamiq.py).
 
 Non-finite input: a NaN or Inf poisons its super-group's mean and scale, so the
 whole super-group (the position included) comes out non-finite on every rank.
@@ -91,8 +100,13 @@ class Scales(str, Enum):
 
 
 class Rounding(str, Enum):
+    #: Correlated among the encoders of a chunk at equal tree depth (disjoint
+    #: subtrees); unbiased. On a ring every depth has one encoder: independent.
     CORRELATED = "correlated"
     INDEPENDENT = "independent"
+    #: The paper's formula over all n encoders of the chunk's path. Biased in
+    #: multi-hop: a hop rounds a value that holds the previous hops' rounding.
+    PATH = "path"
 
 
 @dataclass(frozen=True)
@@ -453,14 +467,19 @@ class DynamiQ(Codec):
         gamma = (
             hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop)) >> 8
         ).to(torch.float32) * (2.0**-24)
-        n = ctx.world_size
+        if self.config.rounding is Rounding.PATH:
+            n, me, cls = ctx.world_size, ctx.hop, 0
+        else:
+            n, me, cls = ctx.peers, ctx.peer, ctx.depth + 1
         if self.config.rounding is Rounding.INDEPENDENT or n == 1:
             return gamma
-        h = hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16))
+        # pi: an affine permutation (mult * i + shift) mod n with mult a unit mod n,
+        # drawn per entry from a stream shared by the n correlated encoders.
+        h = hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16 | cls))
         units = torch.tensor(_units(n), dtype=torch.int64, device=device)
         mult = units[(h >> 16) % units.numel()]
         shift = (h & 0xFFFF) % n
-        pi = (mult * ctx.hop + shift) % n
+        pi = (mult * me + shift) % n
         return (pi.to(torch.float32) + gamma) / float(n)
 
     def _encode_rows(

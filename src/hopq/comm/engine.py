@@ -92,6 +92,17 @@ class _StatsExchange:
 
 
 @lru_cache(maxsize=1024)
+def _peer_classes(schedule: Schedule, rank: int) -> list[tuple[int, int, int]]:
+    """Per chunk: (depth, index among the encoders of that depth, their number)."""
+    out = []
+    for depths in schedule.encoder_depths():
+        mine = depths[rank]
+        same = sorted(r for r, d in depths.items() if d == mine)
+        out.append((mine, same.index(rank), len(same)))
+    return out
+
+
+@lru_cache(maxsize=1024)
 def _last_reduce_recv(schedule: Schedule, rank: int) -> dict[int, int]:
     """chunk -> the step of this rank's last REDUCE receive of it."""
     last: dict[int, int] = {}
@@ -132,8 +143,13 @@ def run(
     work = codec.prepare(plan, x, scratch)
     info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
 
+    classes = _peer_classes(schedule, rank)
+
     def ctx(c: int) -> HopContext:
-        return HopContext(seed, codec.round, c, (rank - schedule.owner[c]) % n, rank, n)
+        depth, peer, peers = classes[c]
+        return HopContext(
+            seed, codec.round, c, (rank - schedule.owner[c]) % n, rank, n, depth, peer, peers
+        )
 
     last_recv = _last_reduce_recv(schedule, rank)
     active = [

@@ -52,20 +52,25 @@ class Schedule:
     def owned_chunks(self, rank: int) -> list[int]:
         return [c for c, o in enumerate(self.owner) if o == rank]
 
-    def compression_chains(self) -> list[int]:
-        """Per chunk: the longest chain of compressions any contribution goes
-        through (each REDUCE hop recompresses; the sink compresses once more)."""
+    def encoder_depths(self) -> list[dict[int, int]]:
+        """Per chunk: rank -> the longest chain of compressions below that rank's
+        encoding of the chunk (0 for a leaf; each rank encodes each chunk once).
+        Encoders of equal depth sit in disjoint subtrees: what they encode does
+        not depend on each other's rounding."""
         out = []
         for c in range(self.n_chunks):
-            depth = dict.fromkeys(
-                range(self.world_size), 0
-            )  # compressions applied to what a rank holds
+            depth = dict.fromkeys(range(self.world_size), 0)
             for step in self.steps:
                 for t in step:
                     if t.phase is Phase.REDUCE and c in t.chunks:
                         depth[t.dst] = max(depth[t.dst], depth[t.src] + 1)
-            out.append(depth[self.owner[c]] + 1)
+            out.append(depth)
         return out
+
+    def compression_chains(self) -> list[int]:
+        """Per chunk: the longest chain of compressions any contribution goes
+        through (each REDUCE hop recompresses; the sink compresses once more)."""
+        return [d[self.owner[c]] + 1 for c, d in enumerate(self.encoder_depths())]
 
 
 def ring(n: int) -> Schedule:
