@@ -181,6 +181,8 @@ class Codec(ABC):
         self.config = config
         #: Number of all-reduce calls this instance has run; part of the RNG stream key.
         self.round = 0
+        #: The simulator's per-virtual-rank copies, kept across calls (see hopq.simulate).
+        self.sim_ranks: list[Codec] = []
 
     # -- the contract -----------------------------------------------------
     @abstractmethod
@@ -240,7 +242,11 @@ class Codec(ABC):
 
     def clone(self) -> Codec:
         """An independent copy with the same config and state (one per virtual rank)."""
-        return copy.deepcopy(self)
+        ranks, self.sim_ranks = self.sim_ranks, []
+        try:
+            return copy.deepcopy(self)
+        finally:
+            self.sim_ranks = ranks
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"

@@ -67,6 +67,7 @@ from hopq.codecs.base import (
 from hopq.codecs.registry import register
 from hopq.errors import PayloadError
 from hopq.numerics.bitpack import pack_bits, unpack_bits
+from hopq.numerics.fp_formats import round_up_bf16
 from hopq.numerics.levels import level_table, stochastic_level
 from hopq.numerics.rng import hash32, stream_key
 
@@ -211,13 +212,6 @@ class DynamiQPlan(Plan):
     planned_bits: float = 0.0
     #: Whether even the narrowest allocation exceeded the budget (tiny tensors).
     over_budget: bool = False
-
-
-def _round_up_bf16(m: torch.Tensor) -> torch.Tensor:
-    """float32 >= 0 -> the smallest bfloat16 >= it (NaN and Inf preserved)."""
-    bits = m.contiguous().view(torch.int32).to(torch.int64)
-    up = ((bits + 0xFFFF) >> 16).to(torch.int16)
-    return up.view(torch.bfloat16)
 
 
 def _bf16_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -501,7 +495,7 @@ class DynamiQ(Codec):
         gmax = G.abs().amax(-1)
         parts = []
         if cfg.scales is Scales.HIERARCHICAL:
-            M_bf = _round_up_bf16(gmax.amax(-1))
+            M_bf = round_up_bf16(gmax.amax(-1))
             Mf = M_bf.float()[:, None]
             g = torch.nan_to_num(
                 torch.where(Mf > 0, gmax / Mf * 255.0, 0.0), nan=0.0, posinf=0.0, neginf=0.0
@@ -522,7 +516,7 @@ class DynamiQ(Codec):
             parts += [_bf16_bytes(M_bf), rG.reshape(-1)]
             norm = gmax
         else:
-            sf = _round_up_bf16(gmax)
+            sf = round_up_bf16(gmax)
             parts.append(_bf16_bytes(sf))
             norm = sf.float()
         y = torch.where(norm[..., None] > 0, G.abs() / norm[..., None], 0.0)

@@ -1,0 +1,230 @@
+"""Microscaling formats MXFP8 / MXFP6 / MXFP4 for multi-hop all-reduce.
+
+Elements E4M3, E3M2 and E2M1 (OCP MX v1.0) in blocks of 32 sharing one scale.
+The MX spec defines no summation, so, like the DynamiQ paper (appendix C), we
+follow FP8-LM's method: per block j the ranks agree on the global maximum
+gm_j = max_i max|g_ij| (a max all-reduce in the statistics exchange) and on a
+factor mu, the scale is s_j = mu * gm_j (bfloat16 rounded up, or the OCP
+power-of-two E8M0 scale), and every hop encodes its partial sum p as
+p / s_j * FMAX in the element format (FMAX its largest value), saturating
+beyond it. The scale never travels with the payload, which holds the elements
+only. mu starts at n (so the full sum fits) and adapts across rounds from the
+overflow ratio measured in the previous round, summed over every hop of every
+rank: above ``overflow_threshold`` mu doubles, otherwise it shrinks by
+``shrink`` (close to 1), as in FP8-LM's automatic scaling.
+
+Non-finite input: its block maximum, hence the block's scale, is NaN or Inf,
+so the whole block of 32 comes out non-finite on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+
+from hopq.codecs.base import (
+    Codec,
+    CodecConfig,
+    HopContext,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    check_payload,
+    even_chunks,
+)
+from hopq.codecs.registry import register
+from hopq.numerics import fp_formats as fpf
+from hopq.numerics.bitpack import pack_bits, unpack_bits
+
+
+class ScaleFormat(str, Enum):
+    BF16 = "bf16"  # the DynamiQ paper's setting
+    E8M0 = "e8m0"  # the OCP standard's power of two
+
+
+@dataclass(frozen=True)
+class MXConfig(CodecConfig):
+    block: int = 32
+    scale: ScaleFormat = ScaleFormat.BF16
+    #: Initial mu; None: the world size (the sum of n blocks then cannot overflow).
+    mu_init: float | None = None
+    #: FP8-LM: more than 0.001% saturated entries double mu.
+    overflow_threshold: float = 1e-5
+    #: Otherwise mu shrinks by this factor per round (FP8-LM's 2^(-1/1000)).
+    shrink: float = 2 ** (-1 / 1000)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "scale", ScaleFormat(self.scale))
+        except ValueError:
+            raise ValueError(f"mx: scale must be bf16 or e8m0, got {self.scale!r}") from None
+        if self.block < 1:
+            raise ValueError(f"mx: block must be >= 1, got {self.block}")
+        if self.mu_init is not None and not self.mu_init > 0:
+            raise ValueError(f"mx: mu_init must be > 0, got {self.mu_init}")
+        if not 0 < self.shrink <= 1:
+            raise ValueError(f"mx: shrink must be in (0, 1], got {self.shrink}")
+
+
+@dataclass
+class MXPlan(Plan):
+    scale: torch.Tensor | None = None  # float32 per block of the working vector
+    mu: float = 1.0
+
+
+class MXCodec(Codec):
+    """Shared implementation; subclasses fix the element format."""
+
+    element: ClassVar[fpf.ElementFormat]
+    config_class = MXConfig
+    config: MXConfig
+    layout_preserving: ClassVar[bool] = True
+
+    def __init__(self, config: MXConfig | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        self.mu: float | None = None
+        self.overflow = 0  # saturated entries this rank encoded in the current round
+        self.encoded = 0
+        #: The global overflow ratio of the last completed round (for reports).
+        self.last_overflow_ratio = 0.0
+
+    def nonfinite_block(self) -> int:
+        return self.config.block
+
+    def _payload_nbytes(self, n: int) -> int:
+        bits = self.element.bits
+        if bits == 6:
+            return fpf.packed6_nbytes(n)
+        return (n * bits + 7) // 8
+
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> MXPlan:
+        cfg = self.config
+        d = x.numel()
+        B = cfg.block
+        nb = -(-d // B)
+        # last round's saturation, summed over every encode of every rank
+        counts = torch.tensor(
+            [float(self.overflow), float(self.encoded)], dtype=torch.float64, device=x.device
+        )
+        glob = stats.all_reduce(counts, "sum").tolist()
+        if self.mu is None:
+            self.mu = float(cfg.mu_init if cfg.mu_init is not None else stats.world_size)
+        elif glob[1] > 0:
+            self.last_overflow_ratio = glob[0] / glob[1]
+            self.mu *= 2.0 if self.last_overflow_ratio > cfg.overflow_threshold else cfg.shrink
+        self.overflow = self.encoded = 0
+        flat = x.reshape(-1).to(torch.float32)
+        padded = flat.new_zeros(nb * B)
+        padded[:d] = flat
+        local_max = (
+            fpf.round_up_bf16(padded.view(nb, B).abs().amax(1)) if nb else padded.to(torch.bfloat16)
+        )
+        gm = stats.all_reduce(local_max, "max").float()
+        scale = gm * self.mu
+        scale = (
+            fpf.round_up_pow2(scale)
+            if cfg.scale is ScaleFormat.E8M0
+            else fpf.round_up_bf16(scale).float()
+        )
+        chunks = even_chunks(nb * B, stats.n_chunks, align=B)
+        return MXPlan(
+            numel=d,
+            work_numel=nb * B,
+            chunks=chunks,
+            payload_nbytes=tuple(self._payload_nbytes(e - s) for s, e in chunks),
+            scale=scale,
+            mu=self.mu,
+        )
+
+    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        out = torch.zeros(plan.work_numel, dtype=torch.float32, device=x.device)
+        out[: plan.numel] = x.reshape(-1)
+        return out
+
+    def _block_scale(self, plan: Plan, c: int, n: int) -> torch.Tensor:
+        assert isinstance(plan, MXPlan) and plan.scale is not None
+        B = self.config.block
+        start = plan.chunks[c][0] // B
+        return plan.scale[start : start + n // B].repeat_interleave(B)
+
+    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        fmt = self.element
+        s = self._block_scale(plan, ctx.chunk, chunk.numel())
+        v = torch.where(s > 0, chunk / s * fmt.max, chunk)
+        sat = torch.isfinite(v) & (v.abs() > fmt.max)
+        self.overflow += int(sat.sum())
+        self.encoded += chunk.numel()
+        codes = fpf.encode(v, fmt)
+        if fmt.bits == 8:
+            return codes
+        if fmt.bits == 6:
+            return fpf.pack6(codes)
+        return pack_bits(codes, fmt.bits)
+
+    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        check_payload(
+            payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
+        )
+        fmt, n = self.element, out.numel()
+        if fmt.bits == 8:
+            codes = payload
+        elif fmt.bits == 6:
+            codes = fpf.unpack6(payload, n)
+        else:
+            codes = unpack_bits(payload, fmt.bits, n)
+        s = self._block_scale(plan, ctx.chunk, n)
+        out.copy_(fpf.decode(codes, fmt) * s / fmt.max)
+
+    def decode_accumulate(
+        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        tmp = torch.empty_like(acc)
+        self.decode(plan, payload, ctx, tmp)
+        acc.add_(tmp)
+
+    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        y = y[: plan.numel]
+        return y.div_(world_size) if op is ReduceOp.AVG else y
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "mu": self.mu,
+            "overflow": self.overflow,
+            "encoded": self.encoded,
+            "last_overflow_ratio": self.last_overflow_ratio,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.mu = None if state["mu"] is None else float(state["mu"])
+        self.overflow = int(state["overflow"])
+        self.encoded = int(state["encoded"])
+        self.last_overflow_ratio = float(state["last_overflow_ratio"])
+
+    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+        return None  # saturation makes the worst case data-dependent; see the vNMSE tables
+
+
+@register(
+    "mxfp8", "MXFP8: E4M3 elements, blocks of 32, FP8-LM summation with an adaptive global scale"
+)
+class MXFP8(MXCodec):
+    element = fpf.E4M3
+
+
+@register(
+    "mxfp6", "MXFP6: E3M2 elements, blocks of 32, FP8-LM summation with an adaptive global scale"
+)
+class MXFP6(MXCodec):
+    element = fpf.E3M2
+
+
+@register(
+    "mxfp4", "MXFP4: E2M1 elements, blocks of 32, FP8-LM summation with an adaptive global scale"
+)
+class MXFP4(MXCodec):
+    element = fpf.E2M1

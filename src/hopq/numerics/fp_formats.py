@@ -1,0 +1,137 @@
+"""Small floating-point formats: OCP MX elements E4M3, E3M2, E2M1 and helpers.
+
+Each element format is a sign bit plus an exponent/mantissa magnitude field;
+for all three the magnitude codes are ordered like their values, so a sorted
+table of the representable magnitudes *is* the code book. Encoding rounds to
+nearest, ties to the even code, after clamping to the largest finite value
+(done explicitly, so results do not depend on a torch version's cast rules).
+E4M3 uses torch's float8_e4m3fn cast (same rounding); E3M2 and E2M1 have no
+torch dtype and are encoded through the table here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    name: str
+    exp_bits: int
+    man_bits: int
+    bias: int
+    #: E4M3 ("fn") spends its top code on NaN: the last magnitude code is not a number.
+    nan_top: bool
+
+    @property
+    def bits(self) -> int:
+        return 1 + self.exp_bits + self.man_bits
+
+    def magnitude(self, code: int) -> float:
+        """Value of a magnitude code (exponent and mantissa fields), per the OCP spec."""
+        e, m = code >> self.man_bits, code & ((1 << self.man_bits) - 1)
+        if e == 0:
+            return m / (1 << self.man_bits) * 2.0 ** (1 - self.bias)
+        return (1 + m / (1 << self.man_bits)) * 2.0 ** (e - self.bias)
+
+    @property
+    def n_magnitudes(self) -> int:
+        """Number of finite magnitude codes."""
+        return (1 << (self.bits - 1)) - (1 if self.nan_top else 0)
+
+    @property
+    def max(self) -> float:
+        return self.magnitude(self.n_magnitudes - 1)
+
+
+E4M3 = ElementFormat("e4m3", 4, 3, 7, nan_top=True)  # max 448
+E3M2 = ElementFormat("e3m2", 3, 2, 3, nan_top=False)  # max 28
+E2M1 = ElementFormat("e2m1", 2, 1, 1, nan_top=False)  # max 6
+
+
+@lru_cache(maxsize=8)
+def _table(fmt: ElementFormat) -> tuple[float, ...]:
+    return tuple(fmt.magnitude(c) for c in range(fmt.n_magnitudes))
+
+
+def magnitudes(fmt: ElementFormat, device: torch.device | str | None = None) -> torch.Tensor:
+    """float32 table of the finite magnitudes, index = magnitude code."""
+    return torch.tensor(_table(fmt), dtype=torch.float32, device=device)
+
+
+def encode(v: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """float32 values -> uint8 codes (sign << (bits-1) | magnitude code), round to
+    nearest even after clamping finite values to +-max. Non-finite values map to
+    the largest magnitude (E3M2 and E2M1 cannot express them; callers poison the
+    block scale instead)."""
+    mx = fmt.max
+    a = torch.nan_to_num(v.abs(), nan=mx, posinf=mx).clamp_(max=mx)
+    sign = (v < 0).to(torch.uint8) << (fmt.bits - 1)
+    if fmt is E4M3:
+        mag = a.to(torch.float8_e4m3fn).view(torch.uint8)
+        return mag | sign
+    table = magnitudes(fmt, v.device)
+    hi = torch.searchsorted(table, a).clamp_(max=table.numel() - 1)
+    lo = (hi - 1).clamp_(min=0)
+    dlo = a - table[lo]
+    dhi = table[hi] - a
+    pick_hi = (dhi < dlo) | ((dhi == dlo) & (hi % 2 == 0))
+    mag = torch.where(pick_hi, hi, lo).to(torch.uint8)
+    return mag | sign
+
+
+def decode(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """uint8 codes -> float32 values."""
+    top = 1 << (fmt.bits - 1)
+    c = codes.to(torch.int64)
+    mag_code = c & (top - 1)
+    if fmt.nan_top:
+        table = torch.cat(
+            [magnitudes(fmt, codes.device), torch.tensor([float("nan")], device=codes.device)]
+        )
+    else:
+        table = magnitudes(fmt, codes.device)
+    mag = table[mag_code]
+    return torch.where(c >= top, -mag, mag)
+
+
+def round_up_bf16(m: torch.Tensor) -> torch.Tensor:
+    """float32 >= 0 -> the smallest bfloat16 >= it (NaN and Inf preserved)."""
+    bits = m.contiguous().view(torch.int32).to(torch.int64)
+    return ((bits + 0xFFFF) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def round_up_pow2(m: torch.Tensor) -> torch.Tensor:
+    """float32 > 0 -> the smallest power of two >= it (the OCP E8M0 scale); 0 -> 0."""
+    mant, exp = torch.frexp(m)
+    p = torch.ldexp(torch.ones_like(m), exp.to(torch.int32))  # 2^exp > m >= 2^(exp-1)
+    out = torch.where(mant == 0.5, m, p)
+    return torch.where(torch.isfinite(m) & (m > 0), out, m)
+
+
+def pack6(codes: torch.Tensor) -> torch.Tensor:
+    """6-bit codes -> bytes, four codes in three bytes (little-endian 24-bit words)."""
+    n = codes.numel()
+    pad = (-n) % 4
+    c = torch.cat([codes, codes.new_zeros(pad)]).to(torch.int32).view(-1, 4)
+    word = c[:, 0] | (c[:, 1] << 6) | (c[:, 2] << 12) | (c[:, 3] << 18)
+    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], 1).to(torch.uint8)
+    return out.reshape(-1)[: (n * 6 + 7) // 8]
+
+
+def unpack6(data: torch.Tensor, n: int) -> torch.Tensor:
+    need = (n * 6 + 7) // 8
+    if data.numel() < need:
+        raise ValueError(f"{data.numel()} bytes cannot hold {n} 6-bit codes")
+    full = -(-n // 4) * 3
+    b = torch.cat([data[:need], data.new_zeros(full - need)]).to(torch.int32).view(-1, 3)
+    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
+    c = torch.stack([(word >> s) & 0x3F for s in (0, 6, 12, 18)], 1)
+    return c.reshape(-1)[:n].to(torch.uint8)
+
+
+def packed6_nbytes(n: int) -> int:
+    return (n * 6 + 7) // 8
