@@ -11,6 +11,7 @@ world size (ring and butterfly, appendix B), and the beyond-the-paper variants.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +41,15 @@ class VnmseOptions:
     batch: int = 4
     seed: int = 0
     plots: str = "runs/vnmse"
+    tables: tuple[str, ...] = ("norms", "eps", "ladder", "budget", "scale", "beyond")
+
+    def __post_init__(self) -> None:
+        unknown = set(self.tables) - set(TABLES)
+        if unknown:
+            raise ValueError(f"unknown tables {sorted(unknown)}; choose from {TABLES}")
+
+
+TABLES = ("norms", "eps", "ladder", "budget", "scale", "beyond")
 
 
 #: The paper's Table 6 ladder: each row adds one technique. Without hierarchical
@@ -151,18 +161,28 @@ def _plot_norms(curves: dict[str, tuple[list[float], list[float]]], path: Path) 
     return path
 
 
-def run(o: VnmseOptions, log: Callable[[str], None] = print) -> str:
+def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
     from hopq.bench import workloads
 
+    def _stderr(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    say: Callable[[str], None] = log or _stderr
+
+    class _Sections(list[str]):
+        def append(self, text: str) -> None:  # every finished section is shown at once
+            super().append(text)
+            say(text)
+
     torch.manual_seed(o.seed)
-    sections: list[str] = [f"Machine: {machine()}\n"]
+    sections = _Sections([f"Machine: {machine()}\n"])
     grads: dict[str, list[torch.Tensor]] = {}
     descs: dict[str, str] = {}
     subsets: dict[str, slice] = {}
     nfull = max(*o.worlds, 4)  # the eps and budget tables use n = 4
-    nmax = max(max(o.sweep_worlds), nfull)
+    nmax = max(max(o.sweep_worlds), nfull) if "scale" in o.tables else nfull
     for w in o.workloads:
-        log(f"collecting {nmax} worker gradients for {w} ...")
+        say(f"collecting {nmax} worker gradients for {w} ...")
         if w == "minilm":  # inside the encoder layers, after the 11.7M word embeddings
             subsets[w] = slice(12_000_000, 12_000_000 + o.sweep_coords)
             grads[w], descs[w] = workloads.minilm_gradients(
@@ -179,15 +199,20 @@ def run(o: VnmseOptions, log: Callable[[str], None] = print) -> str:
         sections.append(f"- **{w}**: {descs[w]}")
 
     others = [c for c in available_codecs() if c not in ("dynamiq", "fp32", "fp16")]
-    n_ladder = len(o.workloads) * len(o.worlds) * len(o.topologies) * (len(LADDER) + len(others))
-    n_eps = sum(len(v) for v in EPS_GRID.values())
-    n_budget = len(o.workloads) * len(o.topologies) * 6
-    n_scale = len(o.workloads) * len(o.topologies) * len(o.sweep_worlds) * 2
-    n_beyond = len(o.workloads) * len(o.worlds) * len(BEYOND)
+    counts = {
+        "ladder": len(o.workloads)
+        * len(o.worlds)
+        * len(o.topologies)
+        * (len(LADDER) + len(others)),
+        "eps": sum(len(v) for v in EPS_GRID.values()),
+        "budget": len(o.workloads) * len(o.topologies) * 6,
+        "scale": len(o.workloads) * len(o.topologies) * len(o.sweep_worlds) * 2,
+        "beyond": len(o.workloads) * len(o.worlds) * len(BEYOND),
+    }
     results: dict[Any, tuple[float, float]] = {}
     rows: list[list[Any]]
 
-    with _progress(n_ladder + n_eps + n_budget + n_scale + n_beyond) as prog:
+    with _progress(sum(v for k, v in counts.items() if k in o.tables)) as prog:
 
         def sim(
             key: Any, xs: list[torch.Tensor], codec: Codec | str, topo: str, what: str
@@ -198,139 +223,148 @@ def run(o: VnmseOptions, log: Callable[[str], None] = print) -> str:
             return results[key]
 
         # 1. super-group norms
-        curves = {w: _norm_distribution(grads[w][0], 256, o.seed) for w in o.workloads}
-        rows = []
-        for w, (orig, shuf) in curves.items():
-            for tag, vals in (("gradient", orig), ("shuffled", shuf)):
-                lv = torch.tensor(vals)
-                q = torch.quantile(lv[: min(len(lv), 1 << 24)], torch.tensor([0.1, 0.5, 0.9]))
-                rows.append(
-                    [
-                        w,
-                        tag,
-                        *(f"{v:.2f}" for v in q.tolist()),
-                        f"{(lv < -2).float().mean().item():.1%}",
-                    ]
+        if "norms" in o.tables:
+            curves = {w: _norm_distribution(grads[w][0], 256, o.seed) for w in o.workloads}
+            rows = []
+            for w, (orig, shuf) in curves.items():
+                for tag, vals in (("gradient", orig), ("shuffled", shuf)):
+                    lv = torch.tensor(vals)
+                    q = torch.quantile(lv[: min(len(lv), 1 << 24)], torch.tensor([0.1, 0.5, 0.9]))
+                    rows.append(
+                        [
+                            w,
+                            tag,
+                            *(f"{v:.2f}" for v in q.tolist()),
+                            f"{(lv < -2).float().mean().item():.1%}",
+                        ]
+                    )
+            png = _plot_norms(curves, Path(o.plots) / "supergroup_norms.png")
+            sections.append(
+                "\n### Super-group norm distribution (paper Figures 1 and 3)\n\n"
+                "log10 of F_j / median(F_j) for S = 256, worker 0's gradient and a random shuffle of it."
+                + (f" Plot: `{png}`." if png else "")
+                + "\n\n"
+                + markdown_table(
+                    ["workload", "order", "p10", "p50", "p90", "F_j < median/100"], rows
                 )
-        png = _plot_norms(curves, Path(o.plots) / "supergroup_norms.png")
-        sections.append(
-            "\n### Super-group norm distribution (paper Figures 1 and 3)\n\n"
-            "log10 of F_j / median(F_j) for S = 256, worker 0's gradient and a random shuffle of it."
-            + (f" Plot: `{png}`." if png else "")
-            + "\n\n"
-            + markdown_table(["workload", "order", "p10", "p50", "p90", "F_j < median/100"], rows)
-        )
+            )
 
         # 2. eps sweep (MiniLM, or the first workload), fixed width, n = 4 ring
-        w0 = o.workloads[0]
-        xs = grads[w0][:4]
-        rows = []
-        best: dict[int, tuple[float, float]] = {}
-        for width, grid in EPS_GRID.items():
-            for eps in grid:
-                eps_codec = DynamiQ(
-                    allocation="fixed",
-                    widths=(width,),
-                    budget=width + 1.0,
-                    rounding="independent",
-                    eps=((width, eps),),
-                    levels="uniform" if eps == 0 else "nonuniform",
-                )
-                v, b = sim(("eps", width, eps), xs, eps_codec, "ring", f"eps {width}b {eps}")
-                rows.append([width, eps, _fmt(v), f"{b:.3f}"])
-                if width not in best or v < best[width][1]:
-                    best[width] = (eps, v)
-        chosen = ", ".join(
-            f"{w} bits: eps = {e} (default {DEFAULT_EPS.get(w)})" for w, (e, _) in best.items()
-        )
-        sections.append(
-            f"\n### Choosing eps (non-uniform levels), {w0}, n = 4, ring\n\n"
-            "Every super-group at one width, hierarchical scales, independent rounding; "
-            "eps = 0 is the uniform grid. (2 bits has two levels, {0, 1}: eps has no effect.)\n\n"
-            + markdown_table(["width", "eps", "vNMSE", "bits/coord"], rows)
-            + f"\n\nLowest vNMSE: {chosen}."
-        )
+        if "eps" in o.tables:
+            w0 = o.workloads[0]
+            xs = grads[w0][:4]
+            rows = []
+            best: dict[int, tuple[float, float]] = {}
+            for width, grid in EPS_GRID.items():
+                for eps in grid:
+                    eps_codec = DynamiQ(
+                        allocation="fixed",
+                        widths=(width,),
+                        budget=width + 1.0,
+                        rounding="independent",
+                        eps=((width, eps),),
+                        levels="uniform" if eps == 0 else "nonuniform",
+                    )
+                    v, b = sim(("eps", width, eps), xs, eps_codec, "ring", f"eps {width}b {eps}")
+                    rows.append([width, eps, _fmt(v), f"{b:.3f}"])
+                    if width not in best or v < best[width][1]:
+                        best[width] = (eps, v)
+            chosen = ", ".join(
+                f"{w} bits: eps = {e} (default {DEFAULT_EPS.get(w)})" for w, (e, _) in best.items()
+            )
+            sections.append(
+                f"\n### Choosing eps (non-uniform levels), {w0}, n = 4, ring\n\n"
+                "Every super-group at one width, hierarchical scales, independent rounding; "
+                "eps = 0 is the uniform grid. (2 bits has two levels, {0, 1}: eps has no effect.)\n\n"
+                + markdown_table(["width", "eps", "vNMSE", "bits/coord"], rows)
+                + f"\n\nLowest vNMSE: {chosen}."
+            )
 
         # 3. ablation ladder + the other codecs
-        for w in o.workloads:
-            header = ["variant"] + [f"n={n} {t}" for n in o.worlds for t in o.topologies]
-            rows = []
-            for name, kw in LADDER + [(c, None) for c in others]:
-                row = [name]
-                for n in o.worlds:
-                    for t in o.topologies:
-                        codec: Codec = DynamiQ(**kw) if kw is not None else get_codec(name)
-                        v, b = sim(
-                            ("ladder", w, name, n, t),
-                            grads[w][:n],
-                            codec,
-                            t,
-                            f"{w} {name} n={n} {t}",
-                        )
-                        row.append(f"{_fmt(v)} ({b:.2f} b)")
-                rows.append(row)
-            sections.append(
-                f"\n### Ablation ladder (paper Table 6), {w}: vNMSE (measured bits/coordinate)\n\n"
-                + markdown_table(header, rows)
-            )
+        if "ladder" in o.tables:
+            for w in o.workloads:
+                header = ["variant"] + [f"n={n} {t}" for n in o.worlds for t in o.topologies]
+                rows = []
+                for name, kw in LADDER + [(c, None) for c in others]:
+                    row = [name]
+                    for n in o.worlds:
+                        for t in o.topologies:
+                            codec: Codec = DynamiQ(**kw) if kw is not None else get_codec(name)
+                            v, b = sim(
+                                ("ladder", w, name, n, t),
+                                grads[w][:n],
+                                codec,
+                                t,
+                                f"{w} {name} n={n} {t}",
+                            )
+                            row.append(f"{_fmt(v)} ({b:.2f} b)")
+                    rows.append(row)
+                sections.append(
+                    f"\n### Ablation ladder (paper Table 6), {w}: vNMSE (measured bits/coordinate)\n\n"
+                    + markdown_table(header, rows)
+                )
 
         # 4. budget sweep (Table 4)
-        for w in o.workloads:
-            rows = []
-            for b in (3, 4, 5, 6, 7, 8):
-                row = [str(b)]
-                for t in o.topologies:
-                    v, bits = sim(
-                        ("budget", w, b, t),
-                        grads[w][:4],
-                        DynamiQ(budget=float(b)),
-                        t,
-                        f"{w} b={b} {t}",
-                    )
-                    row.append(f"{_fmt(v)} ({bits:.2f} b)")
-                rows.append(row)
-            sections.append(
-                f"\n### Bit budget (paper Table 4), {w}, n = 4: vNMSE (measured bits/coordinate)\n\n"
-                + markdown_table(["budget b"] + list(o.topologies), rows)
-            )
+        if "budget" in o.tables:
+            for w in o.workloads:
+                rows = []
+                for b in (3, 4, 5, 6, 7, 8):
+                    row = [str(b)]
+                    for t in o.topologies:
+                        v, bits = sim(
+                            ("budget", w, b, t),
+                            grads[w][:4],
+                            DynamiQ(budget=float(b)),
+                            t,
+                            f"{w} b={b} {t}",
+                        )
+                        row.append(f"{_fmt(v)} ({bits:.2f} b)")
+                    rows.append(row)
+                sections.append(
+                    f"\n### Bit budget (paper Table 4), {w}, n = 4: vNMSE (measured bits/coordinate)\n\n"
+                    + markdown_table(["budget b"] + list(o.topologies), rows)
+                )
 
         # 5. vNMSE against the world size (appendix B)
-        for w in o.workloads:
-            rows = []
-            for n in o.sweep_worlds:
-                xs = [g[subsets[w]] if i < nfull else g for i, g in enumerate(grads[w][:n])]
-                row = [str(n)]
-                for t in o.topologies:
-                    for c in ("dynamiq", "bf16"):
-                        v, _ = sim(("scale", w, n, t, c), xs, c, t, f"{w} n={n} {t} {c}")
-                        row.append(_fmt(v))
-                rows.append(row)
-            sections.append(
-                f"\n### vNMSE against the world size, {w} ({o.sweep_coords:,} coordinates per worker)\n\n"
-                + markdown_table(
-                    ["n"] + [f"{c} {t}" for t in o.topologies for c in ("dynamiq", "bf16")], rows
+        if "scale" in o.tables:
+            for w in o.workloads:
+                rows = []
+                for n in o.sweep_worlds:
+                    xs = [g[subsets[w]] if i < nfull else g for i, g in enumerate(grads[w][:n])]
+                    row = [str(n)]
+                    for t in o.topologies:
+                        for c in ("dynamiq", "bf16"):
+                            v, _ = sim(("scale", w, n, t, c), xs, c, t, f"{w} n={n} {t} {c}")
+                            row.append(_fmt(v))
+                    rows.append(row)
+                sections.append(
+                    f"\n### vNMSE against the world size, {w} ({o.sweep_coords:,} coordinates per worker)\n\n"
+                    + markdown_table(
+                        ["n"] + [f"{c} {t}" for t in o.topologies for c in ("dynamiq", "bf16")],
+                        rows,
+                    )
                 )
-            )
 
         # 6. beyond the paper
-        for w in o.workloads:
-            rows = []
-            for name, kw in BEYOND:
-                row = [name]
-                for n in o.worlds:
-                    v, b = sim(
-                        ("beyond", w, name, n),
-                        grads[w][:n],
-                        DynamiQ(**kw),
-                        "ring",
-                        f"{w} {name} n={n}",
-                    )
-                    row.append(f"{_fmt(v)} ({b:.2f} b)")
-                rows.append(row)
-            sections.append(
-                f"\n### Beyond the paper, {w}, ring, b = 5: vNMSE (measured bits/coordinate)\n\n"
-                + markdown_table(["variant"] + [f"n={n}" for n in o.worlds], rows)
-            )
+        if "beyond" in o.tables:
+            for w in o.workloads:
+                rows = []
+                for name, kw in BEYOND:
+                    row = [name]
+                    for n in o.worlds:
+                        v, b = sim(
+                            ("beyond", w, name, n),
+                            grads[w][:n],
+                            DynamiQ(**kw),
+                            "ring",
+                            f"{w} {name} n={n}",
+                        )
+                        row.append(f"{_fmt(v)} ({b:.2f} b)")
+                    rows.append(row)
+                sections.append(
+                    f"\n### Beyond the paper, {w}, ring, b = 5: vNMSE (measured bits/coordinate)\n\n"
+                    + markdown_table(["variant"] + [f"n={n}" for n in o.worlds], rows)
+                )
 
     # headline: DynamiQ vs MXFP8 when MXFP8 exists
     if "mxfp8" in available_codecs():
