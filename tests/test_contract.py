@@ -88,7 +88,7 @@ def test_payload_validation():
     codec = hopq.get_codec("bf16")
 
     class Stats:
-        world_size, n_chunks, seed, round = 2, 2, 0, 0
+        rank, world_size, n_chunks, seed, round = 0, 2, 2, 0, 0
 
     plan = codec.plan(torch.zeros(10), Stats())
     ctx = HopContext(0, 0, 0, 0, 0, 2)

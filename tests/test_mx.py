@@ -21,7 +21,9 @@ def _spec_value(code: int, e_bits: int, m_bits: int, bias: int) -> float:
     return sign * (1 + m / 2**m_bits) * 2.0 ** (e - bias)
 
 
-@pytest.mark.parametrize("fmt, eb, mb, bias", [(fpf.E4M3, 4, 3, 7), (fpf.E3M2, 3, 2, 3), (fpf.E2M1, 2, 1, 1)])
+@pytest.mark.parametrize(
+    "fmt, eb, mb, bias", [(fpf.E4M3, 4, 3, 7), (fpf.E3M2, 3, 2, 3), (fpf.E2M1, 2, 1, 1)]
+)
 def test_every_code_decodes_to_its_value(fmt, eb, mb, bias):
     codes = torch.arange(0, 1 << fmt.bits, dtype=torch.uint8)
     got = fpf.decode(codes, fmt).tolist()
@@ -44,7 +46,9 @@ def test_e4m3_matches_torch_float8():
     assert torch.equal(torch.isnan(ref), torch.isnan(ours))
     assert torch.equal(ref[~torch.isnan(ref)], ours[~torch.isnan(ours)])
     x = torch.randn(10000) * 100
-    assert torch.equal(fpf.encode(x, fpf.E4M3), x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8))
+    assert torch.equal(
+        fpf.encode(x, fpf.E4M3), x.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    )
 
 
 def test_round_to_nearest_even_and_saturation():
@@ -52,7 +56,10 @@ def test_round_to_nearest_even_and_saturation():
     v = torch.tensor([2.5, 5.0, 0.25, 0.75, 100.0, -100.0, 1.2])
     got = fpf.decode(fpf.encode(v, fpf.E2M1), fpf.E2M1).tolist()
     assert got == [2.0, 4.0, 0.0, 1.0, 6.0, -6.0, 1.0]
-    assert fpf.decode(fpf.encode(torch.tensor([29.0, 27.0]), fpf.E3M2), fpf.E3M2).tolist() == [28.0, 28.0]
+    assert fpf.decode(fpf.encode(torch.tensor([29.0, 27.0]), fpf.E3M2), fpf.E3M2).tolist() == [
+        28.0,
+        28.0,
+    ]
 
 
 def test_pack6_roundtrip():
@@ -103,7 +110,7 @@ def test_mu_adapts_to_overflow():
     for _ in range(3):
         hopq.simulate(xs, quiet, "ring")
     assert quiet.last_overflow_ratio == 0.0
-    assert quiet.mu == pytest.approx(4 * MXConfig().shrink**2)
+    assert quiet.mu == pytest.approx(4 * MXConfig().shrink ** 2)
     clone = hopq.get_codec("mxfp8")
     clone.load_state_dict(quiet.state_dict())
     assert clone.mu == quiet.mu and clone.round == quiet.round == 3

@@ -2,6 +2,8 @@
 
 from hopq.codecs import dynamiq as _dynamiq  # noqa: F401  (registers dynamiq)
 from hopq.codecs import mx as _mx  # noqa: F401  (registers mxfp8, mxfp6, mxfp4)
+from hopq.codecs import omnireduce as _omnireduce  # noqa: F401
+from hopq.codecs import thc as _thc  # noqa: F401
 from hopq.codecs import uncompressed as _uncompressed  # noqa: F401  (registers fp32/bf16/fp16)
 from hopq.codecs.base import Codec, CodecConfig, HopContext, Plan, ReduceOp, StatsExchange
 from hopq.codecs.registry import available_codecs, codec_info, get_codec, register

@@ -57,6 +57,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 class StatsExchange(Protocol):
     """What a codec sees of the world while planning a round."""
 
+    rank: int
     world_size: int
     n_chunks: int
     seed: int

@@ -61,7 +61,7 @@ class Uncompressed(Codec):
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         return y.div_(world_size) if op is ReduceOp.AVG else y
 
-    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor:
+    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
         """Each compression rounds a partial sum (|partial| <= sum |x_i|) to nearest in
         the wire dtype: at most half an ulp, i.e. u |partial| for normal numbers and
         half the subnormal spacing below; float32 accumulation adds u32 per hop."""

@@ -66,6 +66,7 @@ class _StatsExchange:
 
     def __init__(self, transport: Transport, n_chunks: int, seed: int, round: int) -> None:
         self.transport = transport
+        self.rank = transport.rank
         self.world_size = transport.world_size
         self.n_chunks = n_chunks
         self.seed = seed

@@ -1,0 +1,129 @@
+"""OmniReduce adapted to multi-hop all-reduce (DynamiQ paper, appendix C).
+
+Block (chunked) top-k sparsification: the vector is cut into blocks; each rank
+selects its k blocks of largest norm; the union of the selections is agreed
+through the statistics exchange (a max all-reduce of one byte per block), and
+only the blocks of the union travel, in bfloat16, through the ordinary hops.
+Blocks outside the union come out as zeros. Because the union of n local
+top-k sets varies with the data, k adapts across rounds with the paper's
+momentum rule k_{t+1} = g k_t + (1 - g) (K / K'_t) k_t (g = 0.8), so that the
+union K'_t tracks the target K = n_blocks * b / 16 (b = 8: half the blocks).
+k is codec state and identical on every rank (K'_t is global).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from hopq.codecs.base import CodecConfig, Plan, ReduceOp, StatsExchange, even_chunks
+from hopq.codecs.registry import register
+from hopq.codecs.uncompressed import Uncompressed
+
+
+@dataclass(frozen=True)
+class OmniReduceConfig(CodecConfig):
+    block: int = 256
+    #: b: the union should hold b/16 of the blocks (each travels at 16 bits).
+    budget: float = 8.0
+    momentum: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.block < 1:
+            raise ValueError(f"omnireduce: block must be >= 1, got {self.block}")
+        if not 0 < self.budget <= 16:
+            raise ValueError(f"omnireduce: budget must be in (0, 16] bits, got {self.budget}")
+        if not 0 <= self.momentum <= 1:
+            raise ValueError(f"omnireduce: momentum must be in [0, 1], got {self.momentum}")
+
+
+@dataclass
+class OmniPlan(Plan):
+    blocks: torch.Tensor | None = None  # indices of the union's blocks, ascending
+    union: int = 0
+    k: int = 0
+
+
+@register(
+    "omnireduce", "OmniReduce: block top-k, union agreed in the statistics exchange, bf16 blocks"
+)
+class OmniReduce(Uncompressed):
+    wire_dtype = torch.bfloat16
+    config_class = OmniReduceConfig
+    config: OmniReduceConfig
+    layout_preserving: ClassVar[bool] = False
+
+    def __init__(self, config: OmniReduceConfig | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        self.k: float | None = None
+        #: Union size of the last round, for reports and tests.
+        self.last_union = 0
+
+    def target(self, n_blocks: int) -> int:
+        return max(1, min(n_blocks, round(n_blocks * self.config.budget / 16)))
+
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> OmniPlan:
+        B = self.config.block
+        d = x.numel()
+        nb = -(-d // B)
+        flat = x.reshape(-1).to(torch.float32)
+        padded = flat.new_zeros(nb * B)
+        padded[:d] = flat
+        norms = padded.view(nb, B).square().sum(1)
+        K = self.target(nb) if nb else 0
+        if self.k is None:
+            self.k = float(K)
+        k = max(1, min(nb, round(self.k))) if nb else 0
+        mask = torch.zeros(nb, dtype=torch.uint8, device=x.device)
+        if k:
+            # NaN counts as the largest, so a non-finite block is always sent
+            key = torch.nan_to_num(norms, nan=float("inf"))
+            mask[torch.topk(key, k, sorted=False).indices] = 1
+        union = stats.all_reduce(mask, "max").bool()
+        blocks = torch.nonzero(union).flatten()
+        size = int(blocks.numel())
+        if size and K:
+            self.k = (
+                self.config.momentum * self.k + (1 - self.config.momentum) * (K / size) * self.k
+            )
+        self.last_union = size
+        last = blocks.numel() and int(blocks[-1]) == nb - 1
+        work = size * B - ((nb * B - d) if last else 0)
+        chunks = even_chunks(work, stats.n_chunks)
+        return OmniPlan(
+            d, work, chunks, tuple(2 * (e - s) for s, e in chunks), blocks=blocks, union=size, k=k
+        )
+
+    def _index(self, plan: OmniPlan, device: torch.device) -> torch.Tensor:
+        assert plan.blocks is not None
+        B = self.config.block
+        idx = (plan.blocks[:, None] * B + torch.arange(B, device=device)).reshape(-1)
+        return idx[: plan.work_numel]
+
+    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        assert isinstance(plan, OmniPlan)
+        flat = x.reshape(-1).to(torch.float32)
+        if plan.work_numel == plan.numel:  # every block selected: plain bf16
+            return super().prepare(plan, x, scratch)
+        return flat[self._index(plan, x.device)]
+
+    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        assert isinstance(plan, OmniPlan)
+        if plan.work_numel != plan.numel:
+            out = y.new_zeros(plan.numel)
+            out[self._index(plan, y.device)] = y
+            y = out
+        return y.div_(world_size) if op is ReduceOp.AVG else y
+
+    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+        return None  # dropped blocks are lost whole
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "k": self.k, "last_union": self.last_union}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.k = None if state["k"] is None else float(state["k"])
+        self.last_union = int(state["last_union"])

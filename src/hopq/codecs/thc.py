@@ -1,0 +1,234 @@
+"""THC (tensor homomorphic compression, Li et al., NSDI'24) adapted to multi-hop
+all-reduce as in the DynamiQ paper (section 5, "Baseline compression schemes").
+
+Each rank rotates its gradient with a randomized Hadamard transform (random
+signs from a seed all ranks share, then a fast Walsh-Hadamard transform over
+power-of-two blocks, normalised), the ranks agree on a global scale M (the
+largest rotated magnitude, a max all-reduce), and each rank quantizes every
+rotated coordinate once, stochastically, to an integer in [-L, L] with
+L = 2^(q-1) - 1 (q = 4: 15 levels). Partial sums then travel as integers in
+b-bit lanes and are added without any decompression (homomorphic): b = 8 for
+n <= 8 and 12 beyond, as the paper does (16 once 2^12 < 15 n + 1). A partial sum beyond its lane saturates and is counted
+(``overflows``, with a warning): never wrapped. Decoding scales by M / L and
+applies the inverse transform once, in ``finish``.
+
+Non-finite input poisons the global scale, hence the whole vector.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from hopq.codecs.base import (
+    Codec,
+    CodecConfig,
+    HopContext,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    check_payload,
+    even_chunks,
+    view_as_dtype,
+)
+from hopq.codecs.registry import register
+from hopq.numerics.rng import hash32, stream_key
+
+#: Stream coordinates of THC's randomness (chunk field; distinct from real chunks).
+SIGN_STREAM, ROUND_STREAM = 0xFFFF0, 0xFFFF1
+LANES = (8, 12, 16)
+
+
+@dataclass(frozen=True)
+class THCConfig(CodecConfig):
+    q: int = 4
+    #: Lane width b; None: chosen from the world size (see the module docstring).
+    lane_bits: int | None = None
+    #: Largest Hadamard block (a power of two); small vectors use the largest power
+    #: of two <= d / 16, so that padding to whole blocks stays small.
+    hadamard_block: int = 1 << 16
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.q <= 8:
+            raise ValueError(f"thc: q must be in 2..8 bits, got {self.q}")
+        if self.lane_bits is not None and self.lane_bits not in LANES:
+            raise ValueError(f"thc: lane_bits must be one of {LANES}, got {self.lane_bits}")
+        h = self.hadamard_block
+        if h < 1 or h & (h - 1):
+            raise ValueError(f"thc: hadamard_block must be a power of two, got {h}")
+
+    @property
+    def levels(self) -> int:
+        return (1 << (self.q - 1)) - 1
+
+    def lanes_for(self, n: int) -> int:
+        if self.lane_bits is not None:
+            return self.lane_bits
+        # the paper: 8 bits up to n = 8, then 12 (enough up to n = 272), wider beyond
+        need = 8 if n <= 8 else max(12, math.ceil(math.log2(15 * n + 1)))
+        return next((b for b in LANES if b >= need), 16)
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Normalised fast Walsh-Hadamard transform along the last dimension (a power
+    of two): its own inverse. log2(H) vectorised butterfly passes."""
+    H = x.shape[-1]
+    y = x.reshape(-1, H)
+    h = 1
+    while h < H:
+        y = y.view(-1, H // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack([a + b, a - b], dim=2)
+        h *= 2
+    return (y.reshape(x.shape) * (1.0 / math.sqrt(H))).to(x.dtype)
+
+
+@dataclass
+class THCPlan(Plan):
+    block: int = 1
+    step: float = 1.0  # M / L
+    lane_bits: int = 8
+    seed: int = 0
+    round: int = 0
+    rank: int = 0
+
+
+@register(
+    "thc",
+    "THC: randomized Hadamard transform, global scale, 4-bit stochastic integers summed homomorphically",
+)
+class THC(Codec):
+    config_class = THCConfig
+    config: THCConfig
+    layout_preserving: ClassVar[bool] = False
+
+    def __init__(self, config: THCConfig | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        #: Saturated lanes this rank produced in the last round.
+        self.overflows = 0
+
+    def nonfinite_block(self) -> int:
+        return 1 << 62  # the global scale carries the poison everywhere
+
+    def _signs(self, n: int, seed: int, round: int, device: torch.device) -> torch.Tensor:
+        idx = torch.arange(n, dtype=torch.int64, device=device)
+        bit = hash32(idx, stream_key(seed, round, SIGN_STREAM, 0)) & 1
+        return 1.0 - 2.0 * bit.to(torch.float32)
+
+    def _rotate(self, x: torch.Tensor, H: int, seed: int, round: int, numel: int) -> torch.Tensor:
+        padded = x.new_zeros(numel)
+        padded[: x.numel()] = x
+        return fwht((padded * self._signs(numel, seed, round, x.device)).view(-1, H)).reshape(-1)
+
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> THCPlan:
+        cfg = self.config
+        d = x.numel()
+        # the largest power of two <= d / 16, capped: padding stays under ~6% of d
+        H = min(cfg.hadamard_block, 1 << max(0, (max(d, 1) // 16).bit_length() - 1))
+        work = -(-d // H) * H if d else 0
+        # this rank's rotated vector, kept for prepare() (rank-local, not part of the plan)
+        self._rot = self._rotate(x.reshape(-1).to(torch.float32), H, stats.seed, stats.round, work)
+        local_max = self._rot.abs().amax().reshape(1) if work else torch.zeros(1, device=x.device)
+        M = float(stats.all_reduce(local_max, "max").item())
+        lanes = cfg.lanes_for(stats.world_size)
+        chunks = even_chunks(work, stats.n_chunks, align=2)  # 12-bit lanes pack in pairs
+        self.overflows = 0
+        return THCPlan(
+            numel=d,
+            work_numel=work,
+            chunks=chunks,
+            payload_nbytes=tuple((e - s) * lanes // 8 for s, e in chunks),
+            block=H,
+            step=M / cfg.levels if M > 0 else 1.0,
+            lane_bits=lanes,
+            seed=stats.seed,
+            round=stats.round,
+            rank=stats.rank,
+        )
+
+    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        """This rank's integers, as float32: stochastic rounding of rotated / step."""
+        assert isinstance(plan, THCPlan)
+        v = self._rot / plan.step if math.isfinite(plan.step) else self._rot * plan.step
+        del self._rot
+        idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
+        u = (hash32(idx, stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank)) >> 8).to(
+            torch.float32
+        ) * (2.0**-24)
+        lo = torch.floor(v)
+        q = lo + (u < v - lo).to(torch.float32)
+        L = self.config.levels
+        return q.clamp_(-L, L)
+
+    # -- integer lanes -----------------------------------------------------
+    def _pack(self, plan: THCPlan, ints: torch.Tensor) -> torch.Tensor:
+        b = plan.lane_bits
+        top = (1 << (b - 1)) - 1
+        sat = ints.abs() > top
+        if bool(sat.any()):
+            self.overflows += int(sat.sum())
+            warnings.warn(
+                f"thc: {int(sat.sum())} partial sums exceed {b}-bit lanes and saturate; "
+                "use lane_bits >= log2(15 n + 1)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        i = ints.clamp(-top, top).to(torch.int64)
+        if b == 8:
+            return i.to(torch.int8).view(torch.uint8)
+        if b == 16:
+            return i.to(torch.int16).view(torch.uint8)
+        u = (i & 0xFFF).view(-1, 2)  # 12-bit two's complement, pairs in 3 bytes
+        word = u[:, 0] | (u[:, 1] << 12)
+        return (
+            torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], 1)
+            .to(torch.uint8)
+            .reshape(-1)
+        )
+
+    def _unpack(self, plan: THCPlan, payload: torch.Tensor, n: int) -> torch.Tensor:
+        b = plan.lane_bits
+        if b == 8:
+            return payload.view(torch.int8).to(torch.float32)
+        if b == 16:
+            return view_as_dtype(payload, torch.int16).to(torch.float32)
+        w = payload.view(-1, 3).to(torch.int64)
+        word = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16)
+        pair = torch.stack([word & 0xFFF, word >> 12], 1).reshape(-1)
+        return (pair - ((pair & 0x800) << 1)).to(torch.float32)[:n]
+
+    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        assert isinstance(plan, THCPlan)
+        return self._pack(plan, chunk)
+
+    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        assert isinstance(plan, THCPlan)
+        check_payload(payload, plan.payload_nbytes[ctx.chunk], f"thc chunk {ctx.chunk} payload")
+        out.copy_(self._unpack(plan, payload, out.numel()))
+
+    def decode_accumulate(
+        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        assert isinstance(plan, THCPlan)
+        check_payload(payload, plan.payload_nbytes[ctx.chunk], f"thc chunk {ctx.chunk} payload")
+        acc.add_(self._unpack(plan, payload, acc.numel()))  # integers: exact in float32
+
+    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        assert isinstance(plan, THCPlan)
+        if not plan.work_numel:
+            return y
+        H = plan.block
+        rot = fwht((y * plan.step).view(-1, H)).reshape(-1)  # the transform is its own inverse
+        out = (rot * self._signs(plan.work_numel, plan.seed, plan.round, y.device))[: plan.numel]
+        return out.div_(world_size) if op is ReduceOp.AVG else out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "overflows": self.overflows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.overflows = int(state.get("overflows", 0))
