@@ -79,8 +79,8 @@ def test_thc_lanes():
     assert THCConfig().lanes_for(8) == 8
     assert THCConfig().lanes_for(9) == 12
     assert THCConfig().lanes_for(64) == 12
-    assert THCConfig().lanes_for(272) == 12  # 15 * 272 + 1 = 4081 <= 2^12
-    assert THCConfig().lanes_for(273) == 16
+    assert THCConfig().lanes_for(273) == 12  # 15 * 273 + 1 = 4096 = 2^12
+    assert THCConfig().lanes_for(274) == 16
     xs = [torch.randn(1000) for _ in range(16)]
     r = hopq.simulate(xs, "thc", "ring")  # 12-bit lanes round trip
     assert r.identical and r.vnmse < 0.5
