@@ -143,7 +143,8 @@ class THC(Codec):
             chunks=chunks,
             payload_nbytes=tuple((e - s) * lanes // 8 for s, e in chunks),
             block=H,
-            step=M / cfg.levels if M > 0 else 1.0,
+            # NaN/Inf must survive to finish(): only an all-zero vector gets step 1
+            step=M / cfg.levels if M != 0 else 1.0,
             lane_bits=lanes,
             seed=stats.seed,
             round=stats.round,
@@ -153,8 +154,11 @@ class THC(Codec):
     def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         """This rank's integers, as float32: stochastic rounding of rotated / step."""
         assert isinstance(plan, THCPlan)
-        v = self._rot / plan.step if math.isfinite(plan.step) else self._rot * plan.step
+        rot = self._rot
         del self._rot
+        if not math.isfinite(plan.step):  # non-finite input: finish() multiplies by it
+            return torch.zeros_like(rot)
+        v = rot / plan.step
         idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
         u = (hash32(idx, stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank)) >> 8).to(
             torch.float32
