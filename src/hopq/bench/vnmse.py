@@ -149,7 +149,8 @@ def _plot_norms(curves: dict[str, tuple[list[float], list[float]]], path: Path) 
         for vals, style, tag in ((orig, "-", "gradient"), (shuf, "--", "shuffled")):
             ys = [(i + 1) / len(vals) for i in range(len(vals))]
             ax.plot(vals, ys, style, label=f"{name} ({tag})")
-    ax.set_xlabel("log10( super-group squared norm / median )")
+    ax.set_xlim(-8, 8)  # exactly-zero super-groups (clamped to -30) sit off the left edge
+    ax.set_xlabel("log10( super-group squared norm / median ), zero norms off the left edge")
     ax.set_ylabel("CDF")
     ax.set_title("Super-group (S = 256) norms: real gradients vs shuffled")
     ax.grid(alpha=0.3)
