@@ -35,7 +35,7 @@ class VnmseOptions:
     topologies: tuple[str, ...] = ("ring", "butterfly")
     #: World sizes of the scaling table (on a slice of sweep_coords coordinates).
     sweep_worlds: tuple[int, ...] = (2, 3, 4, 6, 8, 16, 32, 64)
-    sweep_coords: int = 2_000_000
+    sweep_coords: int = 1_000_000
     minilm_warmup: int = 20
     gpt_warmup: int = 300
     batch: int = 4
@@ -207,7 +207,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
         * (len(LADDER) + len(others)),
         "eps": sum(len(v) for v in EPS_GRID.values()),
         "budget": len(o.workloads) * len(o.topologies) * 6,
-        "scale": len(o.workloads) * len(o.topologies) * len(o.sweep_worlds) * 2,
+        "scale": len(o.workloads) * len(o.topologies) * len(o.sweep_worlds) * (1 + len(others)),
         "beyond": len(o.workloads) * len(o.worlds) * len(BEYOND),
     }
     results: dict[Any, tuple[float, float]] = {}
@@ -334,14 +334,14 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                     xs = [g[subsets[w]] if i < nfull else g for i, g in enumerate(grads[w][:n])]
                     row = [str(n)]
                     for t in o.topologies:
-                        for c in ("dynamiq", "bf16"):
+                        for c in ["dynamiq", *others]:
                             v, _ = sim(("scale", w, n, t, c), xs, c, t, f"{w} n={n} {t} {c}")
                             row.append(_fmt(v))
                     rows.append(row)
                 sections.append(
                     f"\n### vNMSE against the world size, {w} ({o.sweep_coords:,} coordinates per worker)\n\n"
                     + markdown_table(
-                        ["n"] + [f"{c} {t}" for t in o.topologies for c in ("dynamiq", "bf16")],
+                        ["n"] + [f"{c} {t}" for t in o.topologies for c in ["dynamiq", *others]],
                         rows,
                     )
                 )
