@@ -368,7 +368,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                 )
 
     # headline: DynamiQ vs MXFP8 when MXFP8 exists
-    if "mxfp8" in available_codecs():
+    if "mxfp8" in available_codecs() and "ladder" in o.tables:
         for w in o.workloads:
             for n in o.worlds:
                 dq = results[("ladder", w, LADDER[4][0], n, "ring")][0]
