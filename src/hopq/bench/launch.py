@@ -37,10 +37,21 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
 
 
 def _entry(
-    fn: Callable[..., Any], rank: int, n: int, tmp: str, threads: int, args: tuple[Any, ...]
+    fn: Callable[..., Any],
+    rank: int,
+    n: int,
+    tmp: str,
+    threads: int,
+    namespace: str | None,
+    args: tuple[Any, ...],
 ) -> None:
     torch.set_num_threads(threads)
     try:
+        if namespace is not None:  # before Gloo creates its sockets and threads
+            from hopq.bench.network import WORKER_IFACE, enter_namespace
+
+            enter_namespace(namespace)
+            os.environ["GLOO_SOCKET_IFNAME"] = WORKER_IFACE
         store = dist.FileStore(os.path.join(tmp, "store"), n)
         dist.init_process_group(
             "gloo",
@@ -65,12 +76,23 @@ def run_workers(
     *args: Any,
     timeout: float = 3600,
     threads: int = 1,
+    namespaces: list[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, n, *args)`` in n spawned Gloo ranks (one fresh FileStore);
-    return each rank's result. A failing rank's traceback is raised here."""
+    return each rank's result. A failing rank's traceback is raised here. With
+    ``namespaces`` (an :class:`~hopq.bench.network.EmulatedNetwork`'s), rank i
+    runs in namespace i and talks over the shaped links."""
+    if namespaces is not None and len(namespaces) < n:
+        raise ValueError(f"{n} ranks need {n} namespaces, got {len(namespaces)}")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hopq-") as tmp:
-        procs = [ctx.Process(target=_entry, args=(fn, r, n, tmp, threads, args)) for r in range(n)]
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, n, tmp, threads, namespaces[r] if namespaces else None, args),
+            )
+            for r in range(n)
+        ]
         for p in procs:
             p.start()
         try:

@@ -1,0 +1,232 @@
+"""An emulated cluster network on one machine: network namespaces, veth and tbf.
+
+On one machine loopback is far faster than the links compressed all-reduce is
+for, so the training job and the all-reduce benchmark can run their workers
+inside a network built here (root and iproute2 needed; ``netem`` is not, only
+``tc ... tbf``):
+
+* a "switch" namespace holding a bridge;
+* per worker a namespace with one veth link to the bridge, address
+  10.213.0.(i+1)/24, shaped with a token bucket at ``rate_mbit`` in each
+  direction (upload on the worker's end, download on the switch's end).
+
+Every namespace and interface this creates is removed on exit, on Ctrl-C, on
+SIGTERM and on failure (deleting a namespace deletes the veth ends in it).
+Without root or the tools, :func:`unavailable_reason` says why and callers run
+on plain loopback.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from types import FrameType, TracebackType
+
+CLONE_NEWNET = 0x40000000
+#: The worker's interface name inside its namespace (GLOO_SOCKET_IFNAME).
+WORKER_IFACE = "hq0"
+SUBNET = "10.213.0"
+
+
+def unavailable_reason() -> str | None:
+    """None if an emulated network can be built here, else why not."""
+    if os.name != "posix" or not hasattr(os, "geteuid"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "building network namespaces needs root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command (iproute2) is missing"
+    probe = f"hqprobe{secrets.token_hex(3)}"
+    try:
+        _run("ip", "netns", "add", probe)
+    except RuntimeError as e:
+        return f"cannot create a network namespace: {e}"
+    try:
+        _run("ip", "netns", "exec", probe, "ip", "link", "set", "lo", "up")
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            probe,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            "100mbit",
+            "burst",
+            "32kb",
+            "latency",
+            "50ms",
+        )
+    except RuntimeError as e:
+        return f"tc tbf does not work here: {e}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
+    return None
+
+
+def _run(*cmd: str) -> None:
+    r = subprocess.run(list(cmd), capture_output=True, text=True, check=False)
+    if r.returncode:
+        raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.returncode}")
+
+
+def enter_namespace(name: str) -> None:
+    """Move the calling process's (main) thread into network namespace ``name``.
+    Call it before creating sockets or threads that must live there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class EmulatedNetwork:
+    """``with EmulatedNetwork(4, rate_mbit=1000) as net:`` then run worker i in
+    ``net.namespaces[i]`` (see :func:`hopq.bench.launch.run_workers`)."""
+
+    workers: int
+    rate_mbit: float
+    #: Token bucket depth: at least one MTU and one scheduler tick at the rate.
+    burst_bytes: int | None = None
+    #: Longest a packet may wait in the bucket before it is dropped.
+    latency_ms: float = 200.0
+    tag: str = field(default_factory=lambda: secrets.token_hex(2))
+    namespaces: list[str] = field(default_factory=list)
+    _created: list[str] = field(default_factory=list)
+    _old_term: object = None
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError("an emulated network needs at least one worker")
+        if not self.rate_mbit > 0:
+            raise ValueError(f"rate_mbit must be > 0, got {self.rate_mbit}")
+
+    @property
+    def switch(self) -> str:
+        return f"hq{self.tag}sw"
+
+    def address(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def _tbf(self, ns: str, dev: str) -> None:
+        rate_bytes = self.rate_mbit * 1e6 / 8
+        burst = self.burst_bytes or max(16 * 1024, int(rate_bytes / 250) + 1600)
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{self.rate_mbit}mbit",
+            "burst",
+            str(burst),
+            "latency",
+            f"{self.latency_ms}ms",
+        )
+
+    def build(self) -> EmulatedNetwork:
+        why = unavailable_reason()
+        if why:
+            raise RuntimeError(why)
+        try:
+            _run("ip", "netns", "add", self.switch)
+            self._created.append(self.switch)
+            _run("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
+            _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
+            for i in range(self.workers):
+                ns = f"hq{self.tag}w{i}"
+                a, b = f"hq{self.tag}w{i}a", f"hq{self.tag}w{i}b"
+                _run("ip", "netns", "add", ns)
+                self._created.append(ns)
+                _run(
+                    "ip",
+                    "link",
+                    "add",
+                    a,
+                    "netns",
+                    ns,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    b,
+                    "netns",
+                    self.switch,
+                )
+                _run("ip", "netns", "exec", ns, "ip", "link", "set", a, "name", WORKER_IFACE)
+                _run(
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "ip",
+                    "addr",
+                    "add",
+                    f"{self.address(i)}/24",
+                    "dev",
+                    WORKER_IFACE,
+                )
+                _run("ip", "netns", "exec", ns, "ip", "link", "set", WORKER_IFACE, "up")
+                _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                _run("ip", "netns", "exec", self.switch, "ip", "link", "set", b, "master", "br0")
+                _run("ip", "netns", "exec", self.switch, "ip", "link", "set", b, "up")
+                self._tbf(ns, WORKER_IFACE)  # upload
+                self._tbf(self.switch, b)  # download
+                self.namespaces.append(ns)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Remove everything this network created (idempotent)."""
+        while self._created:
+            ns = self._created.pop()
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        self.namespaces.clear()
+
+    def __enter__(self) -> EmulatedNetwork:
+        atexit.register(self.close)
+
+        def on_term(signum: int, frame: FrameType | None) -> None:
+            raise SystemExit(128 + signum)  # unwinds through __exit__
+
+        try:
+            self._old_term = signal.signal(signal.SIGTERM, on_term)
+        except ValueError:  # not the main thread: atexit still cleans up
+            self._old_term = None
+        return self.build()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+        atexit.unregister(self.close)
+        if self._old_term is not None:
+            signal.signal(signal.SIGTERM, self._old_term)  # type: ignore[arg-type]

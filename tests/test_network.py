@@ -1,0 +1,56 @@
+"""The emulated cluster network: built, shaped to the rate asked, cleaned up."""
+
+import subprocess
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hopq.bench.launch import run_workers
+from hopq.bench.network import EmulatedNetwork, unavailable_reason
+
+WHY = unavailable_reason()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated network here: {WHY}")
+
+
+def _namespaces() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _transfer(rank: int, n: int, nbytes: int) -> float:
+    buf = torch.zeros(nbytes, dtype=torch.uint8)
+    dist.barrier()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(buf, 1)
+    else:
+        dist.recv(buf, 0)
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def test_shaped_rate_and_cleanup():
+    before = _namespaces()
+    with EmulatedNetwork(2, rate_mbit=80) as net:
+        assert len(net.namespaces) == 2 and set(net.namespaces) <= _namespaces()
+        nbytes = 4 << 20
+        seconds = run_workers(2, _transfer, nbytes, namespaces=net.namespaces, timeout=120)[0]
+    rate = nbytes * 8 / seconds / 1e6
+    assert 0.6 * 80 < rate < 1.1 * 80, f"measured {rate:.1f} Mbit/s on an 80 Mbit/s link"
+    assert _namespaces() == before  # everything removed
+
+
+def test_cleanup_on_failure():
+    before = _namespaces()
+    with pytest.raises(RuntimeError), EmulatedNetwork(2, rate_mbit=50):
+        raise RuntimeError("a worker failed")
+    assert _namespaces() == before
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        EmulatedNetwork(0, rate_mbit=10)
+    with pytest.raises(ValueError):
+        EmulatedNetwork(2, rate_mbit=0)
