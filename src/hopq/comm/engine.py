@@ -45,6 +45,9 @@ class RunStats:
     phases: tuple[str, ...] = field(default=("reduce", "gather"))
     #: Wall-clock seconds of the whole call on this rank (stats exchange, codec, transfers).
     seconds: float = 0.0
+    #: Of those, seconds spent waiting in the transport (statistics exchange included);
+    #: the rest is the codec's own work (compression overhead).
+    comm_seconds: float = 0.0
     #: [start, end) ranges of the working vector whose final sum this rank owns.
     owned: tuple[tuple[int, int], ...] = ()
 
@@ -72,13 +75,16 @@ class _StatsExchange:
         self.seed = seed
         self.round = round
         self.bytes = 0.0
+        self.seconds = 0.0
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         n = self.world_size
         if t.numel() == 0:  # same shape on every rank: nothing to exchange
             return t.clone()
         self.bytes += 2 * (n - 1) / n * t.numel() * t.element_size()
+        t0 = time.perf_counter()
         parts = self.transport.all_gather(t)
+        self.seconds += time.perf_counter() - t0
         acc = parts[0].clone()
         for p in parts[1:]:
             if op == "sum":
@@ -197,7 +203,9 @@ def run(
             info.payload_bytes += msg.numel()
             sends.append((t.dst, msg))
         recvs = [(t.src, sum(plan.payload_nbytes[c] for c in t.chunks)) for t in mine_in]
+        t_comm = time.perf_counter()
         received = transport.exchange(sends, recvs, device)
+        info.comm_seconds += time.perf_counter() - t_comm
         for t, buf in zip(mine_in, received, strict=True):
             offset = 0
             for c in t.chunks:
@@ -221,6 +229,7 @@ def run(
             f"schedule left partial sums unsent on rank {rank}: chunks {sorted(outgoing)}"
         )
     info.stats_bytes = stats.bytes
+    info.comm_seconds += stats.seconds
     info.owned = tuple(plan.chunks[c] for c in schedule.owned_chunks(rank))
     if not gather:
         info.phases = ("reduce",)

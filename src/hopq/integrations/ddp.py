@@ -2,6 +2,7 @@
 
 # No "from __future__ import annotations": DDP compares the hook's annotations
 # with dist.GradBucket and Future[Tensor] as objects.
+import time
 from typing import Any
 
 import torch
@@ -36,10 +37,25 @@ class HookState:
         self.seed = seed
         #: Stats of every bucket of the last step, appended by the hook.
         self.calls: list[RunStats] = []
+        #: When set, the hook also runs an exact float64 all-reduce of each bucket
+        #: and accumulates the compressed result's error against it (vNMSE).
+        self.measure_error = False
+        self.err_sq = 0.0
+        self.ref_sq = 0.0
+        #: Seconds spent on those exact all-reduces (to leave out of step timings).
+        self.exact_seconds = 0.0
 
     def pop_stats(self) -> list[RunStats]:
         """The stats of every call since the last pop (e.g. one training step)."""
         out, self.calls = self.calls, []
+        return out
+
+    def pop_error(self) -> tuple[float, float]:
+        """(vNMSE over the buckets measured since the last pop, seconds of exact
+        all-reduces); NaN when nothing was measured."""
+        v = self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
+        out = (v, self.exact_seconds)
+        self.err_sq = self.ref_sq = self.exact_seconds = 0.0
         return out
 
     def state_dict(self) -> dict[str, Any]:
