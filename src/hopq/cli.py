@@ -60,7 +60,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="data-parallel training with the hopq DDP hook, per codec")
     _add_options(tr, TrainOptions)
-    tr.add_argument("--out", help="also write the report to this file")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     ar = bsub.add_parser(
@@ -78,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.cmd == "train":
         from hopq.bench import train
 
-        _emit(train.run(_options(TrainOptions, ns)), ns.out)
+        _emit(train.run(_options(TrainOptions, ns)), None)  # the report folder is --out
     elif ns.cmd == "bench" and ns.bench == "allreduce":
         from hopq.bench import allreduce
 

@@ -1,163 +1,483 @@
-"""``hopq train``: data-parallel training with hopq's DDP hook, one codec after another.
+"""``hopq train``: data-parallel training with compressed gradient sync on an
+emulated cluster network, and a time-to-accuracy report (the DynamiQ paper's
+section 5: Figures 4-6 and 18).
 
-N Gloo worker processes on this machine (or the ranks of ``torchrun``) train a
-small byte-level GPT on the standard library's source code. Every codec sees
-the same initial weights and the same data order; per codec the job reports
-the training loss, the held-out evaluation loss, the bytes each rank put on the
-wire per step, and the time per step split into compute and all-reduce.
+N Gloo worker processes (default 4), launched here or by ``torchrun``, train one
+workload once per codec, with the same initial weights, data order and seeds:
+
+* ``gpt`` (default, quick): a byte-level GPT trained from scratch on the
+  standard library's sources;
+* ``minilm``: all-MiniLM-L6-v2 fine-tuned as a masked language model on the
+  standard library's docstrings (``pip install 'hopq[bench]'``).
+
+The workers talk over an emulated network (namespaces and ``tc tbf``, see
+:mod:`hopq.bench.network`) whose per-worker rate is, unless given, calibrated so
+that bf16's communication is ``comm_share`` of its step. Per step the job
+records the loss, the time split into compute, compression (codec work) and
+exposed communication (time waiting on the network), the bytes sent, and every
+``vnmse_every`` steps the vNMSE of the compressed all-reduce against an exact
+one on the same gradients; every ``eval_every`` steps the held-out loss. The
+report folder holds report.md and PNG plots.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hopq.bench.data import batch, byte_split, stdlib_source
-from hopq.bench.models import TinyGPT
 from hopq.integrations.ddp import HookState, ddp_hook
+
+WORKLOADS = ("gpt", "minilm")
 
 
 @dataclass(frozen=True)
 class TrainOptions:
-    codecs: tuple[str, ...] = ("fp32", "bf16", "fp16")
+    workload: str = "gpt"
+    #: Codecs to run, one after another; "auto": bf16, dynamiq, mxfp8 and every
+    #: other registered codec (fp32 and fp16 left out).
+    codecs: tuple[str, ...] = ("auto",)
     topology: str = "ring"
     world_size: int = 4
-    steps: int = 150
+    steps: int = 100
     batch_size: int = 8
-    context: int = 128
-    dim: int = 128
-    layers: int = 2
-    lr: float = 3e-3
+    #: 0: the workload's default (gpt 1e-3, minilm 1e-4).
+    lr: float = 0.0
+    eval_every: int = 20
     eval_batches: int = 8
-    log_every: int = 25
+    vnmse_every: int = 10
+    #: Per-worker link rate in Mbit/s; 0: calibrate from comm_share.
+    rate_mbit: float = 0.0
+    #: Share of bf16's step that its communication should take when calibrating.
+    comm_share: float = 0.4
+    #: Emulate the network when the machine allows it (else plain loopback).
+    network: bool = True
+    #: GPT size (the CI test shrinks it).
+    gpt_dim: int = 256
+    gpt_layers: int = 4
+    context: int = 128
     seed: int = 0
-    corpus_bytes: int = 4 << 20
+    out: str = "runs/train"
+
+    def __post_init__(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"workload must be one of {WORKLOADS}, got {self.workload!r}")
+        if self.world_size < 1 or self.steps < 1:
+            raise ValueError("world_size and steps must be >= 1")
+        if not 0 < self.comm_share < 1:
+            raise ValueError(f"comm_share must be in (0, 1), got {self.comm_share}")
+
+    def resolved_codecs(self) -> list[str]:
+        from hopq.codecs.registry import available_codecs, codec_info
+
+        if tuple(self.codecs) == ("auto",):
+            first = ["bf16", "dynamiq", "mxfp8"]
+            rest = [c for c in available_codecs() if c not in first and c not in ("fp32", "fp16")]
+            return [c for c in first if c in available_codecs()] + rest
+        for c in self.codecs:
+            codec_info(c)  # unknown names fail here, before anything runs
+        return list(self.codecs)
+
+
+# -- workloads ---------------------------------------------------------------
+@dataclass
+class Workload:
+    model: nn.Module
+    lr: float
+    #: (rank, step) -> a micro-batch; a pure function of the seed, rank and step.
+    batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+    loss: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
+    eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    metric: str  # what exp(eval loss) is called
+
+
+def make_workload(o: TrainOptions) -> Workload:
+    from hopq.bench.data import batch as byte_batch
+    from hopq.bench.data import byte_split, stdlib_source
+    from hopq.bench.models import TinyGPT
+
+    if o.workload == "gpt":
+        train, held = byte_split(stdlib_source(8 << 20))
+        torch.manual_seed(o.seed)
+        model: nn.Module = TinyGPT(
+            dim=o.gpt_dim, layers=o.gpt_layers, heads=max(1, o.gpt_dim // 32), context=o.context
+        )
+
+        def gpt_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            g = torch.Generator().manual_seed(o.seed * 1_000_003 + step * 1009 + rank)
+            return byte_batch(train, o.batch_size, o.context, g)
+
+        def gpt_loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            logits = m(b[0])
+            return nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1)
+            )
+
+        ge = torch.Generator().manual_seed(12345)
+        evals = [byte_batch(held, o.batch_size, o.context, ge) for _ in range(o.eval_batches)]
+        return Workload(model, o.lr or 1e-3, gpt_batch, gpt_loss, evals, "perplexity (bytes)")
+
+    from hopq.bench import workloads as wl
+
+    data = wl.minilm_data(seq_len=o.context)
+    model = wl.minilm_mlm(o.seed)
+
+    def mlm_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(o.seed * 1_000_003 + step * 1009 + rank)
+        idx = torch.randint(0, len(data.train), (o.batch_size,), generator=g)
+        return wl.mask_tokens(data.train[idx], data, g)
+
+    def mlm_loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return m(input_ids=b[0], labels=b[1]).loss
+
+    ge = torch.Generator().manual_seed(12345)
+    per = max(1, len(data.eval) // o.eval_batches)
+    evals = [
+        wl.mask_tokens(data.eval[i * per : (i + 1) * per], data, ge) for i in range(o.eval_batches)
+    ]
+    return Workload(model, o.lr or 1e-4, mlm_batch, mlm_loss, evals, "perplexity (masked tokens)")
+
+
+# -- one codec's run on one rank -----------------------------------------------
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    step_s: float
+    compute_s: float
+    codec_s: float
+    comm_s: float
+    bytes: float
+    bits_per_coord: float
+    vnmse: float = float("nan")
 
 
 @dataclass
 class CodecRun:
     codec: str
-    losses: list[float] = field(default_factory=list)
-    step_s: list[float] = field(default_factory=list)
-    comm_s: list[float] = field(default_factory=list)
-    bytes_per_step: list[float] = field(default_factory=list)
-    bits_per_coord: float = float("nan")
-    eval_loss: float = float("nan")
     params: int = 0
+    steps: list[StepRecord] = field(default_factory=list)
+    #: (training wall-clock seconds, evaluation loss)
+    evals: list[tuple[float, float]] = field(default_factory=list)
 
 
-def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of a (possibly DDP-wrapped) language model."""
-    logits = model(x)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-
-def _evaluate(model: torch.nn.Module, tokens: torch.Tensor, o: TrainOptions) -> float:
-    g = torch.Generator().manual_seed(12345)
+def _evaluate(model: nn.Module, w: Workload, rank: int, n: int) -> float:
+    """Held-out loss; ranks split the evaluation batches and sum."""
+    model.eval()
+    tot = torch.zeros(2, dtype=torch.float64)
     with torch.no_grad():
-        losses = [
-            loss_of(model, *batch(tokens, o.batch_size, o.context, g)).item()
-            for _ in range(o.eval_batches)
-        ]
-    return sum(losses) / len(losses)
+        for i in range(rank, len(w.eval_batches), n):
+            tot[0] += float(w.loss(model, w.eval_batches[i]))
+            tot[1] += 1
+    model.train()
+    dist.all_reduce(tot)
+    return float(tot[0] / tot[1])
 
 
-def worker(rank: int, n: int, o: TrainOptions) -> list[CodecRun]:
-    train_tok, eval_tok = byte_split(stdlib_source(o.corpus_bytes))
-    runs = []
-    for codec in o.codecs:
-        torch.manual_seed(o.seed)
-        model = TinyGPT(dim=o.dim, layers=o.layers, context=o.context)
-        ddp = DDP(model)
-        state = HookState(codec=codec, topology=o.topology, seed=o.seed)
-        ddp.register_comm_hook(state, ddp_hook)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=o.lr)
-        g = torch.Generator().manual_seed(o.seed * 1000 + rank)  # same data order for every codec
-        run = CodecRun(codec, params=sum(p.numel() for p in model.parameters()))
-        for step in range(o.steps):
-            x, y = batch(train_tok, o.batch_size, o.context, g)
-            dist.barrier()
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            logits = ddp(x)
-            loss = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+def _progress(codec: str, total: int, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        p = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        p.start()
+        p.add_task(f"[{codec}]", total=total, info="")
+        return p
+    except ImportError:
+        return None
+
+
+def worker(rank: int, n: int, o: TrainOptions, codec: str) -> CodecRun:
+    torch.manual_seed(o.seed)
+    w = make_workload(o)
+    model = w.model
+    ddp = DDP(model)
+    state = HookState(codec=codec, topology=o.topology, seed=o.seed)
+    ddp.register_comm_hook(state, ddp_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=w.lr)
+    run = CodecRun(codec, params=sum(p.numel() for p in model.parameters()))
+    clock = 0.0
+    bar = _progress(codec, o.steps, rank == 0)
+    run.evals.append((0.0, _evaluate(model, w, rank, n)))
+    for step in range(o.steps):
+        b = w.batch(rank, step)
+        state.measure_error = o.vnmse_every > 0 and step % o.vnmse_every == 0
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = w.loss(ddp, b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        vnmse, exact_s = state.pop_error()
+        calls = state.pop_stats()
+        step_s = elapsed - exact_s  # the reference all-reduce is not part of training
+        comm = sum(c.comm_seconds for c in calls)
+        codec_s = sum(c.seconds - c.comm_seconds for c in calls)
+        sent = sum(c.bytes_sent for c in calls)
+        d = sum(c.numel for c in calls)
+        bits = 8 * sent / (2 * (n - 1) / n * d) if n > 1 and d else float("nan")
+        lt = torch.tensor([float(loss)], dtype=torch.float64)
+        dist.all_reduce(lt)
+        clock += step_s
+        run.steps.append(
+            StepRecord(
+                step,
+                float(lt) / n,
+                step_s,
+                step_s - comm - codec_s,
+                codec_s,
+                comm,
+                sent,
+                bits,
+                vnmse,
             )
-            loss.backward()
-            opt.step()
-            run.step_s.append(time.perf_counter() - t0)
-            calls = state.pop_stats()
-            run.comm_s.append(sum(c.seconds for c in calls))
-            run.bytes_per_step.append(sum(c.bytes_sent for c in calls))
-            lt = torch.tensor([loss.item()])
-            dist.all_reduce(lt)
-            run.losses.append(lt.item() / n)
-            if rank == 0 and (step % o.log_every == 0 or step == o.steps - 1):
-                print(
-                    f"[{codec}] step {step:4d}  loss {run.losses[-1]:.4f}  "
-                    f"step {run.step_s[-1] * 1e3:6.1f} ms (all-reduce {run.comm_s[-1] * 1e3:6.1f} ms)  "
-                    f"{run.bytes_per_step[-1] / 1e6:.3f} MB sent",
-                    flush=True,
-                )
-        if n > 1:
-            d = run.params
-            run.bits_per_coord = (
-                8 * sum(run.bytes_per_step) / len(run.bytes_per_step) / (2 * (n - 1) / n * d)
+        )
+        if (step + 1) % o.eval_every == 0 or step == o.steps - 1:
+            run.evals.append((clock, _evaluate(model, w, rank, n)))
+        if bar is not None:
+            bar.update(
+                bar.task_ids[0],
+                advance=1,
+                info=f"loss {run.steps[-1].loss:.3f}  eval {run.evals[-1][1]:.3f}",
             )
-        run.eval_loss = _evaluate(model, eval_tok, o)
-        runs.append(run)
-    return runs
+        elif rank == 0 and (step % 10 == 0 or step == o.steps - 1):
+            print(
+                f"[{codec}] step {step} loss {run.steps[-1].loss:.4f} eval {run.evals[-1][1]:.4f}",
+                flush=True,
+            )
+    if bar is not None:
+        bar.stop()
+    return run
 
 
-def summarize(runs: list[CodecRun], o: TrainOptions) -> str:
+def _calibrate_worker(rank: int, n: int, o: TrainOptions) -> tuple[float, float]:
+    """bf16 on loopback for a few steps: (compute seconds per step, bytes per rank per step)."""
+    short = TrainOptions(**{**asdict(o), "steps": 4, "eval_every": 1 << 30, "vnmse_every": 0})
+    run = worker(rank, n, short, "bf16")
+    tail = run.steps[1:] or run.steps
+    compute = sum(s.compute_s + s.codec_s for s in tail) / len(tail)
+    sent = sum(s.bytes for s in tail) / len(tail)
+    t = torch.tensor([compute, sent], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t[0]), float(t[1])
+
+
+# -- the report ----------------------------------------------------------------
+def time_to_target(run: CodecRun, target: float) -> float | None:
+    for t, loss in run.evals:
+        if loss <= target:
+            return t
+    return None
+
+
+def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in runs:
+        ax.plot([t for t, _ in r.evals], [v for _, v in r.evals], marker="o", ms=3, label=r.codec)
+    base = next((r for r in runs if r.codec == "bf16"), None)
+    if base:
+        ax.axhline(base.evals[-1][1], color="gray", ls="--", lw=1, label="bf16 final")
+    ax.set_xlabel("training wall-clock (s)")
+    ax.set_ylabel("evaluation loss")
+    ax.set_title("Time to accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "tta.png", dpi=120)
+    plt.close(fig)
+    made.append("tta.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    names = [r.codec for r in runs]
+    parts: dict[str, list[float]] = {"compute": [], "compression": [], "exposed communication": []}
+    for r in runs:
+        tail = r.steps[1:] or r.steps
+        parts["compute"].append(sum(s.compute_s for s in tail) / len(tail))
+        parts["compression"].append(sum(s.codec_s for s in tail) / len(tail))
+        parts["exposed communication"].append(sum(s.comm_s for s in tail) / len(tail))
+    bottom = [0.0] * len(runs)
+    for label, vals in parts.items():
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    ax.set_ylabel("seconds per step")
+    ax.set_title("Step time breakdown")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "breakdown.png", dpi=120)
+    plt.close(fig)
+    made.append("breakdown.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in runs:
+        pts = [(s.step, s.vnmse) for s in r.steps if not math.isnan(s.vnmse) and s.vnmse > 0]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=r.codec)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("vNMSE")
+    ax.set_title("Compression error during training")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(folder / "vnmse.png", dpi=120)
+    plt.close(fig)
+    made.append("vnmse.png")
+    return made
+
+
+def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) -> str:
     from hopq.bench.report import machine, markdown_table
 
-    skip = min(5, o.steps // 4)  # warm-up steps left out of the timings
+    folder.mkdir(parents=True, exist_ok=True)
+    base = next((r for r in runs if r.codec == "bf16"), runs[0])
+    final = base.evals[-1][1]
+    targets = (1.00, 1.01, 1.05)
+    t_base = {f: time_to_target(base, final * f) for f in targets}
     rows = []
     for r in runs:
-        st = r.step_s[skip:] or r.step_s
-        cm = r.comm_s[skip:] or r.comm_s
+        tail = r.steps[1:] or r.steps
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        ttt = []
+        for f in targets:
+            t = time_to_target(r, final * f)
+            tb = t_base[f]
+            ttt.append(
+                "not reached"
+                if t is None
+                else (f"{t / tb:.2f}x ({t:.0f} s)" if tb else f"{t:.0f} s")
+            )
+        vn = [s.vnmse for s in r.steps if not math.isnan(s.vnmse)]
         rows.append(
             [
                 r.codec,
-                f"{r.losses[-1]:.4f}",
-                f"{r.eval_loss:.4f} (ppl {math.exp(r.eval_loss):.2f})",
-                f"{sum(st) / len(st) * 1e3:.1f}",
-                f"{sum(cm) / len(cm) * 1e3:.1f}",
-                f"{sum(r.bytes_per_step) / len(r.bytes_per_step) / 1e6:.3f}",
-                f"{r.bits_per_coord:.2f}",
+                f"{r.evals[-1][1]:.4f}",
+                f"{(r.evals[-1][1] / final - 1) * 100:+.2f}%",
+                *ttt,
+                f"{mean([s.step_s for s in tail]):.3f}",
+                f"{mean([s.compute_s for s in tail]):.3f}",
+                f"{mean([s.codec_s for s in tail]):.3f}",
+                f"{mean([s.comm_s for s in tail]):.3f}",
+                f"{mean([s.bytes for s in tail]) / 1e6:.3f}",
+                f"{mean([s.bits_per_coord for s in tail]):.2f}",
+                f"{mean(vn):.2e}" if vn else "n/a",
             ]
         )
-    head = (
-        f"{o.world_size} Gloo workers, TinyGPT ({runs[0].params:,} parameters) on the stdlib sources, "
-        f"{o.steps} steps, {o.topology} all-reduce; {machine()}\n\n"
-    )
-    return head + markdown_table(
+    table = markdown_table(
         [
             "codec",
-            "final train loss",
-            "eval loss",
-            "step (ms)",
-            "all-reduce (ms)",
-            "MB sent / rank / step",
-            "bits / coord",
+            "final eval loss",
+            "vs bf16",
+            "time to 100%",
+            "time to 101%",
+            "time to 105%",
+            "step (s)",
+            "compute (s)",
+            "compression (s)",
+            "exposed comm (s)",
+            "MB sent/rank/step",
+            "bits/coord",
+            "mean vNMSE",
         ],
         rows,
     )
+    plots = _plots(runs, folder)
+    share = []
+    for r in runs:
+        tail = r.steps[1:] or r.steps
+        share.append(f"{r.codec} {sum(s.comm_s for s in tail) / sum(s.step_s for s in tail):.0%}")
+    text = "\n".join(
+        [
+            f"# hopq train: {o.workload}, {o.world_size} workers, {o.topology}, {o.steps} steps",
+            "",
+            f"Machine: {machine()}. Network: {network}. Model: {runs[0].params:,} parameters.",
+            f"Exposed communication share of the step: {', '.join(share)}.",
+            "Targets are bf16's final evaluation loss x 1.00, 1.01, 1.05; times are training",
+            "wall-clock relative to bf16's (evaluation time excluded).",
+            "",
+            table,
+            "",
+            *[f"![{p}]({p})" for p in plots],
+        ]
+    )
+    (folder / "report.md").write_text(text + "\n")
+    (folder / "runs.json").write_text(
+        json.dumps(
+            [
+                {
+                    "codec": r.codec,
+                    "params": r.params,
+                    "evals": r.evals,
+                    "steps": [asdict(s) for s in r.steps],
+                }
+                for r in runs
+            ],
+            indent=1,
+        )
+    )
+    return text
 
 
 def run(o: TrainOptions) -> str | None:
-    """Run the job; return the summary (on rank 0; None on other torchrun ranks)."""
+    """Run the job; return the report text (on rank 0; None on other torchrun ranks)."""
     from hopq.bench.launch import init_from_env, launched_by_torchrun, run_workers
+    from hopq.bench.network import EmulatedNetwork, unavailable_reason
 
+    codecs = o.resolved_codecs()
+    folder = Path(o.out)
     if launched_by_torchrun():
-        rank, n = init_from_env("gloo")  # the job's tensors live on the CPU
-        runs = worker(rank, n, o)
+        rank, n = init_from_env()
+        runs = [worker(rank, n, o, c) for c in codecs]
         dist.destroy_process_group()
-        return summarize(runs, o) if rank == 0 else None
-    return summarize(run_workers(o.world_size, worker, o)[0], o)
+        return report(runs, o, "the launcher's (torchrun)", folder) if rank == 0 else None
+
+    n = o.world_size
+    why = unavailable_reason() if o.network else "disabled (--no-network)"
+    rate = o.rate_mbit
+    if why is None and rate <= 0:
+        compute, sent = run_workers(n, _calibrate_worker, o)[0]
+        # exposed comm = bytes / rate should be comm_share of (compute + comm)
+        rate = sent * 8 / 1e6 / (compute * o.comm_share / (1 - o.comm_share))
+        print(
+            f"calibrated link: bf16 sends {sent / 1e6:.2f} MB per step and computes {compute:.2f} s; "
+            f"{rate:.0f} Mbit/s per worker gives it ~{o.comm_share:.0%} communication",
+            flush=True,
+        )
+    runs = []
+    if why is None:
+        with EmulatedNetwork(n, rate_mbit=rate) as net:
+            network = f"emulated, {rate:.0f} Mbit/s per worker (tc tbf)"
+            for c in codecs:
+                runs.append(run_workers(n, worker, o, c, namespaces=net.namespaces)[0])
+    else:
+        print(f"no emulated network ({why}): running on plain loopback", flush=True)
+        network = f"loopback ({why})"
+        for c in codecs:
+            runs.append(run_workers(n, worker, o, c)[0])
+    text = report(runs, o, network, folder)
+    print(f"\nreport written to {folder / 'report.md'}", flush=True)
+    return text

@@ -74,7 +74,17 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     on the current stream, which DDP waits on.
     """
     buf = bucket.buffer()
+    exact = None
+    if state.measure_error:
+        t0 = time.perf_counter()
+        exact = buf.detach().to(torch.float64)
+        dist.all_reduce(exact, group=state.process_group)
+        exact /= dist.get_world_size(state.process_group)
+        state.exact_seconds += time.perf_counter() - t0
     info = all_reduce(buf, state.codec, state.topology, "avg", state.process_group, state.seed)
+    if exact is not None:
+        state.err_sq += float((buf.to(torch.float64) - exact).square().sum())
+        state.ref_sq += float(exact.square().sum())
     state.calls.append(info)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buf.device] if buf.is_cuda else None
