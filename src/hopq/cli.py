@@ -67,7 +67,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _add_options(ar, AllreduceOptions)
     ar.add_argument("--out", help="also write the table to this file")
+    from hopq.bench.model import ModelOptions
     from hopq.bench.vnmse import VnmseOptions
+
+    md = bsub.add_parser("model", help="alpha-beta-gamma cost model: calibrate, predict, validate")
+    _add_options(md, ModelOptions)
+    md.add_argument("--out", help="also write the report to this file")
 
     vn = bsub.add_parser("vnmse", help="compression error of every codec on real gradients")
     _add_options(vn, VnmseOptions)
@@ -82,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hopq.bench import allreduce
 
         _emit(allreduce.run(_options(AllreduceOptions, ns)), ns.out)
+    elif ns.cmd == "bench" and ns.bench == "model":
+        from hopq.bench import model
+
+        _emit(model.run(_options(ModelOptions, ns)), ns.out)
     elif ns.cmd == "bench" and ns.bench == "vnmse":
         from hopq.bench import vnmse
 

@@ -1,0 +1,280 @@
+"""``hopq bench model``: an alpha-beta-gamma cost model of compressed ring and
+butterfly all-reduce, calibrated on this machine, checked against the emulated
+network.
+
+The model (Thakur, Rabenseifner and Gropp's alpha-beta-gamma, with the
+compressed terms of Global-QSGD's section 7 made per hop, because here every
+hop decompresses, accumulates and recompresses):
+
+    T = steps * alpha                                  (latency per step)
+      + bytes_per_rank / beta                          (bandwidth; full-duplex links)
+      + stats_steps * alpha + stats_bytes / beta       (the statistics exchange)
+      + w * (d * c_plan + H_enc * c_enc + H_hop * c_hop + H_dec * c_dec)
+
+with, for n ranks and d coordinates, bytes_per_rank = 2 (n-1)/n * d * b/8 (b the
+codec's bits per coordinate measured by the simulator), and per rank the
+coordinates each codec step touches: a ring encodes d/n once as a leaf, runs
+the fused hop on (n-1) d/n and decodes (n-1) d/n plus its own chunk; a
+butterfly of p = 2^k core ranks runs the fused hop on d (1 - 1/p) and decodes as
+much. c_* are seconds per coordinate measured here for each codec (one core);
+w = max(1, n / cores) accounts for ranks sharing the machine's cores.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hopq.bench.report import machine, markdown_table
+from hopq.codecs.base import HopContext, ReduceOp
+from hopq.codecs.registry import available_codecs, get_codec
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    codecs: tuple[str, ...] = ("bf16", "dynamiq", "mxfp8", "thc", "omnireduce")
+    #: Prediction: per-worker link bandwidth (Gbit/s), latency per step (us), world sizes.
+    bandwidth_gbit: float = 10.0
+    latency_us: float = 20.0
+    worlds: tuple[int, ...] = (8, 64, 256, 1024)
+    size_mib: float = 64.0
+    #: Validation against the emulated network (skipped without root/tc).
+    validate: bool = True
+    validate_worlds: tuple[int, ...] = (2, 3, 4, 6, 8)
+    validate_rate_mbit: float = 200.0
+    validate_size_mib: float = 4.0
+    calib_coords: int = 1 << 20
+
+
+@dataclass
+class CodecCost:
+    """Seconds per coordinate on one core, and bits per coordinate on the wire."""
+
+    codec: str
+    plan: float
+    enc: float
+    hop: float
+    dec: float
+    bits: float
+
+
+class _OneRankStats:
+    """A statistics exchange for planning alone (world size 1, n_chunks given)."""
+
+    def __init__(self, n_chunks: int) -> None:
+        self.rank, self.world_size, self.n_chunks, self.seed, self.round = 0, 1, n_chunks, 0, 0
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return t.clone()
+
+
+def _best(fn: Any, reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def calibrate(codec_name: str, coords: int) -> CodecCost:
+    """Measure a codec's per-coordinate costs with its own API on one core."""
+    from hopq.sim import simulate
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x = (
+            torch.randn(coords, generator=g)
+            * torch.logspace(-3, 0, coords)[torch.randperm(coords, generator=g)]
+        )
+        codec = get_codec(codec_name)
+        n_chunks = 4
+        plan = codec.plan(x, _OneRankStats(n_chunks))
+        work = codec.prepare(plan, x)
+        codec.finish(plan, work.clone(), ReduceOp.SUM, 1)
+
+        def plan_prepare_finish() -> None:
+            p = codec.plan(x, _OneRankStats(n_chunks))
+            w = codec.prepare(p, x)
+            codec.finish(p, w, ReduceOp.SUM, 1)
+
+        t_plan = _best(plan_prepare_finish)
+        c = max(range(n_chunks), key=plan.chunk_numel)
+        chunk = plan.chunk_view(work, c).clone()
+        ctx = HopContext(0, 0, c, 1, 1, 4, 0, 0, 1)
+        payload = codec.encode(plan, chunk, ctx)
+        out = torch.empty_like(chunk)
+        t_enc = _best(lambda: codec.encode(plan, chunk, ctx))
+        t_hop = _best(lambda: codec.decode_accumulate_encode(plan, payload, chunk.clone(), ctx))
+        t_dec = _best(lambda: codec.decode(plan, payload, ctx, out))
+        m = chunk.numel()
+        bits = simulate([x[: 1 << 18]] * 4, codec_name, "ring").bits_per_coord
+    finally:
+        torch.set_num_threads(threads)
+    return CodecCost(codec_name, t_plan / coords, t_enc / m, t_hop / m, t_dec / m, bits)
+
+
+def predict(
+    cost: CodecCost, topology: str, n: int, d: int, beta_bytes: float, alpha: float, cores: int
+) -> float:
+    """Modelled seconds of one all-reduce of d float32 coordinates on n ranks."""
+    if n == 1:
+        return d * (cost.plan + cost.enc + cost.dec)
+    if topology == "ring":
+        steps = 2 * (n - 1)
+        enc, hop, dec = d / n, (n - 1) * d / n, d
+    else:
+        p = 1 << (n.bit_length() - 1)
+        steps = 2 * int(math.log2(p)) + (2 if p != n else 0)
+        enc, hop, dec = d / p, d * (1 - 1 / p), d
+    wire = 2 * (n - 1) / n * d * cost.bits / 8
+    overload = max(1.0, n / cores)
+    compute = overload * (d * cost.plan + enc * cost.enc + hop * cost.hop + dec * cost.dec)
+    stats_steps = 2 * (n - 1) if cost.bits < 15.5 else 0  # codecs with a stats exchange
+    return (steps + stats_steps) * alpha + wire / beta_bytes + compute
+
+
+def _measure_worker(
+    rank: int, n: int, codecs: list[str], topologies: list[str], numel: int
+) -> dict[Any, float]:
+    import torch.distributed as dist
+
+    from hopq.comm.collectives import all_reduce
+
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
+    out: dict[Any, float] = {}
+    # latency: median time of a 4-byte ring step
+    s, r = torch.zeros(1), torch.empty(1)
+    lat = []
+    for _ in range(30):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for w in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, s, (rank + 1) % n), dist.P2POp(dist.irecv, r, (rank - 1) % n)]
+        ):
+            w.wait()
+        lat.append(time.perf_counter() - t0)
+    out["alpha"] = statistics.median(lat)
+    for c in codecs:
+        codec = get_codec(c)
+        for topo in topologies:
+            times = []
+            for _ in range(4):
+                y = x.clone()
+                dist.barrier()
+                t0 = time.perf_counter()
+                all_reduce(y, codec, topo)
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor(times[1:], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out[(c, topo)] = float(t.median())
+    return out
+
+
+def run(o: ModelOptions) -> str:
+    from hopq.bench.launch import run_workers
+    from hopq.bench.network import EmulatedNetwork, unavailable_reason
+
+    codecs = [c for c in o.codecs if c in available_codecs()]
+    cores = torch.get_num_threads() or 1
+    costs = {c: calibrate(c, o.calib_coords) for c in codecs}
+    lines = [f"Machine: {machine()}", "", "### Calibration (one core, this machine)", ""]
+    lines.append(
+        markdown_table(
+            [
+                "codec",
+                "plan+prepare+finish (ns/coord)",
+                "encode (ns/coord)",
+                "fused hop (ns/coord)",
+                "decode (ns/coord)",
+                "bits/coord",
+            ],
+            [
+                [
+                    c.codec,
+                    f"{c.plan * 1e9:.1f}",
+                    f"{c.enc * 1e9:.1f}",
+                    f"{c.hop * 1e9:.1f}",
+                    f"{c.dec * 1e9:.1f}",
+                    f"{c.bits:.2f}",
+                ]
+                for c in costs.values()
+            ],
+        )
+    )
+    d = int(o.size_mib * (1 << 20) / 4)
+    beta = o.bandwidth_gbit * 1e9 / 8
+    alpha = o.latency_us * 1e-6
+    rows = []
+    for n in o.worlds:
+        for topo in ("ring", "butterfly"):
+            base = predict(costs["bf16"], topo, n, d, beta, alpha, n) if "bf16" in costs else None
+            row: list[Any] = [n, topo]
+            for c in codecs:
+                t = predict(costs[c], topo, n, d, beta, alpha, n)  # one core per rank on a cluster
+                row.append(f"{t * 1e3:.1f} ms" + (f" ({base / t:.2f}x)" if base else ""))
+            rows.append(row)
+    lines += [
+        "",
+        f"### Prediction: {o.size_mib:g} MiB, {o.bandwidth_gbit:g} Gbit/s per worker, {o.latency_us:g} us per step, "
+        "one core per rank (time, speedup over bf16)",
+        "",
+        markdown_table(["n", "topology", *codecs], rows),
+    ]
+    if o.validate:
+        why = unavailable_reason()
+        if why:
+            lines += ["", f"Validation skipped: no emulated network here ({why})."]
+        else:
+            numel = int(o.validate_size_mib * (1 << 20) / 4)
+            vrows = []
+            errs = []
+            beta_v = (
+                o.validate_rate_mbit * 1e6 / 8 * 0.96
+            )  # tbf delivers ~96% (tests/test_network.py)
+            for n in o.validate_worlds:
+                with EmulatedNetwork(n, rate_mbit=o.validate_rate_mbit) as net:
+                    res = run_workers(
+                        n,
+                        _measure_worker,
+                        codecs,
+                        ["ring", "butterfly"],
+                        numel,
+                        namespaces=net.namespaces,
+                    )[0]
+                for topo in ("ring", "butterfly"):
+                    for c in codecs:
+                        pred = predict(costs[c], topo, n, numel, beta_v, res["alpha"], cores)
+                        meas = res[(c, topo)]
+                        errs.append(abs(pred - meas) / meas)
+                        vrows.append(
+                            [
+                                n,
+                                topo,
+                                c,
+                                f"{meas * 1e3:.0f}",
+                                f"{pred * 1e3:.0f}",
+                                f"{(pred / meas - 1) * 100:+.0f}%",
+                            ]
+                        )
+            lines += [
+                "",
+                f"### Model vs emulated network: {o.validate_size_mib:g} MiB, {o.validate_rate_mbit:g} Mbit/s per worker, "
+                f"alpha measured per run, {cores} cores shared by the ranks",
+                "",
+                markdown_table(
+                    ["n", "topology", "codec", "measured (ms)", "model (ms)", "error"], vrows
+                ),
+                "",
+                f"Mean absolute error {statistics.mean(errs) * 100:.0f}%, median {statistics.median(errs) * 100:.0f}%, "
+                f"worst {max(errs) * 100:.0f}%.",
+            ]
+    return "\n".join(lines)
