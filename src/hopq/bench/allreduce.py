@@ -30,10 +30,22 @@ class Options:
     world_size: int = 4
     min_bytes: int = 1 << 10
     max_bytes: int = 64 << 20
-    codecs: tuple[str, ...] = ("fp32", "bf16")
+    #: "auto": every registered codec.
+    codecs: tuple[str, ...] = ("auto",)
     topologies: tuple[str, ...] = ("ring", "butterfly")
     #: Rough time to spend per (method, size), in seconds; sets the iteration count.
     budget_s: float = 0.6
+    #: Per-worker link of an emulated network in Mbit/s; 0: plain loopback.
+    rate_mbit: float = 0.0
+
+    def resolved_codecs(self) -> list[str]:
+        from hopq.codecs.registry import available_codecs, codec_info
+
+        if tuple(self.codecs) == ("auto",):
+            return available_codecs()
+        for c in self.codecs:
+            codec_info(c)
+        return list(self.codecs)
 
 
 def _sizes(o: Options) -> list[int]:
@@ -76,7 +88,7 @@ def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
     out: dict[tuple[str, int], float] = {}
     if n > 1:
         out[("step", 0)] = _step_latency(rank, n)
-    methods = [NATIVE] + [f"{c}/{t}" for c in o.codecs for t in o.topologies]
+    methods = [NATIVE] + [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
     codecs = {m: get_codec(m.split("/")[0]) for m in methods if m != NATIVE}
     for size in _sizes(o):
         x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
@@ -93,15 +105,30 @@ def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
 
 def run(o: Options) -> str:
     """Run the benchmark; return the report (markdown)."""
-    res = run_workers(o.world_size, _worker, o)[0]
+    from hopq.bench.network import EmulatedNetwork, unavailable_reason
+
     n = o.world_size
-    methods = [NATIVE] + [f"{c}/{t}" for c in o.codecs for t in o.topologies]
+    where = "loopback"
+    if o.rate_mbit > 0:
+        why = unavailable_reason()
+        if why:
+            print(f"no emulated network ({why}): measuring on plain loopback", flush=True)
+            where = f"loopback ({why})"
+            res = run_workers(n, _worker, o)[0]
+        else:
+            with EmulatedNetwork(n, rate_mbit=o.rate_mbit) as net:
+                res = run_workers(n, _worker, o, namespaces=net.namespaces)[0]
+            where = f"an emulated network, {o.rate_mbit:g} Mbit/s per worker (tc tbf)"
+    else:
+        res = run_workers(n, _worker, o)[0]
+    methods = [NATIVE] + [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
     rows = []
     for size in _sizes(o):
         base = res[(NATIVE, size)]
         for m in methods:
             t = res[(m, size)]
             algbw = size / t / 1e9
+            bf16 = res.get((f"bf16/{m.split('/')[1]}", size)) if m != NATIVE else None
             rows.append(
                 [
                     human_bytes(size),
@@ -110,9 +137,10 @@ def run(o: Options) -> str:
                     f"{algbw:.3f}",
                     f"{algbw * 2 * (n - 1) / n:.3f}",
                     f"{t / base:.2f}",
+                    f"{bf16 / t:.2f}x" if bf16 else "",
                 ]
             )
-    head = f"{n} Gloo ranks on one machine ({machine()})\n"
+    head = f"{n} Gloo ranks on one machine ({machine()}), over {where}\n"
     if ("step", 0) in res:
         step = res[("step", 0)]
         head += (
@@ -121,5 +149,14 @@ def run(o: Options) -> str:
         )
     head += "\n"
     return head + markdown_table(
-        ["size", "method", "time (us)", "algbw (GB/s)", "busbw (GB/s)", f"time / {NATIVE}"], rows
+        [
+            "size",
+            "method",
+            "time (us)",
+            "algbw (GB/s)",
+            "busbw (GB/s)",
+            f"time / {NATIVE}",
+            "speedup vs bf16",
+        ],
+        rows,
     )
