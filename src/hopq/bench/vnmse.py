@@ -237,6 +237,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                             tag,
                             *(f"{v:.2f}" for v in q.tolist()),
                             f"{(lv < -2).float().mean().item():.1%}",
+                            f"{(lv <= -30).float().mean().item():.2%}",
                         ]
                     )
             png = _plot_norms(curves, Path(o.plots) / "supergroup_norms.png")
@@ -246,7 +247,8 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                 + (f" Plot: `{png}`." if png else "")
                 + "\n\n"
                 + markdown_table(
-                    ["workload", "order", "p10", "p50", "p90", "F_j < median/100"], rows
+                    ["workload", "order", "p10", "p50", "p90", "F_j < median/100", "F_j = 0"],
+                    rows,
                 )
             )
 
