@@ -91,60 +91,30 @@ class TrainOptions:
 # -- workloads ---------------------------------------------------------------
 @dataclass
 class Workload:
+    """A :class:`hopq.bench.workloads.Workload` bound to this job's seeds."""
+
     model: nn.Module
     lr: float
     #: (rank, step) -> a micro-batch; a pure function of the seed, rank and step.
     batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
     loss: Callable[[nn.Module, tuple[torch.Tensor, torch.Tensor]], torch.Tensor]
     eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
-    metric: str  # what exp(eval loss) is called
 
 
 def make_workload(o: TrainOptions) -> Workload:
-    from hopq.bench.data import batch as byte_batch
-    from hopq.bench.data import byte_split, stdlib_source
-    from hopq.bench.models import TinyGPT
+    from hopq.bench import workloads
 
+    kw = {"context": o.context}
     if o.workload == "gpt":
-        train, held = byte_split(stdlib_source(8 << 20))
-        torch.manual_seed(o.seed)
-        model: nn.Module = TinyGPT(
-            dim=o.gpt_dim, layers=o.gpt_layers, heads=max(1, o.gpt_dim // 32), context=o.context
+        kw |= {"dim": o.gpt_dim, "layers": o.gpt_layers}
+    w = workloads.make(o.workload, o.seed, **kw)
+
+    def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return w.sample(
+            torch.Generator().manual_seed(o.seed * 1_000_003 + step * 1009 + rank), o.batch_size
         )
 
-        def gpt_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-            g = torch.Generator().manual_seed(o.seed * 1_000_003 + step * 1009 + rank)
-            return byte_batch(train, o.batch_size, o.context, g)
-
-        def gpt_loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-            logits = m(b[0])
-            return nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1)
-            )
-
-        ge = torch.Generator().manual_seed(12345)
-        evals = [byte_batch(held, o.batch_size, o.context, ge) for _ in range(o.eval_batches)]
-        return Workload(model, o.lr or 1e-3, gpt_batch, gpt_loss, evals, "perplexity (bytes)")
-
-    from hopq.bench import workloads as wl
-
-    data = wl.minilm_data(seq_len=o.context)
-    model = wl.minilm_mlm(o.seed)
-
-    def mlm_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(o.seed * 1_000_003 + step * 1009 + rank)
-        idx = torch.randint(0, len(data.train), (o.batch_size,), generator=g)
-        return wl.mask_tokens(data.train[idx], data, g)
-
-    def mlm_loss(m: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return m(input_ids=b[0], labels=b[1]).loss
-
-    ge = torch.Generator().manual_seed(12345)
-    per = max(1, len(data.eval) // o.eval_batches)
-    evals = [
-        wl.mask_tokens(data.eval[i * per : (i + 1) * per], data, ge) for i in range(o.eval_batches)
-    ]
-    return Workload(model, o.lr or 1e-4, mlm_batch, mlm_loss, evals, "perplexity (masked tokens)")
+    return Workload(w.model, o.lr or w.lr, batch, w.loss, w.held_out(o.eval_batches, o.batch_size))
 
 
 # -- one codec's run on one rank -----------------------------------------------

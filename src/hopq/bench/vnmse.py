@@ -184,19 +184,21 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
     nmax = max(max(o.sweep_worlds), nfull) if "scale" in o.tables else nfull
     for w in o.workloads:
         say(f"collecting {nmax} worker gradients for {w} ...")
+        wl = workloads.make(w, o.seed)
         if w == "minilm":  # inside the encoder layers, after the 11.7M word embeddings
             subsets[w] = slice(12_000_000, 12_000_000 + o.sweep_coords)
-            grads[w], descs[w] = workloads.minilm_gradients(
-                nmax, o.minilm_warmup, o.batch, o.seed, nfull, subsets[w]
-            )
-        elif w == "gpt":  # the model has ~3.2M parameters: the middle of it
+            warmup, warm_batch, warm_lr = o.minilm_warmup, o.batch, 5e-5
+        else:  # the GPT has ~3.2M parameters: the middle of it
             start = max(0, (3_200_000 - o.sweep_coords) // 2)
             subsets[w] = slice(start, start + o.sweep_coords)
-            grads[w], descs[w] = workloads.gpt_gradients(
-                nmax, o.gpt_warmup, o.batch, o.seed, nfull, subsets[w]
-            )
-        else:
-            raise ValueError(f"unknown workload {w!r}; choose from minilm, gpt")
+            warmup, warm_batch, warm_lr = o.gpt_warmup, 16, 1e-3
+        grads[w] = workloads.gradients(
+            wl, nmax, warmup, warm_batch, warm_lr, o.batch, o.seed, nfull, subsets[w]
+        )
+        descs[w] = (
+            f"{wl.description}; gradients after {warmup} steps of AdamW (lr {warm_lr:g}), "
+            f"{o.batch} sequences per worker"
+        )
         sections.append(f"- **{w}**: {descs[w]}")
 
     others = [c for c in available_codecs() if c not in ("dynamiq", "fp32", "fp16")]

@@ -13,6 +13,7 @@ import ast
 import importlib.util
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,8 +141,89 @@ def minilm_mlm(seed: int = 0) -> nn.Module:
     return model
 
 
-def mlm_loss(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=ids, labels=labels).loss
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Workload:
+    """A model with its data: what both the training job and the gradient
+    benchmarks need, so that they train and measure the same thing."""
+
+    name: str
+    model: nn.Module
+    #: The learning rate the training job uses by default.
+    lr: float
+    #: (generator, batch size) -> a random micro-batch; a pure function of the generator.
+    sample: Callable[[torch.Generator, int], Batch]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    #: (number of batches, batch size) -> fixed held-out evaluation batches.
+    held_out: Callable[[int, int], list[Batch]]
+    description: str
+
+
+def gpt(seed: int = 0, dim: int = 256, layers: int = 4, context: int = 128) -> Workload:
+    """A byte-level GPT trained from scratch on the standard library's sources."""
+    train, held = byte_split(stdlib_source(8 << 20))
+    torch.manual_seed(seed)
+    model = TinyGPT(dim=dim, layers=layers, heads=max(1, dim // 32), context=context)
+
+    def loss(m: nn.Module, b: Batch) -> torch.Tensor:
+        logits = m(b[0])
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), b[1].reshape(-1))
+
+    def held_out(batches: int, size: int) -> list[Batch]:
+        g = torch.Generator().manual_seed(12345)
+        return [byte_batch(held, size, context, g) for _ in range(batches)]
+
+    params = sum(p.numel() for p in model.parameters())
+    return Workload(
+        "gpt",
+        model,
+        1e-3,
+        lambda g, size: byte_batch(train, size, context, g),
+        loss,
+        held_out,
+        f"byte-level GPT ({layers} layers, width {dim}, {params:,} parameters) trained from scratch "
+        f"on the stdlib sources, sequences of {context} bytes",
+    )
+
+
+def minilm(seed: int = 0, context: int = 128) -> Workload:
+    """all-MiniLM-L6-v2 fine-tuned as a masked LM on the standard library's docstrings."""
+    data = minilm_data(seq_len=context)
+    model = minilm_mlm(seed)
+
+    def sample(g: torch.Generator, size: int) -> Batch:
+        idx = torch.randint(0, len(data.train), (size,), generator=g)
+        return mask_tokens(data.train[idx], data, g)
+
+    def loss(m: nn.Module, b: Batch) -> torch.Tensor:
+        return m(input_ids=b[0], labels=b[1]).loss
+
+    def held_out(batches: int, size: int) -> list[Batch]:
+        g = torch.Generator().manual_seed(12345)
+        per = max(1, len(data.eval) // batches)
+        return [mask_tokens(data.eval[i * per : (i + 1) * per], data, g) for i in range(batches)]
+
+    params = sum(p.numel() for p in model.parameters())
+    return Workload(
+        "minilm",
+        model,
+        1e-4,
+        sample,
+        loss,
+        held_out,
+        f"all-MiniLM-L6-v2 masked-LM fine-tuning on stdlib docstrings ({params:,} parameters, "
+        f"{len(data.train):,} sequences of {context} tokens)",
+    )
+
+
+def make(name: str, seed: int = 0, **kw: int) -> Workload:
+    if name == "gpt":
+        return gpt(seed, **kw)
+    if name == "minilm":
+        return minilm(seed, context=kw.get("context", 128))
+    raise ValueError(f"unknown workload {name!r}; choose gpt or minilm")
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:
@@ -154,80 +236,31 @@ def flat_grad(model: nn.Module) -> torch.Tensor:
     )
 
 
-def _keep(grad: torch.Tensor, w: int, full: int, subset: slice | None) -> torch.Tensor:
-    """Workers below ``full`` keep the whole gradient, the others only ``subset``
-    (so that 64 workers fit in memory for the world-size sweep)."""
-    return grad if w < full or subset is None else grad[subset].clone()
-
-
-def minilm_gradients(
+def gradients(
+    w: Workload,
     workers: int,
     warmup_steps: int,
+    warmup_batch: int,
+    warmup_lr: float,
     batch: int,
     seed: int = 0,
     full: int = 1 << 30,
     subset: slice | None = None,
-) -> tuple[list[torch.Tensor], str]:
-    """One gradient per worker, each from its own micro-batch, after
-    ``warmup_steps`` of AdamW fine-tuning (lr 5e-5, one process)."""
-    data = minilm_data()
-    model = minilm_mlm(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=5e-5)
+) -> list[torch.Tensor]:
+    """Train ``warmup_steps`` on one process (AdamW), then one gradient per worker,
+    each from its own micro-batch. Workers from ``full`` on keep only ``subset``
+    of their gradient (so that 64 workers fit in memory)."""
+    opt = torch.optim.AdamW(w.model.parameters(), lr=warmup_lr)
     g = torch.Generator().manual_seed(seed)
     for _ in range(warmup_steps):
-        idx = torch.randint(0, len(data.train), (batch,), generator=g)
         opt.zero_grad()
-        mlm_loss(model, *mask_tokens(data.train[idx], data, g)).backward()
+        w.loss(w.model, w.sample(g, warmup_batch)).backward()
         opt.step()
     grads = []
-    for w in range(workers):
-        gw = torch.Generator().manual_seed(seed * 100_003 + w + 1)
-        idx = torch.randint(0, len(data.train), (batch,), generator=gw)
-        model.zero_grad()
-        mlm_loss(model, *mask_tokens(data.train[idx], data, gw)).backward()
-        grads.append(_keep(flat_grad(model), w, full, subset))
-    params = sum(p.numel() for p in model.parameters())
-    desc = (
-        f"all-MiniLM-L6-v2 masked-LM fine-tuning on stdlib docstrings ({params:,} parameters, "
-        f"{len(data.train):,} sequences of 128 tokens), gradients after {warmup_steps} steps, "
-        f"{batch} sequences per worker"
-    )
-    return grads, desc
-
-
-def gpt_gradients(
-    workers: int,
-    warmup_steps: int,
-    batch: int,
-    seed: int = 0,
-    full: int = 1 << 30,
-    subset: slice | None = None,
-) -> tuple[list[torch.Tensor], str]:
-    """A byte-level GPT (4 layers, width 256) trained from scratch on the stdlib
-    sources for ``warmup_steps`` (AdamW, lr 1e-3), then one gradient per worker."""
-    train, _ = byte_split(stdlib_source(8 << 20))
-    torch.manual_seed(seed)
-    model = TinyGPT(dim=256, layers=4, heads=8, context=128)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(seed)
-
-    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    for _ in range(warmup_steps):
-        opt.zero_grad()
-        loss(*byte_batch(train, 16, 128, g)).backward()
-        opt.step()
-    grads = []
-    for w in range(workers):
-        gw = torch.Generator().manual_seed(seed * 100_003 + w + 1)
-        model.zero_grad()
-        loss(*byte_batch(train, batch, 128, gw)).backward()
-        grads.append(_keep(flat_grad(model), w, full, subset))
-    params = sum(p.numel() for p in model.parameters())
-    desc = (
-        f"byte-level GPT (4 layers, width 256, {params:,} parameters) trained from scratch on the "
-        f"stdlib sources, gradients after {warmup_steps} steps, {batch} sequences of 128 bytes per worker"
-    )
-    return grads, desc
+    for i in range(workers):
+        gw = torch.Generator().manual_seed(seed * 100_003 + i + 1)
+        w.model.zero_grad()
+        w.loss(w.model, w.sample(gw, batch)).backward()
+        grad = flat_grad(w.model)
+        grads.append(grad if i < full or subset is None else grad[subset].clone())
+    return grads
