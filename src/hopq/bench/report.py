@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,3 +42,27 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if n == int(n) else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib
+    (the ``bench`` extra); callers then skip their plots."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay out, write as PNG and close a figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -258,12 +258,10 @@ def time_to_target(run: CodecRun, target: float) -> float | None:
 
 
 def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
-    try:
-        import matplotlib
+    from hopq.bench.report import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     made = []
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -277,10 +275,7 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     ax.set_title("Time to accuracy")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "tta.png", dpi=120)
-    plt.close(fig)
-    made.append("tta.png")
+    made.append(save_figure(fig, folder / "tta.png").name)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r.codec for r in runs]
@@ -297,10 +292,7 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     ax.set_ylabel("seconds per step")
     ax.set_title("Step time breakdown")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "breakdown.png", dpi=120)
-    plt.close(fig)
-    made.append("breakdown.png")
+    made.append(save_figure(fig, folder / "breakdown.png").name)
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in runs:
@@ -313,10 +305,7 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     ax.set_title("Compression error during training")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(folder / "vnmse.png", dpi=120)
-    plt.close(fig)
-    made.append("vnmse.png")
+    made.append(save_figure(fig, folder / "vnmse.png").name)
     return made
 
 

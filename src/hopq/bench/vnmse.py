@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hopq.bench.report import machine, markdown_table
+from hopq.bench.report import machine, markdown_table, pyplot, save_figure
 from hopq.codecs.base import Codec
 from hopq.codecs.dynamiq import DEFAULT_EPS, DynamiQ
 from hopq.codecs.registry import available_codecs, get_codec
@@ -137,12 +137,8 @@ def _norm_distribution(grad: torch.Tensor, S: int, seed: int) -> tuple[list[floa
 
 
 def _plot_norms(curves: dict[str, tuple[list[float], list[float]]], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for name, (orig, shuf) in curves.items():
@@ -155,11 +151,7 @@ def _plot_norms(curves: dict[str, tuple[list[float], list[float]]], path: Path) 
     ax.set_title("Super-group (S = 256) norms: real gradients vs shuffled")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
