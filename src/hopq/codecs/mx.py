@@ -82,6 +82,7 @@ class MXCodec(Codec):
     config_class = MXConfig
     config: MXConfig
     layout_preserving: ClassVar[bool] = True
+    adaptive: ClassVar[bool] = True
 
     def __init__(self, config: MXConfig | None = None, **overrides: Any) -> None:
         super().__init__(config, **overrides)

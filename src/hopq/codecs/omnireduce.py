@@ -54,6 +54,7 @@ class OmniReduce(Uncompressed):
     config_class = OmniReduceConfig
     config: OmniReduceConfig
     layout_preserving: ClassVar[bool] = False
+    adaptive: ClassVar[bool] = True
 
     def __init__(self, config: OmniReduceConfig | None = None, **overrides: Any) -> None:
         super().__init__(config, **overrides)

@@ -3,7 +3,7 @@ all-reduce as in the DynamiQ paper (section 5, "Baseline compression schemes").
 
 Each rank rotates its gradient with a randomized Hadamard transform (random
 signs from a seed all ranks share, then a fast Walsh-Hadamard transform over
-power-of-two blocks, normalised), the ranks agree on a global scale M (the
+power-of-two blocks that each interleave the whole vector, normalised), the ranks agree on a global scale M (the
 largest rotated magnitude, a max all-reduce), and each rank quantizes every
 rotated coordinate once, stochastically, to an integer in [-L, L] with
 L = 2^(q-1) - 1 (q = 4: 15 levels). Partial sums then travel as integers in
@@ -48,8 +48,12 @@ class THCConfig(CodecConfig):
     q: int = 4
     #: Lane width b; None: chosen from the world size (see the module docstring).
     lane_bits: int | None = None
-    #: Largest Hadamard block (a power of two); small vectors use the largest power
-    #: of two <= d / 16, so that padding to whole blocks stays small.
+    #: Hadamard block H (a power of two); small vectors use the largest power of
+    #: two <= d / 16, so that padding to whole blocks stays small. Block j holds
+    #: every m-th coordinate (m = number of blocks), so each block samples the
+    #: whole vector: with one global scale, contiguous blocks of skewed gradients
+    #: leave low-energy blocks with far more rounding noise than signal (measured
+    #: on MiniLM gradients, n = 4: vNMSE 1.7 contiguous vs interleaved, README).
     hadamard_block: int = 1 << 16
 
     def __post_init__(self) -> None:
@@ -120,9 +124,11 @@ class THC(Codec):
         return 1.0 - 2.0 * bit.to(torch.float32)
 
     def _rotate(self, x: torch.Tensor, H: int, seed: int, round: int, numel: int) -> torch.Tensor:
+        """Signs, then interleave (block j = coordinates j, j + m, ...), then FWHT per block."""
         padded = x.new_zeros(numel)
         padded[: x.numel()] = x
-        return fwht((padded * self._signs(numel, seed, round, x.device)).view(-1, H)).reshape(-1)
+        signed = padded * self._signs(numel, seed, round, x.device)
+        return fwht(signed.view(H, -1).t().contiguous()).reshape(-1)
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> THCPlan:
         cfg = self.config
@@ -226,7 +232,8 @@ class THC(Codec):
         if not plan.work_numel:
             return y
         H = plan.block
-        rot = fwht((y * plan.step).view(-1, H)).reshape(-1)  # the transform is its own inverse
+        rot = fwht((y * plan.step).view(-1, H))  # the transform is its own inverse
+        rot = rot.t().reshape(-1)  # undo the interleave
         out = (rot * self._signs(plan.work_numel, plan.seed, plan.round, y.device))[: plan.numel]
         return out.div_(world_size) if op is ReduceOp.AVG else out
 
