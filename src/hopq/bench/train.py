@@ -203,7 +203,7 @@ def worker(rank: int, n: int, o: TrainOptions, codec: str) -> CodecRun:
         sent = sum(c.bytes_sent for c in calls)
         d = sum(c.numel for c in calls)
         bits = 8 * sent / (2 * (n - 1) / n * d) if n > 1 and d else float("nan")
-        lt = torch.tensor([float(loss)], dtype=torch.float64)
+        lt = torch.tensor([float(loss.detach())], dtype=torch.float64)
         dist.all_reduce(lt)
         clock += step_s
         run.steps.append(
