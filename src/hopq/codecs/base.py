@@ -169,9 +169,9 @@ class Codec(ABC):
     #: (no permutation or transform across chunk boundaries): reduce_scatter
     #: can then hand each rank its own slice.
     layout_preserving: ClassVar[bool] = False
-    #: Whether state adapted across rounds changes what the codec sends (MX's
-    #: scale factor, OmniReduce's k): benchmarks warm such codecs up first.
-    adaptive: ClassVar[bool] = False
+    #: Rounds its adaptive state needs to settle from its initial value (OmniReduce's
+    #: k): benchmarks that measure one round on fixed gradients run these first.
+    warmup_rounds: ClassVar[int] = 0
 
     def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
         if config is None:
