@@ -198,10 +198,13 @@ class Codec(ABC):
     @abstractmethod
     def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor: ...
 
-    @abstractmethod
     def decode_accumulate(
         self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
-    ) -> None: ...
+    ) -> None:
+        """acc += decode(payload); codecs override it with a fused version."""
+        tmp = torch.empty_like(acc)
+        self.decode(plan, payload, ctx, tmp)
+        acc.add_(tmp)
 
     def decode_accumulate_encode(
         self, plan: Plan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext

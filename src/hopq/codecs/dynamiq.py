@@ -585,12 +585,5 @@ class DynamiQ(Codec):
                 raise PayloadError("dynamiq: truncated segment")
             rows[sg.lo - lo : sg.hi - lo] = self._decode_rows(data, sg.width, sg.hi - sg.lo)
 
-    def decode_accumulate(
-        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
-    ) -> None:
-        tmp = torch.empty_like(acc)
-        self.decode(plan, payload, ctx, tmp)
-        acc.add_(tmp)
-
     def state_dict(self) -> dict[str, object]:
         return {"round": self.round}

@@ -181,13 +181,6 @@ class MXCodec(Codec):
         s = self._block_scale(plan, ctx.chunk, n)
         out.copy_(fpf.decode(codes, fmt) * s / fmt.max)
 
-    def decode_accumulate(
-        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
-    ) -> None:
-        tmp = torch.empty_like(acc)
-        self.decode(plan, payload, ctx, tmp)
-        acc.add_(tmp)
-
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         y = y[: plan.numel]
         return y.div_(world_size) if op is ReduceOp.AVG else y
