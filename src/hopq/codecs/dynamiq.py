@@ -69,7 +69,7 @@ from hopq.errors import PayloadError
 from hopq.numerics.bitpack import pack_bits, unpack_bits
 from hopq.numerics.fp_formats import round_up_bf16
 from hopq.numerics.levels import level_table, stochastic_level
-from hopq.numerics.rng import hash32, stream_key
+from hopq.numerics.rng import hash32, stream_key, uniform
 
 SUPPORTED_WIDTHS = (2, 4, 8, 16)
 #: Bits of the statistics exchange per super-group: mean and sum of squares in bfloat16.
@@ -459,16 +459,15 @@ class DynamiQ(Codec):
         self, plan: DynamiQPlan, ctx: HopContext, start: int, count: int, device: torch.device
     ) -> torch.Tensor:
         """u for the entries [start, start + count) of the working vector."""
-        idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
-        gamma = (
-            hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop)) >> 8
-        ).to(torch.float32) * (2.0**-24)
+        gamma_key = stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop)
+        gamma = uniform(count, gamma_key, offset=start, device=device)
         if self.config.rounding is Rounding.PATH:
             n, me, cls = ctx.world_size, ctx.hop, 0
         else:
             n, me, cls = ctx.peers, ctx.peer, ctx.depth + 1
         if self.config.rounding is Rounding.INDEPENDENT or n == 1:
             return gamma
+        idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
         # pi: an affine permutation (mult * i + shift) mod n with mult a unit mod n,
         # drawn per entry from a stream shared by the n correlated encoders.
         h = hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16 | cls))
@@ -502,13 +501,8 @@ class DynamiQ(Codec):
             g = torch.nan_to_num(
                 torch.where(Mf > 0, gmax / Mf * 255.0, 0.0), nan=0.0, posinf=0.0, neginf=0.0
             )
-            gi = torch.arange(
-                first_row * (S // s), (first_row + k) * (S // s), dtype=torch.int64, device=dev
-            )
-            us = (
-                hash32(gi, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_SCALE << 16 | ctx.hop))
-                >> 8
-            ).to(torch.float32) * (2.0**-24)
+            scale_key = stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_SCALE << 16 | ctx.hop)
+            us = uniform(k * (S // s), scale_key, offset=first_row * (S // s), device=dev)
             fl = torch.floor(g)
             rG = (
                 (fl + (us.view(k, S // s) < g - fl).to(torch.float32))

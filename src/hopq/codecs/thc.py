@@ -36,7 +36,7 @@ from hopq.codecs.base import (
     view_as_dtype,
 )
 from hopq.codecs.registry import register
-from hopq.numerics.rng import hash32, stream_key
+from hopq.numerics.rng import hash32, stream_key, uniform
 
 #: Stream coordinates of THC's randomness (chunk field; distinct from real chunks).
 SIGN_STREAM, ROUND_STREAM = 0xFFFF0, 0xFFFF1
@@ -165,10 +165,9 @@ class THC(Codec):
         if not math.isfinite(plan.step):  # non-finite input: finish() multiplies by it
             return torch.zeros_like(rot)
         v = rot / plan.step
-        idx = torch.arange(v.numel(), dtype=torch.int64, device=v.device)
-        u = (hash32(idx, stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank)) >> 8).to(
-            torch.float32
-        ) * (2.0**-24)
+        u = uniform(
+            v.numel(), stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank), device=v.device
+        )
         lo = torch.floor(v)
         q = lo + (u < v - lo).to(torch.float32)
         L = self.config.levels
