@@ -141,6 +141,12 @@ class CodecRun:
     evals: list[tuple[float, float]] = field(default_factory=list)
 
 
+def steady(run: CodecRun, field: str) -> float:
+    """Mean of a StepRecord field over the steps after the first (warm-up) one."""
+    tail = run.steps[1:] or run.steps
+    return sum(getattr(s, field) for s in tail) / len(tail)
+
+
 def _evaluate(model: nn.Module, w: Workload, rank: int, n: int) -> float:
     """Held-out loss; ranks split the evaluation batches and sum."""
     model.eval()
@@ -242,9 +248,8 @@ def _calibrate_worker(rank: int, n: int, o: TrainOptions) -> tuple[float, float]
     """bf16 on loopback for a few steps: (compute seconds per step, bytes per rank per step)."""
     short = TrainOptions(**{**asdict(o), "steps": 4, "eval_every": 1 << 30, "vnmse_every": 0})
     run = worker(rank, n, short, "bf16")
-    tail = run.steps[1:] or run.steps
-    compute = sum(s.compute_s + s.codec_s for s in tail) / len(tail)
-    sent = sum(s.bytes for s in tail) / len(tail)
+    compute = steady(run, "compute_s") + steady(run, "codec_s")
+    sent = steady(run, "bytes")
     t = torch.tensor([compute, sent], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0]), float(t[1])
@@ -282,10 +287,9 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     names = [r.codec for r in runs]
     parts: dict[str, list[float]] = {"compute": [], "compression": [], "exposed communication": []}
     for r in runs:
-        tail = r.steps[1:] or r.steps
-        parts["compute"].append(sum(s.compute_s for s in tail) / len(tail))
-        parts["compression"].append(sum(s.codec_s for s in tail) / len(tail))
-        parts["exposed communication"].append(sum(s.comm_s for s in tail) / len(tail))
+        parts["compute"].append(steady(r, "compute_s"))
+        parts["compression"].append(steady(r, "codec_s"))
+        parts["exposed communication"].append(steady(r, "comm_s"))
     bottom = [0.0] * len(runs)
     for label, vals in parts.items():
         ax.bar(names, vals, bottom=bottom, label=label)
@@ -320,8 +324,6 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
     t_base = {f: time_to_target(base, final * f) for f in targets}
     rows = []
     for r in runs:
-        tail = r.steps[1:] or r.steps
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
         ttt = []
         for f in targets:
             t = time_to_target(r, final * f)
@@ -338,13 +340,13 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                 f"{r.evals[-1][1]:.4f}",
                 f"{(r.evals[-1][1] / final - 1) * 100:+.2f}%",
                 *ttt,
-                f"{mean([s.step_s for s in tail]):.3f}",
-                f"{mean([s.compute_s for s in tail]):.3f}",
-                f"{mean([s.codec_s for s in tail]):.3f}",
-                f"{mean([s.comm_s for s in tail]):.3f}",
-                f"{mean([s.bytes for s in tail]) / 1e6:.3f}",
-                f"{mean([s.bits_per_coord for s in tail]):.2f}",
-                f"{mean(vn):.2e}" if vn else "n/a",
+                f"{steady(r, 'step_s'):.3f}",
+                f"{steady(r, 'compute_s'):.3f}",
+                f"{steady(r, 'codec_s'):.3f}",
+                f"{steady(r, 'comm_s'):.3f}",
+                f"{steady(r, 'bytes') / 1e6:.3f}",
+                f"{steady(r, 'bits_per_coord'):.2f}",
+                f"{sum(vn) / len(vn):.2e}" if vn else "n/a",
             ]
         )
     table = markdown_table(
@@ -368,8 +370,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
     plots = _plots(runs, folder)
     share = []
     for r in runs:
-        tail = r.steps[1:] or r.steps
-        share.append(f"{r.codec} {sum(s.comm_s for s in tail) / sum(s.step_s for s in tail):.0%}")
+        share.append(f"{r.codec} {steady(r, 'comm_s') / steady(r, 'step_s'):.0%}")
     text = "\n".join(
         [
             f"# hopq train: {o.workload}, {o.world_size} workers, {o.topology}, {o.steps} steps",
