@@ -102,6 +102,17 @@ class Scales(str, Enum):
     FULL = "full"  # a bfloat16 scale per group (ablation)
 
 
+class Backend(str, Enum):
+    #: Triton kernels for CUDA tensors when Triton is installed, the numba kernels
+    #: for CPU tensors when numba is installed, the reference otherwise.
+    AUTO = "auto"
+    REFERENCE = "reference"
+    #: hopq.kernels.dynamiq (CUDA tensors; on CPU only under TRITON_INTERPRET=1).
+    TRITON = "triton"
+    #: hopq.kernels.dynamiq_cpu (CPU tensors, numba).
+    CPU = "cpu"
+
+
 class Rounding(str, Enum):
     #: Correlated among the encoders of a chunk at equal tree depth (disjoint
     #: subtrees); unbiased. On a ring every depth has one encoder: independent.
@@ -128,6 +139,8 @@ class DynamiQConfig(CodecConfig):
     zero_class: bool = False
     #: eps per width, as ((width, eps), ...); None: DEFAULT_EPS.
     eps: tuple[tuple[int, float], ...] | None = None
+    #: Which implementation runs encode/decode; all produce the same bits.
+    backend: Backend = Backend.AUTO
 
     def __post_init__(self) -> None:
         enums: dict[str, type[Enum]] = {
@@ -135,6 +148,7 @@ class DynamiQConfig(CodecConfig):
             "levels": Levels,
             "scales": Scales,
             "rounding": Rounding,
+            "backend": Backend,
         }
         for name, enum in enums.items():
             try:
@@ -455,27 +469,99 @@ class DynamiQ(Codec):
         return out.reshape(-1)[: plan.numel]
 
     # -- quantization ------------------------------------------------------
-    def _uniforms(
-        self, plan: DynamiQPlan, ctx: HopContext, start: int, count: int, device: torch.device
-    ) -> torch.Tensor:
-        """u for the entries [start, start + count) of the working vector."""
-        gamma_key = stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop)
-        gamma = uniform(count, gamma_key, offset=start, device=device)
+    def _streams(self, ctx: HopContext) -> dict[str, object]:
+        """The random streams of one encoding (module docstring): keys and the
+        correlated-rounding class (peers = 1: independent rounding)."""
         if self.config.rounding is Rounding.PATH:
             n, me, cls = ctx.world_size, ctx.hop, 0
         else:
             n, me, cls = ctx.peers, ctx.peer, ctx.depth + 1
-        if self.config.rounding is Rounding.INDEPENDENT or n == 1:
+        if self.config.rounding is Rounding.INDEPENDENT:
+            n, me = 1, 0
+        return {
+            "gamma_key": stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop),
+            "perm_key": stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16 | cls),
+            "peers": n,
+            "peer": me,
+            "units": tuple(_units(n)),
+            "scale_key": stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_SCALE << 16 | ctx.hop),
+        }
+
+    def _uniforms(
+        self, plan: DynamiQPlan, ctx: HopContext, start: int, count: int, device: torch.device
+    ) -> torch.Tensor:
+        """u for the entries [start, start + count) of the working vector."""
+        st = self._streams(ctx)
+        gamma = uniform(count, st["gamma_key"], offset=start, device=device)  # type: ignore[arg-type]
+        n, me = int(st["peers"]), int(st["peer"])  # type: ignore[call-overload]
+        if n == 1:
             return gamma
         idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
         # pi: an affine permutation (mult * i + shift) mod n with mult a unit mod n,
         # drawn per entry from a stream shared by the n correlated encoders.
-        h = hash32(idx, stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16 | cls))
-        units = torch.tensor(_units(n), dtype=torch.int64, device=device)
+        h = hash32(idx, st["perm_key"])  # type: ignore[arg-type]
+        units = torch.tensor(st["units"], dtype=torch.int64, device=device)
         mult = units[(h >> 16) % units.numel()]
         shift = (h & 0xFFFF) % n
         pi = (mult * me + shift) % n
         return (pi.to(torch.float32) + gamma) / float(n)
+
+    # -- backends ----------------------------------------------------------
+    def _kernels(self, device: torch.device):  # type: ignore[no-untyped-def]
+        """The kernel module that runs this device's segments, or None for the
+        reference (see :class:`Backend`)."""
+        cfg = self.config
+        b = cfg.backend
+        if b is Backend.REFERENCE:
+            return None
+        supported = cfg.scales is Scales.HIERARCHICAL
+        if b is Backend.AUTO:
+            if not supported:
+                return None
+            if device.type == "cuda":
+                from hopq.kernels import dynamiq as tk
+
+                return tk if tk.available() else None
+            if device.type == "cpu":
+                from hopq.kernels import dynamiq_cpu as ck
+
+                return ck if ck.available() else None
+            return None
+        if not supported:
+            raise ValueError(f"dynamiq: backend {b.value!r} needs scales='hierarchical'")
+        if b is Backend.CPU:
+            from hopq.kernels import dynamiq_cpu as ck
+
+            if not ck.available():
+                raise RuntimeError("dynamiq: backend 'cpu' needs numba (pip install hopq[cpu])")
+            if device.type != "cpu":
+                raise ValueError(f"dynamiq: backend 'cpu' runs on CPU tensors, got {device}")
+            return ck
+        from hopq.kernels import dynamiq as tk
+
+        if not tk.available():
+            raise RuntimeError("dynamiq: backend 'triton' needs triton (pip install hopq[triton])")
+        if device.type != "cuda" and not tk.interpreting():
+            raise ValueError(
+                f"dynamiq: backend 'triton' runs on CUDA tensors (or with TRITON_INTERPRET=1), got {device}"
+            )
+        return tk
+
+    def _run_segment(  # type: ignore[no-untyped-def]
+        self, kern, mode: int, sg: Segment, ctx: HopContext, **tensors: torch.Tensor | None
+    ) -> None:
+        cfg = self.config
+        kern.run_segment(
+            mode,
+            sg.width,
+            sg.hi - sg.lo,
+            cfg.supergroup_size,
+            cfg.group_size,
+            sg.lo,
+            eps=cfg.eps_for(sg.width),
+            **tensors,
+            **self._streams(ctx),
+        )
 
     def _encode_rows(
         self, plan: DynamiQPlan, rows: torch.Tensor, w: int, first_row: int, ctx: HopContext
@@ -553,6 +639,85 @@ class DynamiQ(Codec):
         return plan, segs, lo
 
     def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        kern = self._kernels(chunk.device)
+        if kern is None:
+            return self._encode_reference(plan, chunk, ctx)
+        return self._kernel_encode(kern, plan, None, chunk, ctx)
+
+    def _kernel_encode(  # type: ignore[no-untyped-def]
+        self, kern, plan: Plan, payload: torch.Tensor | None, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        """ENCODE (payload None) or the fused DAR through a kernel module."""
+        p, segs, lo = self._segments(plan, ctx)
+        S = self.config.supergroup_size
+        out = torch.empty(p.payload_nbytes[ctx.chunk], dtype=torch.uint8, device=local.device)
+        if payload is not None:
+            check_payload(payload, p.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload")
+        for sg in segs:
+            if sg.width == 0:
+                continue
+            a, b = (sg.lo - lo) * S, (sg.hi - lo) * S
+            self._run_segment(
+                kern,
+                kern.ENCODE if payload is None else kern.DAR,
+                sg,
+                ctx,
+                payload=None if payload is None else payload[sg.offset : sg.offset + sg.nbytes],
+                local=local[a:b],
+                out_rows=None,
+                out_payload=out[sg.offset : sg.offset + sg.nbytes],
+            )
+        return out
+
+    def _kernel_decode(  # type: ignore[no-untyped-def]
+        self, kern, mode: int, plan: Plan, payload: torch.Tensor, out: torch.Tensor, ctx: HopContext
+    ) -> None:
+        p, segs, lo = self._segments(plan, ctx)
+        check_payload(payload, p.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload")
+        S = self.config.supergroup_size
+        for sg in segs:
+            a, b = (sg.lo - lo) * S, (sg.hi - lo) * S
+            if sg.width == 0:
+                if mode == kern.DECODE:
+                    out[a:b] = 0
+                continue
+            self._run_segment(
+                kern,
+                mode,
+                sg,
+                ctx,
+                payload=payload[sg.offset : sg.offset + sg.nbytes],
+                local=out[a:b] if mode == kern.DECODE_ACC else None,
+                out_rows=out[a:b],
+                out_payload=None,
+            )
+
+    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        kern = self._kernels(out.device)
+        if kern is None:
+            self._decode_reference(plan, payload, ctx, out)
+        else:
+            self._kernel_decode(kern, kern.DECODE, plan, payload, out, ctx)
+
+    def decode_accumulate(
+        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        kern = self._kernels(acc.device)
+        if kern is None:
+            super().decode_accumulate(plan, payload, acc, ctx)
+        else:
+            self._kernel_decode(kern, kern.DECODE_ACC, plan, payload, acc, ctx)
+
+    def decode_accumulate_encode(
+        self, plan: Plan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        kern = self._kernels(local.device)
+        if kern is None:
+            return super().decode_accumulate_encode(plan, payload, local, ctx)
+        return self._kernel_encode(kern, plan, payload, local, ctx)
+
+    # -- the reference -----------------------------------------------------
+    def _encode_reference(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         p, segs, lo = self._segments(plan, ctx)
         S = self.config.supergroup_size
         rows = chunk.view(-1, S)
@@ -568,7 +733,9 @@ class DynamiQ(Codec):
             raise AssertionError("dynamiq: encoded size differs from the plan")
         return out
 
-    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+    def _decode_reference(
+        self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None:
         p, segs, lo = self._segments(plan, ctx)
         check_payload(payload, p.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload")
         S = self.config.supergroup_size

@@ -1,0 +1,335 @@
+"""DynamiQ's fused CPU kernels (numba): the same bits as the PyTorch reference.
+
+The reference (``hopq.codecs.dynamiq``) is a chain of tensor operations, each of
+which reads and writes the whole chunk; on a CPU worker that costs ~75 ns per
+coordinate for the fused hop. These kernels walk one super-group at a time
+(256 entries stay in L1) and do decode, accumulate and encode in one pass:
+
+* ``ENCODE``: local rows -> segment bytes (the leaf);
+* ``DECODE``: segment bytes -> rows (the all-gather receive);
+* ``DECODE_ACC``: rows += decode(bytes);
+* ``DAR``: bytes, local rows -> bytes of decode(bytes) + local (the fused hop).
+
+Every float operation is the reference's float32 operation in the reference's
+order (numba without ``fastmath`` keeps IEEE semantics: no reassociation, no
+fused multiply-add), the hash is the same lowbias32, and the level search finds
+the reference's ``searchsorted`` index exactly: a bucket table gives a start at
+most two levels below the answer, two compare-and-step moves finish it
+(:func:`search_tables` checks that two suffice for the table at hand).
+``tests/test_kernels.py`` holds them to the reference bit for bit.
+
+numba is optional (``pip install hopq[cpu]``); without it the codec runs the
+reference. The first call compiles (a few seconds, cached on disk afterwards).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from hopq.numerics.levels import level_table
+from hopq.numerics.rng import M1, M2
+
+ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3
+#: Buckets of the level search start here and double until two steps suffice.
+_MIN_BUCKETS = 256
+
+
+def available() -> bool:
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@lru_cache(maxsize=64)
+def search_tables(width: int, eps: float) -> tuple[np.ndarray, np.ndarray, int]:
+    """(levels + [inf], bucket start levels, log2 of the bucket count) for ``width``.
+
+    ``bucket[b]`` is the last level ``r <= top - 1`` with ``table[r] <= b / NB``; for
+    any ``y`` in bucket ``b`` the answer ``clamp(searchsorted(table, y, right) - 1,
+    0, top - 1)`` lies in ``bucket[b] .. bucket[b] + 2``."""
+    table = level_table(width, eps).numpy()
+    top = table.size - 1
+    ext = np.append(table, np.float32(np.inf)).astype(np.float32)
+    nb_log = _MIN_BUCKETS.bit_length() - 1
+    while True:
+        nb = 1 << nb_log
+        edges = (np.arange(nb + 1, dtype=np.float64) / nb).astype(np.float32)  # exact
+        first = np.clip(np.searchsorted(table, edges, side="right") - 1, 0, top - 1)
+        # the answer for y in [edge b, edge b+1) is at most first[b + 1]
+        if int((first[1:] - first[:-1]).max(initial=0)) <= 2:
+            return ext, first[:-1].astype(np.int32), nb_log
+        nb_log += 1
+        if nb_log > 20:
+            raise ValueError(f"level table of width {width} (eps {eps}) is too uneven")
+
+
+def _build():  # type: ignore[no-untyped-def]
+    """Compile-on-first-use kernels; the width is a compile-time constant of each
+    (one specialised function per width), so unpacking and packing unroll."""
+    from numba import njit
+
+    MASK = np.uint64(0xFFFFFFFF)
+    U16, U15, U8 = np.uint64(16), np.uint64(15), np.uint64(8)
+    ABS = np.int32(0x7FFFFFFF)
+
+    @njit(inline="always")
+    def mix(x):  # type: ignore[no-untyped-def]
+        x = x ^ (x >> U16)
+        x = (x * np.uint64(M1)) & MASK
+        x = x ^ (x >> U15)
+        x = (x * np.uint64(M2)) & MASK
+        return x ^ (x >> U16)
+
+    @njit(inline="always")
+    def hash32(i, k0, k1):  # type: ignore[no-untyped-def]
+        return mix(mix(np.uint64(i) ^ k0) ^ k1)
+
+    @njit(inline="always")
+    def uniform(i, k0, k1):  # type: ignore[no-untyped-def]
+        return np.float32(hash32(i, k0, k1) >> U8) * np.float32(2.0**-24)
+
+    @njit(inline="always")
+    def uniforms(ubuf, first, g0, g1, p0, p1, n, me, units):  # type: ignore[no-untyped-def]
+        """u of the reference's _uniforms for entries first .. first + len(ubuf)."""
+        for j in range(ubuf.size):
+            ubuf[j] = uniform(first + j, g0, g1)
+        if n > 1:
+            un = np.uint64(n)
+            nu = np.uint64(units.size)
+            fn = np.float32(n)
+            for j in range(ubuf.size):
+                h = hash32(first + j, p0, p1)
+                mult = np.uint64(units[(h >> U16) % nu])
+                pi = (mult * np.uint64(me) + (h & np.uint64(0xFFFF)) % un) % un
+                ubuf[j] = (np.float32(pi) + ubuf[j]) / fn
+
+    @njit(inline="always")
+    def impl(
+        w, mode, k, S, s, row0, inb, local, outf, outb,
+        gk, pk, n, me, units, sk, tab, bucket, nb_log,
+    ):  # type: ignore[no-untyped-def]  # fmt: skip
+        top = 1 << (w - 1)
+        mask = (1 << w) - 1
+        per_log = 0 if w == 8 else (1 if w == 4 else 2)
+        per = 1 << per_log
+        ng = S // s
+        code_bytes = (S * w) >> 3
+        codes_at = 2 * k + k * ng
+        nbm = np.int32((1 << nb_log) - 1)
+        fnb = np.float32(1 << nb_log)
+        g0, g1 = np.uint64(gk[0]), np.uint64(gk[1])
+        p0, p1 = np.uint64(pk[0]), np.uint64(pk[1])
+        s0, s1 = np.uint64(sk[0]), np.uint64(sk[1])
+        zero = np.float32(0.0)
+        f255 = np.float32(255.0)
+        tm = np.int32(top - 1)
+        buf = np.empty(S, np.float32)
+        bufi = buf.view(np.int32)
+        ubuf = np.empty(S, np.float32)
+        ybuf = np.empty(S, np.float32)
+        lob = np.empty(S, np.float32)
+        db = np.empty(S, np.float32)
+        lvb = np.empty(S, np.int32)
+        codes = np.empty(S, np.int32)
+        gmi = np.empty(ng, np.int32)
+        gmax = gmi.view(np.float32)
+        sc = np.empty(1, np.int32)
+        scf = sc.view(np.float32)
+        dtab = np.empty(top + 1, np.float32)
+        for i in range(top + 1):
+            dtab[i] = tab[i + 1] - tab[i]  # the reference's hi - lo
+        for r in range(k):
+            R = row0 + r
+            base = r * S
+            if mode != ENCODE:
+                # -- decode (+ accumulate) ------------------------------------
+                sc[0] = np.int32((np.int32(inb[2 * r]) | (np.int32(inb[2 * r + 1]) << 8)) << 16)
+                M = scf[0]
+                cb = codes_at + r * code_bytes
+                for gi in range(ng):
+                    sf = np.float32(inb[2 * k + r * ng + gi]) * M / f255
+                    for t in range(s):
+                        j = gi * s + t
+                        c = (np.int32(inb[cb + (j >> per_log)]) >> ((j & (per - 1)) * w)) & mask
+                        mag = tab[c & (top - 1)] * sf
+                        buf[j] = -mag if c >= top else mag
+                if mode == DECODE:
+                    for j in range(S):
+                        outf[base + j] = buf[j]
+                    continue
+                for j in range(S):
+                    buf[j] = local[base + j] + buf[j]
+                if mode == DECODE_ACC:
+                    for j in range(S):
+                        outf[base + j] = buf[j]
+                    continue
+            else:
+                for j in range(S):
+                    buf[j] = local[base + j]
+            # -- encode: scales. Maxima of |x| on the bit patterns (same order as
+            # the floats for x >= 0; a NaN's pattern tops them all, like amax).
+            mi = np.int32(0)
+            for gi in range(ng):
+                gm = np.int32(0)
+                for t in range(s):
+                    gm = max(gm, bufi[gi * s + t] & ABS)
+                gmi[gi] = gm
+                mi = max(mi, gm)
+            mb = (np.int64(mi) + 0xFFFF) >> 16  # round_up_bf16
+            sc[0] = np.int32((mb & 0xFFFF) << 16)
+            Mf = scf[0]
+            outb[2 * r] = np.uint8(mb & 0xFF)
+            outb[2 * r + 1] = np.uint8((mb >> 8) & 0xFF)
+            for gi in range(ng):
+                g = gmax[gi] / Mf * f255 if Mf > zero else zero
+                if not (abs(g) < np.float32(np.inf)):  # nan_to_num
+                    g = zero
+                us = uniform(R * ng + gi, s0, s1)
+                fl = np.floor(g)
+                q = fl + (np.float32(1.0) if us < g - fl else zero)
+                outb[2 * k + r * ng + gi] = np.uint8(min(max(q, zero), f255))
+            # -- encode: entries --------------------------------------------
+            uniforms(ubuf, R * S, g0, g1, p0, p1, n, me, units)
+            for gi in range(ng):
+                gm = gmax[gi]
+                for t in range(s):
+                    j = gi * s + t
+                    ybuf[j] = abs(buf[j]) / gm if gm > zero else zero
+            if top == 1:  # levels {0, 1}: p = (y - 0) / (1 - 0) = y
+                for j in range(S):
+                    codes[j] = np.int32(ubuf[j] < ybuf[j]) | (np.int32(buf[j] < zero) << (w - 1))
+            else:
+                for j in range(S):  # the level search (scalar: gathers)
+                    y = ybuf[j]
+                    isnum = y == y
+                    b = min(np.int32((y if isnum else zero) * fnb), nbm)
+                    lv = bucket[b]
+                    lv += np.int32(tab[lv + 1] <= y)
+                    lv += np.int32(tab[lv + 1] <= y)
+                    lv = min(lv, tm) if isnum else tm
+                    lvb[j] = lv
+                    lob[j] = tab[lv]
+                    db[j] = dtab[lv]
+                for j in range(S):
+                    p = (ybuf[j] - lob[j]) / db[j]
+                    codes[j] = (lvb[j] + np.int32(ubuf[j] < p)) | (
+                        np.int32(buf[j] < zero) << (w - 1)
+                    )
+            cb = codes_at + r * code_bytes
+            for o in range(code_bytes):
+                acc = np.int32(0)
+                for t in range(per):
+                    acc |= codes[o * per + t] << (t * w)
+                outb[cb + o] = np.uint8(acc & 0xFF)
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def segment2(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log):  # type: ignore[no-untyped-def]  # fmt: skip
+        impl(2, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log)  # fmt: skip
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def segment4(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log):  # type: ignore[no-untyped-def]  # fmt: skip
+        impl(4, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log)  # fmt: skip
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def segment8(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log):  # type: ignore[no-untyped-def]  # fmt: skip
+        impl(8, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log)  # fmt: skip
+
+    @njit(nogil=True, cache=True, boundscheck=False)
+    def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):  # type: ignore[no-untyped-def]
+        g0, g1 = np.uint64(gk[0]), np.uint64(gk[1])
+        p0, p1 = np.uint64(pk[0]), np.uint64(pk[1])
+        xs = np.empty(k * S, np.float32)
+        xi = xs.view(np.int32)
+        ubuf = np.empty(k * S, np.float32)
+        if mode != ENCODE:
+            vi = np.empty(k * S, np.int32)
+            for i in range(k * S):
+                vi[i] = np.int32((np.int32(inb[2 * i]) | (np.int32(inb[2 * i + 1]) << 8)) << 16)
+            v = vi.view(np.float32)
+            if mode == DECODE:
+                for i in range(k * S):
+                    outf[i] = v[i]
+                return
+            for i in range(k * S):
+                xs[i] = local[i] + v[i]
+            if mode == DECODE_ACC:
+                for i in range(k * S):
+                    outf[i] = xs[i]
+                return
+        else:
+            for i in range(k * S):
+                xs[i] = local[i]
+        uniforms(ubuf, row0 * S, g0, g1, p0, p1, n, me, units)
+        for i in range(k * S):
+            # bf16 rounded up with probability (low 16 bits) / 2^16, on the bits
+            up = (np.int64(xi[i]) + np.int64(ubuf[i] * np.float32(65536.0))) >> 16
+            outb[2 * i] = np.uint8(up & 0xFF)
+            outb[2 * i + 1] = np.uint8((up >> 8) & 0xFF)
+
+    return {2: segment2, 4: segment4, 8: segment8, 16: segment16}
+
+
+_kernels = None
+
+
+def _get():  # type: ignore[no-untyped-def]
+    global _kernels
+    if _kernels is None:
+        _kernels = _build()
+    return _kernels
+
+
+@lru_cache(maxsize=64)
+def _units_array(units: tuple[int, ...]) -> np.ndarray:
+    return np.array(units, np.int64)
+
+
+_EMPTY_U8 = np.empty(0, np.uint8)
+_EMPTY_F32 = np.empty(0, np.float32)
+
+
+def run_segment(
+    mode: int,
+    width: int,
+    rows: int,
+    S: int,
+    s: int,
+    row0: int,
+    *,
+    payload: torch.Tensor | None,
+    local: torch.Tensor | None,
+    out_rows: torch.Tensor | None,
+    out_payload: torch.Tensor | None,
+    gamma_key: tuple[int, int],
+    perm_key: tuple[int, int],
+    peers: int,
+    peer: int,
+    units: tuple[int, ...],
+    scale_key: tuple[int, int],
+    eps: float,
+) -> None:
+    """One width-uniform segment of ``rows`` super-groups (see the module docstring
+    for the modes). Tensors are contiguous CPU tensors: ``payload``/``out_payload``
+    uint8 (the segment's bytes), ``local``/``out_rows`` float32 of rows * S."""
+    kern = _get()
+    inb = payload.numpy() if payload is not None else _EMPTY_U8
+    loc = local.numpy() if local is not None else _EMPTY_F32
+    outf = out_rows.numpy() if out_rows is not None else _EMPTY_F32
+    outb = out_payload.numpy() if out_payload is not None else _EMPTY_U8
+    gk = np.array(gamma_key, np.uint64)
+    pk = np.array(perm_key, np.uint64)
+    un = _units_array(units)
+    if width == 16:
+        kern[16](mode, rows, S, row0, inb, loc, outf, outb, gk, pk, peers, peer, un)
+        return
+    tab, bucket, nb_log = search_tables(width, eps)
+    sk = np.array(scale_key, np.uint64)
+    kern[width](
+        mode, rows, S, s, row0, inb, loc, outf, outb,
+        gk, pk, peers, peer, un, sk, tab, bucket, nb_log,
+    )  # fmt: skip
