@@ -69,6 +69,7 @@ from hopq.errors import PayloadError
 from hopq.numerics.bitpack import pack_bits, unpack_bits
 from hopq.numerics.fp_formats import round_up_bf16
 from hopq.numerics.levels import level_table, stochastic_level
+from hopq.numerics.reduce import tree_sum
 from hopq.numerics.rng import hash32, stream_key, uniform
 
 SUPPORTED_WIDTHS = (2, 4, 8, 16)
@@ -256,16 +257,21 @@ class DynamiQ(Codec):
         S = cfg.supergroup_size
         d = x.numel()
         m = -(-d // S)
-        xs = self._padded(x, m)
-        counts = torch.full((m,), float(S), device=xs.device)
-        if m and d % S:
-            counts[-1] = d % S
-        local_mean = xs.sum(1) / counts
-        sq = xs.square().sum(1)
-        # F must stay > 0 whenever an entry is non-zero (the zero class is lossless):
-        # squares of tiny entries underflow, so floor F at the smallest normal.
-        nonzero = xs.ne(0).any(1)
-        sq = torch.where(nonzero & (sq == 0), torch.finfo(torch.float32).smallest_normal, sq)
+        kern = self._kernels(x.device)
+        if kern is not None and hasattr(kern, "supergroup_stats"):  # the same bits, fused
+            local_mean, sq = kern.supergroup_stats(x.reshape(-1).to(torch.float32), S)
+        else:
+            xs = self._padded(x, m)
+            counts = torch.full((m,), float(S), device=xs.device)
+            if m and d % S:
+                counts[-1] = d % S
+            local_mean = tree_sum(xs) / counts
+            sq = tree_sum(xs.square())
+            # F must stay > 0 whenever an entry is non-zero (the zero class is
+            # lossless): squares of tiny entries underflow, so floor F at the
+            # smallest normal.
+            nonzero = xs.ne(0).any(1)
+            sq = torch.where(nonzero & (sq == 0), torch.finfo(torch.float32).smallest_normal, sq)
         local = torch.stack([local_mean, sq]).to(torch.bfloat16)
         glob = stats.all_reduce(local, "sum").float()
         mu = glob[0] / stats.world_size

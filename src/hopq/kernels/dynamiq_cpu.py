@@ -29,12 +29,10 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from hopq.numerics.levels import level_table
+from hopq.numerics.levels import search_tables
 from hopq.numerics.rng import M1, M2
 
 ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3
-#: Buckets of the level search start here and double until two steps suffice.
-_MIN_BUCKETS = 256
 
 
 def available() -> bool:
@@ -46,26 +44,9 @@ def available() -> bool:
 
 
 @lru_cache(maxsize=64)
-def search_tables(width: int, eps: float) -> tuple[np.ndarray, np.ndarray, int]:
-    """(levels + [inf], bucket start levels, log2 of the bucket count) for ``width``.
-
-    ``bucket[b]`` is the last level ``r <= top - 1`` with ``table[r] <= b / NB``; for
-    any ``y`` in bucket ``b`` the answer ``clamp(searchsorted(table, y, right) - 1,
-    0, top - 1)`` lies in ``bucket[b] .. bucket[b] + 2``."""
-    table = level_table(width, eps).numpy()
-    top = table.size - 1
-    ext = np.append(table, np.float32(np.inf)).astype(np.float32)
-    nb_log = _MIN_BUCKETS.bit_length() - 1
-    while True:
-        nb = 1 << nb_log
-        edges = (np.arange(nb + 1, dtype=np.float64) / nb).astype(np.float32)  # exact
-        first = np.clip(np.searchsorted(table, edges, side="right") - 1, 0, top - 1)
-        # the answer for y in [edge b, edge b+1) is at most first[b + 1]
-        if int((first[1:] - first[:-1]).max(initial=0)) <= 2:
-            return ext, first[:-1].astype(np.int32), nb_log
-        nb_log += 1
-        if nb_log > 20:
-            raise ValueError(f"level table of width {width} (eps {eps}) is too uneven")
+def _np_tables(width: int, eps: float) -> tuple[np.ndarray, np.ndarray, int]:
+    ext, bucket, nb_log = search_tables(width, eps)
+    return ext.numpy(), bucket.numpy(), nb_log
 
 
 def _build():  # type: ignore[no-untyped-def]
@@ -327,7 +308,7 @@ def run_segment(
     if width == 16:
         kern[16](mode, rows, S, row0, inb, loc, outf, outb, gk, pk, peers, peer, un)
         return
-    tab, bucket, nb_log = search_tables(width, eps)
+    tab, bucket, nb_log = _np_tables(width, eps)
     sk = np.array(scale_key, np.uint64)
     kern[width](
         mode, rows, S, s, row0, inb, loc, outf, outb,

@@ -1,0 +1,353 @@
+"""DynamiQ's Triton kernels (seed 000, section 4): the same bits as the reference.
+
+One program per super-group of a width-uniform segment (the reorder puts every
+chunk in a few such runs), so a super-group's S entries live in registers:
+
+* ``compress`` (ENCODE: local rows -> segment bytes),
+* ``decompress`` (DECODE: bytes -> rows, the all-gather receive),
+* ``decompress_accumulate`` (DECODE_ACC: rows += decode(bytes)),
+* ``decompress_accumulate_recompress`` (DAR, the fused hop: the received partial
+  sum is decoded, the local chunk added and the sum re-encoded without leaving
+  registers; each local coordinate is read once),
+* the statistics pre-pass (per super-group mean and sum of squares, the
+  reference's pairwise tree order, :func:`hopq.numerics.reduce.tree_sum`).
+
+Group and super-group maxima are in-register reductions over the bit patterns
+of |x| (their order is the floats' order; a NaN's pattern tops them all, which is
+how the reference's ``amax`` propagates it). Divisions use ``tl.div_rn``
+(correctly rounded, as the reference), kernels launch with fp fusion off (no
+multiply-add contraction), and the hash is lowbias32 in native uint32.
+
+Under ``TRITON_INTERPRET=1`` (set before this module is imported) they run on
+CPU tensors; that is how CI checks them against the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from functools import lru_cache
+
+import torch
+
+from hopq.numerics.levels import search_tables
+from hopq.numerics.rng import M1, M2
+
+ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None  # type: ignore[assignment]
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix(x):  # type: ignore[no-untyped-def]
+        x = x ^ (x >> 16)
+        x = x * M1
+        x = x ^ (x >> 15)
+        x = x * M2
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _hash(i, k0, k1):  # type: ignore[no-untyped-def]
+        return _mix(_mix(i ^ k0) ^ k1)
+
+    @triton.jit
+    def _uniform(i, k0, k1):  # type: ignore[no-untyped-def]
+        return (_hash(i, k0, k1) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
+
+    @triton.jit
+    def _entry_uniforms(idx, g0, g1, p0, p1, n, me, units, nu, CORR: tl.constexpr):  # type: ignore[no-untyped-def]
+        u = _uniform(idx, g0, g1)
+        if CORR:
+            h = _hash(idx, p0, p1)
+            un = n.to(tl.uint32)
+            mult = tl.load(units + ((h >> 16) % nu.to(tl.uint32))).to(tl.uint32)
+            pi = (mult * me.to(tl.uint32) + (h & 0xFFFF) % un) % un
+            u = tl.div_rn(pi.to(tl.float32) + u, n.to(tl.float32))
+        return u
+
+    @triton.jit
+    def _decode_sg(  # type: ignore[no-untyped-def]
+        inb, r, k, j, gidx, tab,
+        NG: tl.constexpr, TOP: tl.constexpr, PER: tl.constexpr, CODE_BYTES: tl.constexpr,
+        W: tl.constexpr,
+    ):  # fmt: skip  # type: ignore[no-untyped-def]
+        """Decoded entries [NG, G] of super-group r of a segment of k."""
+        b0 = tl.load(inb + 2 * r).to(tl.int32)
+        b1 = tl.load(inb + 2 * r + 1).to(tl.int32)
+        M = ((b0 | (b1 << 8)) << 16).to(tl.float32, bitcast=True)
+        rg = tl.load(inb + 2 * k + r * NG + gidx).to(tl.float32)
+        sf = tl.div_rn(rg * M, 255.0)
+        byte = tl.load(inb + 2 * k + k * NG + r * CODE_BYTES + j // PER).to(tl.int32)
+        c = (byte >> ((j % PER) * W)) & ((1 << W) - 1)
+        mag = tl.load(tab + (c & (TOP - 1))) * sf[:, None]
+        return tl.where(c >= TOP, -mag, mag)
+
+    @triton.jit(do_not_specialize=["row0", "g0", "g1", "p0", "p1", "n", "me", "nu", "s0", "s1"])
+    def _segment_kernel(  # type: ignore[no-untyped-def]
+        inb, local, outf, outb, units, tab, dtab, bucket,
+        k, row0, g0, g1, p0, p1, n, me, nu, s0, s1,
+        W: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
+        NB_LOG: tl.constexpr, CORR: tl.constexpr,
+    ):  # fmt: skip
+        NG: tl.constexpr = S // G
+        TOP: tl.constexpr = 1 << (W - 1)
+        PER: tl.constexpr = 8 // W
+        CODE_BYTES: tl.constexpr = S * W // 8
+        r = tl.program_id(0)
+        gidx = tl.arange(0, NG)
+        j = gidx[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G]
+        if MODE == DECODE:
+            v = _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
+            tl.store(outf + r * S + j, v)
+        elif MODE == DECODE_ACC:
+            v = _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
+            tl.store(outf + r * S + j, tl.load(local + r * S + j) + v)
+        else:
+            x = tl.load(local + r * S + j)
+            if MODE == DAR:
+                x = x + _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
+            _encode_sg(
+                x, outb, r, k, row0 + r, j, gidx, units, tab, dtab, bucket,
+                g0.to(tl.uint32), g1.to(tl.uint32), p0.to(tl.uint32), p1.to(tl.uint32),
+                n, me, nu, s0.to(tl.uint32), s1.to(tl.uint32),
+                W, S, NG, TOP, PER, CODE_BYTES, NB_LOG, CORR,
+            )  # fmt: skip
+
+    @triton.jit
+    def _encode_sg(  # type: ignore[no-untyped-def]
+        x, outb, r, k, R, j, gidx, units, tab, dtab, bucket,
+        g0, g1, p0, p1, n, me, nu, s0, s1,
+        W: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, TOP: tl.constexpr,
+        PER: tl.constexpr, CODE_BYTES: tl.constexpr, NB_LOG: tl.constexpr, CORR: tl.constexpr,
+    ):  # fmt: skip
+        """Encode super-group r (row R of the working vector) from x [NG, G]."""
+        codes_at = 2 * k + k * NG
+        # scales: maxima on the bit patterns of |x|
+        ai = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        gmi = tl.max(ai, axis=1)
+        mi = tl.max(gmi, axis=0)
+        mb = (mi.to(tl.int64) + 0xFFFF) >> 16  # round_up_bf16
+        Mf = ((mb & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
+        tl.store(outb + 2 * r, (mb & 0xFF).to(tl.uint8))
+        tl.store(outb + 2 * r + 1, ((mb >> 8) & 0xFF).to(tl.uint8))
+        gmax = gmi.to(tl.float32, bitcast=True)
+        g = tl.where(Mf > 0.0, tl.div_rn(gmax, Mf) * 255.0, 0.0)
+        g = tl.where(tl.abs(g) < float("inf"), g, 0.0)  # nan_to_num
+        us = _uniform((R * NG + gidx).to(tl.uint32), s0, s1)
+        fl = tl.floor(g)
+        q = fl + (us < g - fl).to(tl.float32)
+        q = tl.minimum(tl.maximum(q, 0.0), 255.0)
+        tl.store(outb + 2 * k + r * NG + gidx, q.to(tl.uint8))
+        # entries
+        u = _entry_uniforms((R * S + j).to(tl.uint32), g0, g1, p0, p1, n, me, units, nu, CORR)
+        gm = gmax[:, None]
+        y = tl.where(gm > 0.0, tl.div_rn(tl.abs(x), gm), 0.0)
+        if TOP == 1:  # levels {0, 1}: p = y
+            code = (u < y).to(tl.int32)
+        else:
+            isnum = y == y
+            b = tl.minimum(
+                (tl.where(isnum, y, 0.0) * (1 << NB_LOG)).to(tl.int32), (1 << NB_LOG) - 1
+            )
+            lv = tl.load(bucket + b)
+            lv += (tl.load(tab + lv + 1) <= y).to(tl.int32)
+            lv += (tl.load(tab + lv + 1) <= y).to(tl.int32)
+            lv = tl.where(isnum, tl.minimum(lv, TOP - 1), TOP - 1)
+            lo = tl.load(tab + lv)
+            p = tl.div_rn(y - lo, tl.load(dtab + lv))
+            code = lv + (u < p).to(tl.int32)
+        code = code | ((x < 0.0).to(tl.int32) << (W - 1))
+        packed = tl.reshape(code, [S // PER, PER])
+        shifts = tl.arange(0, PER) * W
+        byte_out = tl.sum(packed << shifts[None, :], axis=1)
+        tl.store(outb + codes_at + r * CODE_BYTES + tl.arange(0, S // PER), byte_out.to(tl.uint8))
+
+    @triton.jit(do_not_specialize=["first", "g0", "g1", "p0", "p1", "n", "me", "nu"])
+    def _segment16_kernel(  # type: ignore[no-untyped-def]
+        inb, local, outf, outb, units, total, first, g0, g1, p0, p1, n, me, nu,
+        MODE: tl.constexpr, BLOCK: tl.constexpr, CORR: tl.constexpr,
+    ):  # fmt: skip
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < total
+        if MODE != ENCODE:
+            b0 = tl.load(inb + 2 * i, mask=ok, other=0).to(tl.int32)
+            b1 = tl.load(inb + 2 * i + 1, mask=ok, other=0).to(tl.int32)
+            v = ((b0 | (b1 << 8)) << 16).to(tl.float32, bitcast=True)
+        if MODE == DECODE:
+            tl.store(outf + i, v, mask=ok)
+        elif MODE == DECODE_ACC:
+            tl.store(outf + i, tl.load(local + i, mask=ok, other=0.0) + v, mask=ok)
+        else:
+            x = tl.load(local + i, mask=ok, other=0.0)
+            if MODE == DAR:
+                x = x + v
+            u = _entry_uniforms(
+                (first + i).to(tl.uint32),
+                g0.to(tl.uint32), g1.to(tl.uint32), p0.to(tl.uint32), p1.to(tl.uint32),
+                n, me, units, nu, CORR,
+            )  # fmt: skip
+            # bf16 rounded up with probability (low 16 bits) / 2**16, on the bits
+            up = (x.to(tl.int32, bitcast=True).to(tl.int64) + (u * 65536.0).to(tl.int64)) >> 16
+            tl.store(outb + 2 * i, (up & 0xFF).to(tl.uint8), mask=ok)
+            tl.store(outb + 2 * i + 1, ((up >> 8) & 0xFF).to(tl.uint8), mask=ok)
+
+    @triton.jit
+    def _tree_sum(x, LOG: tl.constexpr):  # type: ignore[no-untyped-def]
+        """Sum of [2**LOG] in the reference's order (numerics.reduce.tree_sum):
+        the two halves added, LOG times."""
+        for _ in tl.static_range(LOG):
+            x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), axis=0)
+        return tl.sum(x, axis=0)
+
+    @triton.jit
+    def _stats_kernel(x_ptr, out_ptr, d, m, S: tl.constexpr, LOG: tl.constexpr):  # type: ignore[no-untyped-def]
+        j = tl.program_id(0)
+        i = j * S + tl.arange(0, S)
+        x = tl.load(x_ptr + i, mask=i < d, other=0.0)
+        count = tl.minimum(d - j * S, S).to(tl.float32)
+        total = _tree_sum(x, LOG)
+        sq = _tree_sum(x * x, LOG)
+        nonzero = tl.max((x != 0.0).to(tl.int32), axis=0) > 0
+        sq = tl.where(nonzero & (sq == 0.0), 1.1754943508222875e-38, sq)
+        tl.store(out_ptr + j, tl.div_rn(total, count))
+        tl.store(out_ptr + m + j, sq)
+
+
+@lru_cache(maxsize=64)
+def _tables(
+    width: int, eps: float, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    ext, bucket, nb_log = search_tables(width, eps)
+    dtab = torch.cat([ext[1:] - ext[:-1], ext.new_full((1,), float("inf"))])  # hi - lo
+    return ext.to(device), dtab.to(device), bucket.to(device), nb_log
+
+
+@lru_cache(maxsize=64)
+def _units(units: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(units, dtype=torch.int32, device=device)
+
+
+_LAUNCH = {} if interpreting() else {"enable_fp_fusion": False}
+#: The interpreter patches triton.language while a kernel runs: not thread-safe
+#: (the simulator runs ranks in threads), so launches take turns there.
+_INTERPRETER_LOCK = threading.Lock() if interpreting() else contextlib.nullcontext()
+
+
+def run_segment(
+    mode: int,
+    width: int,
+    rows: int,
+    S: int,
+    s: int,
+    row0: int,
+    *,
+    payload: torch.Tensor | None,
+    local: torch.Tensor | None,
+    out_rows: torch.Tensor | None,
+    out_payload: torch.Tensor | None,
+    gamma_key: tuple[int, int],
+    perm_key: tuple[int, int],
+    peers: int,
+    peer: int,
+    units: tuple[int, ...],
+    scale_key: tuple[int, int],
+    eps: float,
+) -> None:
+    """The same contract as :func:`hopq.kernels.dynamiq_cpu.run_segment`."""
+    ref = next(t for t in (payload, local, out_rows, out_payload) if t is not None)
+    dev = str(ref.device)
+    dummy_b = torch.empty(1, dtype=torch.uint8, device=dev)
+    dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
+    inb = payload if payload is not None else dummy_b
+    loc = local if local is not None else dummy_f
+    outf = out_rows if out_rows is not None else dummy_f
+    outb = out_payload if out_payload is not None else dummy_b
+    un = _units(units, dev)
+    with _INTERPRETER_LOCK:
+        _launch(
+            mode,
+            width,
+            rows,
+            S,
+            s,
+            row0,
+            inb,
+            loc,
+            outf,
+            outb,
+            un,
+            peers,
+            peer,
+            gamma_key,
+            perm_key,
+            scale_key,
+            eps,
+            dev,
+        )
+
+
+def _launch(
+    mode,
+    width,
+    rows,
+    S,
+    s,
+    row0,
+    inb,
+    loc,
+    outf,
+    outb,
+    un,
+    peers,
+    peer,
+    gamma_key,
+    perm_key,
+    scale_key,
+    eps,
+    dev,
+) -> None:  # type: ignore[no-untyped-def]
+    corr = peers > 1
+    if width == 16:
+        total = rows * S
+        block = 1024
+        _segment16_kernel[(triton.cdiv(total, block),)](
+            inb, loc, outf, outb, un, total, row0 * S,
+            *gamma_key, *perm_key, peers, peer, un.numel(),
+            MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
+        )  # fmt: skip
+        return
+    tab, dtab, bucket, nb_log = _tables(width, eps, dev)
+    _segment_kernel[(rows,)](
+        inb, loc, outf, outb, un, tab, dtab, bucket,
+        rows, row0, *gamma_key, *perm_key, peers, peer, un.numel(), *scale_key,
+        W=width, MODE=mode, S=S, G=s, NB_LOG=nb_log, CORR=corr, **_LAUNCH,
+    )  # fmt: skip
+
+
+def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
+    """[2, m] float32: per super-group mean (over its real entries) and sum of
+    squares, as the reference plan computes them before rounding to bfloat16."""
+    d = x.numel()
+    m = -(-d // S)
+    out = torch.empty(2, m, dtype=torch.float32, device=x.device)
+    if m:
+        with _INTERPRETER_LOCK:
+            _stats_kernel[(m,)](
+                x.reshape(-1).contiguous(), out, d, m, S=S, LOG=S.bit_length() - 1, **_LAUNCH
+            )
+    return out
