@@ -11,7 +11,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench]"
+	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench,cpu,triton]"
 	touch $@
 
 train: setup

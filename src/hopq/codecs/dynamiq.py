@@ -68,7 +68,7 @@ from hopq.codecs.registry import register
 from hopq.errors import PayloadError
 from hopq.numerics.bitpack import pack_bits, unpack_bits
 from hopq.numerics.fp_formats import round_up_bf16
-from hopq.numerics.levels import level_table, stochastic_level
+from hopq.numerics.levels import level_table, search_tables, stochastic_level
 from hopq.numerics.reduce import tree_sum
 from hopq.numerics.rng import hash32, stream_key, uniform
 
@@ -513,14 +513,14 @@ class DynamiQ(Codec):
         return (pi.to(torch.float32) + gamma) / float(n)
 
     # -- backends ----------------------------------------------------------
-    def _kernels(self, device: torch.device):  # type: ignore[no-untyped-def]
+    def _kernels(self, device: torch.device):
         """The kernel module that runs this device's segments, or None for the
         reference (see :class:`Backend`)."""
         cfg = self.config
         b = cfg.backend
         if b is Backend.REFERENCE:
             return None
-        supported = cfg.scales is Scales.HIERARCHICAL
+        supported = cfg.scales is Scales.HIERARCHICAL and self._kernel_levels_ok()
         if b is Backend.AUTO:
             if not supported:
                 return None
@@ -534,7 +534,10 @@ class DynamiQ(Codec):
                 return ck if ck.available() else None
             return None
         if not supported:
-            raise ValueError(f"dynamiq: backend {b.value!r} needs scales='hierarchical'")
+            raise ValueError(
+                f"dynamiq: backend {b.value!r} needs scales='hierarchical' and level tables "
+                f"the kernels' bucket search handles (eps {[cfg.eps_for(w) for w in cfg.widths]})"
+            )
         if b is Backend.CPU:
             from hopq.kernels import dynamiq_cpu as ck
 
@@ -553,7 +556,17 @@ class DynamiQ(Codec):
             )
         return tk
 
-    def _run_segment(  # type: ignore[no-untyped-def]
+    def _kernel_levels_ok(self) -> bool:
+        cfg = self.config
+        try:
+            for w in cfg.widths:
+                if w in (2, 4, 8):
+                    search_tables(w, cfg.eps_for(w))
+        except ValueError:
+            return False
+        return True
+
+    def _run_segment(
         self, kern, mode: int, sg: Segment, ctx: HopContext, **tensors: torch.Tensor | None
     ) -> None:
         cfg = self.config
@@ -650,7 +663,7 @@ class DynamiQ(Codec):
             return self._encode_reference(plan, chunk, ctx)
         return self._kernel_encode(kern, plan, None, chunk, ctx)
 
-    def _kernel_encode(  # type: ignore[no-untyped-def]
+    def _kernel_encode(
         self, kern, plan: Plan, payload: torch.Tensor | None, local: torch.Tensor, ctx: HopContext
     ) -> torch.Tensor:
         """ENCODE (payload None) or the fused DAR through a kernel module."""
@@ -658,7 +671,9 @@ class DynamiQ(Codec):
         S = self.config.supergroup_size
         out = torch.empty(p.payload_nbytes[ctx.chunk], dtype=torch.uint8, device=local.device)
         if payload is not None:
-            check_payload(payload, p.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload")
+            check_payload(
+                payload, p.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload"
+            )
         for sg in segs:
             if sg.width == 0:
                 continue
@@ -675,7 +690,7 @@ class DynamiQ(Codec):
             )
         return out
 
-    def _kernel_decode(  # type: ignore[no-untyped-def]
+    def _kernel_decode(
         self, kern, mode: int, plan: Plan, payload: torch.Tensor, out: torch.Tensor, ctx: HopContext
     ) -> None:
         p, segs, lo = self._segments(plan, ctx)

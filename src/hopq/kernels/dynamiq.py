@@ -40,7 +40,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised where triton is absent
-    triton = None  # type: ignore[assignment]
+    triton = None
 
 
 def available() -> bool:
@@ -54,7 +54,7 @@ def interpreting() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _mix(x):  # type: ignore[no-untyped-def]
+    def _mix(x):
         x = x ^ (x >> 16)
         x = x * M1
         x = x ^ (x >> 15)
@@ -62,15 +62,15 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _hash(i, k0, k1):  # type: ignore[no-untyped-def]
+    def _hash(i, k0, k1):
         return _mix(_mix(i ^ k0) ^ k1)
 
     @triton.jit
-    def _uniform(i, k0, k1):  # type: ignore[no-untyped-def]
+    def _uniform(i, k0, k1):
         return (_hash(i, k0, k1) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
 
     @triton.jit
-    def _entry_uniforms(idx, g0, g1, p0, p1, n, me, units, nu, CORR: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _entry_uniforms(idx, g0, g1, p0, p1, n, me, units, nu, CORR: tl.constexpr):
         u = _uniform(idx, g0, g1)
         if CORR:
             h = _hash(idx, p0, p1)
@@ -81,7 +81,7 @@ if triton is not None:
         return u
 
     @triton.jit
-    def _decode_sg(  # type: ignore[no-untyped-def]
+    def _decode_sg(
         inb, r, k, j, gidx, tab,
         NG: tl.constexpr, TOP: tl.constexpr, PER: tl.constexpr, CODE_BYTES: tl.constexpr,
         W: tl.constexpr,
@@ -98,11 +98,11 @@ if triton is not None:
         return tl.where(c >= TOP, -mag, mag)
 
     @triton.jit(do_not_specialize=["row0", "g0", "g1", "p0", "p1", "n", "me", "nu", "s0", "s1"])
-    def _segment_kernel(  # type: ignore[no-untyped-def]
+    def _segment_kernel(
         inb, local, outf, outb, units, tab, dtab, bucket,
         k, row0, g0, g1, p0, p1, n, me, nu, s0, s1,
         W: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        NB_LOG: tl.constexpr, CORR: tl.constexpr,
+        NB_LOG: tl.constexpr, STEPS: tl.constexpr, CORR: tl.constexpr,
     ):  # fmt: skip
         NG: tl.constexpr = S // G
         TOP: tl.constexpr = 1 << (W - 1)
@@ -125,15 +125,16 @@ if triton is not None:
                 x, outb, r, k, row0 + r, j, gidx, units, tab, dtab, bucket,
                 g0.to(tl.uint32), g1.to(tl.uint32), p0.to(tl.uint32), p1.to(tl.uint32),
                 n, me, nu, s0.to(tl.uint32), s1.to(tl.uint32),
-                W, S, NG, TOP, PER, CODE_BYTES, NB_LOG, CORR,
+                W, S, NG, TOP, PER, CODE_BYTES, NB_LOG, STEPS, CORR,
             )  # fmt: skip
 
     @triton.jit
-    def _encode_sg(  # type: ignore[no-untyped-def]
+    def _encode_sg(
         x, outb, r, k, R, j, gidx, units, tab, dtab, bucket,
         g0, g1, p0, p1, n, me, nu, s0, s1,
         W: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, TOP: tl.constexpr,
-        PER: tl.constexpr, CODE_BYTES: tl.constexpr, NB_LOG: tl.constexpr, CORR: tl.constexpr,
+        PER: tl.constexpr, CODE_BYTES: tl.constexpr, NB_LOG: tl.constexpr, STEPS: tl.constexpr,
+        CORR: tl.constexpr,
     ):  # fmt: skip
         """Encode super-group r (row R of the working vector) from x [NG, G]."""
         codes_at = 2 * k + k * NG
@@ -141,6 +142,7 @@ if triton is not None:
         ai = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         gmi = tl.max(ai, axis=1)
         mi = tl.max(gmi, axis=0)
+        mi = tl.where(mi > 0x7F800000, 0x7FC00000, mi)  # a NaN: amax's canonical one
         mb = (mi.to(tl.int64) + 0xFFFF) >> 16  # round_up_bf16
         Mf = ((mb & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
         tl.store(outb + 2 * r, (mb & 0xFF).to(tl.uint8))
@@ -165,8 +167,8 @@ if triton is not None:
                 (tl.where(isnum, y, 0.0) * (1 << NB_LOG)).to(tl.int32), (1 << NB_LOG) - 1
             )
             lv = tl.load(bucket + b)
-            lv += (tl.load(tab + lv + 1) <= y).to(tl.int32)
-            lv += (tl.load(tab + lv + 1) <= y).to(tl.int32)
+            for _ in tl.static_range(STEPS):
+                lv += (tl.load(tab + lv + 1) <= y).to(tl.int32)
             lv = tl.where(isnum, tl.minimum(lv, TOP - 1), TOP - 1)
             lo = tl.load(tab + lv)
             p = tl.div_rn(y - lo, tl.load(dtab + lv))
@@ -178,7 +180,7 @@ if triton is not None:
         tl.store(outb + codes_at + r * CODE_BYTES + tl.arange(0, S // PER), byte_out.to(tl.uint8))
 
     @triton.jit(do_not_specialize=["first", "g0", "g1", "p0", "p1", "n", "me", "nu"])
-    def _segment16_kernel(  # type: ignore[no-untyped-def]
+    def _segment16_kernel(
         inb, local, outf, outb, units, total, first, g0, g1, p0, p1, n, me, nu,
         MODE: tl.constexpr, BLOCK: tl.constexpr, CORR: tl.constexpr,
     ):  # fmt: skip
@@ -207,7 +209,7 @@ if triton is not None:
             tl.store(outb + 2 * i + 1, ((up >> 8) & 0xFF).to(tl.uint8), mask=ok)
 
     @triton.jit
-    def _tree_sum(x, LOG: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _tree_sum(x, LOG: tl.constexpr):
         """Sum of [2**LOG] in the reference's order (numerics.reduce.tree_sum):
         the two halves added, LOG times."""
         for _ in tl.static_range(LOG):
@@ -215,7 +217,7 @@ if triton is not None:
         return tl.sum(x, axis=0)
 
     @triton.jit
-    def _stats_kernel(x_ptr, out_ptr, d, m, S: tl.constexpr, LOG: tl.constexpr):  # type: ignore[no-untyped-def]
+    def _stats_kernel(x_ptr, out_ptr, d, m, S: tl.constexpr, LOG: tl.constexpr):
         j = tl.program_id(0)
         i = j * S + tl.arange(0, S)
         x = tl.load(x_ptr + i, mask=i < d, other=0.0)
@@ -231,10 +233,10 @@ if triton is not None:
 @lru_cache(maxsize=64)
 def _tables(
     width: int, eps: float, device: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    ext, bucket, nb_log = search_tables(width, eps)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    ext, bucket, nb_log, steps = search_tables(width, eps)
     dtab = torch.cat([ext[1:] - ext[:-1], ext.new_full((1,), float("inf"))])  # hi - lo
-    return ext.to(device), dtab.to(device), bucket.to(device), nb_log
+    return ext.to(device), dtab.to(device), bucket.to(device), nb_log, steps
 
 
 @lru_cache(maxsize=64)
@@ -320,7 +322,7 @@ def _launch(
     scale_key,
     eps,
     dev,
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     corr = peers > 1
     if width == 16:
         total = rows * S
@@ -331,11 +333,11 @@ def _launch(
             MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
         )  # fmt: skip
         return
-    tab, dtab, bucket, nb_log = _tables(width, eps, dev)
+    tab, dtab, bucket, nb_log, steps = _tables(width, eps, dev)
     _segment_kernel[(rows,)](
         inb, loc, outf, outb, un, tab, dtab, bucket,
         rows, row0, *gamma_key, *perm_key, peers, peer, un.numel(), *scale_key,
-        W=width, MODE=mode, S=S, G=s, NB_LOG=nb_log, CORR=corr, **_LAUNCH,
+        W=width, MODE=mode, S=S, G=s, NB_LOG=nb_log, STEPS=steps, CORR=corr, **_LAUNCH,
     )  # fmt: skip
 
 

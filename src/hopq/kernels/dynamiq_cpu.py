@@ -44,12 +44,12 @@ def available() -> bool:
 
 
 @lru_cache(maxsize=64)
-def _np_tables(width: int, eps: float) -> tuple[np.ndarray, np.ndarray, int]:
-    ext, bucket, nb_log = search_tables(width, eps)
-    return ext.numpy(), bucket.numpy(), nb_log
+def _np_tables(width: int, eps: float) -> tuple[np.ndarray, np.ndarray, int, int]:
+    ext, bucket, nb_log, steps = search_tables(width, eps)
+    return ext.numpy(), bucket.numpy(), nb_log, steps
 
 
-def _build():  # type: ignore[no-untyped-def]
+def _build():
     """Compile-on-first-use kernels; the width is a compile-time constant of each
     (one specialised function per width), so unpacking and packing unroll."""
     from numba import njit
@@ -59,7 +59,7 @@ def _build():  # type: ignore[no-untyped-def]
     ABS = np.int32(0x7FFFFFFF)
 
     @njit(inline="always")
-    def mix(x):  # type: ignore[no-untyped-def]
+    def mix(x):
         x = x ^ (x >> U16)
         x = (x * np.uint64(M1)) & MASK
         x = x ^ (x >> U15)
@@ -67,15 +67,15 @@ def _build():  # type: ignore[no-untyped-def]
         return x ^ (x >> U16)
 
     @njit(inline="always")
-    def hash32(i, k0, k1):  # type: ignore[no-untyped-def]
+    def hash32(i, k0, k1):
         return mix(mix(np.uint64(i) ^ k0) ^ k1)
 
     @njit(inline="always")
-    def uniform(i, k0, k1):  # type: ignore[no-untyped-def]
+    def uniform(i, k0, k1):
         return np.float32(hash32(i, k0, k1) >> U8) * np.float32(2.0**-24)
 
     @njit(inline="always")
-    def uniforms(ubuf, first, g0, g1, p0, p1, n, me, units):  # type: ignore[no-untyped-def]
+    def uniforms(ubuf, first, g0, g1, p0, p1, n, me, units):
         """u of the reference's _uniforms for entries first .. first + len(ubuf)."""
         for j in range(ubuf.size):
             ubuf[j] = uniform(first + j, g0, g1)
@@ -92,8 +92,8 @@ def _build():  # type: ignore[no-untyped-def]
     @njit(inline="always")
     def impl(
         w, mode, k, S, s, row0, inb, local, outf, outb,
-        gk, pk, n, me, units, sk, tab, bucket, nb_log,
-    ):  # type: ignore[no-untyped-def]  # fmt: skip
+        gk, pk, n, me, units, sk, tab, bucket, nb_log, steps,
+    ):  # fmt: skip
         top = 1 << (w - 1)
         mask = (1 << w) - 1
         per_log = 0 if w == 8 else (1 if w == 4 else 2)
@@ -161,6 +161,8 @@ def _build():  # type: ignore[no-untyped-def]
                     gm = max(gm, bufi[gi * s + t] & ABS)
                 gmi[gi] = gm
                 mi = max(mi, gm)
+            if mi > 0x7F800000:  # a NaN: torch's amax returns the canonical one
+                mi = np.int32(0x7FC00000)
             mb = (np.int64(mi) + 0xFFFF) >> 16  # round_up_bf16
             sc[0] = np.int32((mb & 0xFFFF) << 16)
             Mf = scf[0]
@@ -187,12 +189,19 @@ def _build():  # type: ignore[no-untyped-def]
             else:
                 for j in range(S):  # the level search (scalar: gathers)
                     y = ybuf[j]
-                    isnum = y == y
-                    b = min(np.int32((y if isnum else zero) * fnb), nbm)
+                    b = min(np.int32((y if y == y else zero) * fnb), nbm)
                     lv = bucket[b]
+                    # step up while the next level is <= y (an extra step is harmless)
                     lv += np.int32(tab[lv + 1] <= y)
                     lv += np.int32(tab[lv + 1] <= y)
-                    lv = min(lv, tm) if isnum else tm
+                    lvb[j] = lv
+                if steps > 2:  # uneven tables (large eps) only
+                    for j in range(S):
+                        for _ in range(steps - 2):
+                            lvb[j] += np.int32(tab[lvb[j] + 1] <= ybuf[j])
+                for j in range(S):
+                    y = ybuf[j]
+                    lv = min(lvb[j], tm) if y == y else tm
                     lvb[j] = lv
                     lob[j] = tab[lv]
                     db[j] = dtab[lv]
@@ -209,19 +218,19 @@ def _build():  # type: ignore[no-untyped-def]
                 outb[cb + o] = np.uint8(acc & 0xFF)
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def segment2(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log):  # type: ignore[no-untyped-def]  # fmt: skip
-        impl(2, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log)  # fmt: skip
+    def segment2(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log, steps):  # fmt: skip
+        impl(2, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log, steps)  # fmt: skip
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def segment4(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log):  # type: ignore[no-untyped-def]  # fmt: skip
-        impl(4, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log)  # fmt: skip
+    def segment4(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log, steps):  # fmt: skip
+        impl(4, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log, steps)  # fmt: skip
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def segment8(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log):  # type: ignore[no-untyped-def]  # fmt: skip
-        impl(8, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log)  # fmt: skip
+    def segment8(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log, steps):  # fmt: skip
+        impl(8, mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, sk, tab, bucket, nb_log, steps)  # fmt: skip
 
     @njit(nogil=True, cache=True, boundscheck=False)
-    def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):  # type: ignore[no-untyped-def]
+    def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):
         g0, g1 = np.uint64(gk[0]), np.uint64(gk[1])
         p0, p1 = np.uint64(pk[0]), np.uint64(pk[1])
         xs = np.empty(k * S, np.float32)
@@ -258,7 +267,7 @@ def _build():  # type: ignore[no-untyped-def]
 _kernels = None
 
 
-def _get():  # type: ignore[no-untyped-def]
+def _get():
     global _kernels
     if _kernels is None:
         _kernels = _build()
@@ -308,9 +317,9 @@ def run_segment(
     if width == 16:
         kern[16](mode, rows, S, row0, inb, loc, outf, outb, gk, pk, peers, peer, un)
         return
-    tab, bucket, nb_log = _np_tables(width, eps)
+    tab, bucket, nb_log, steps = _np_tables(width, eps)
     sk = np.array(scale_key, np.uint64)
     kern[width](
         mode, rows, S, s, row0, inb, loc, outf, outb,
-        gk, pk, peers, peer, un, sk, tab, bucket, nb_log,
+        gk, pk, peers, peer, un, sk, tab, bucket, nb_log, steps,
     )  # fmt: skip

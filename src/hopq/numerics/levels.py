@@ -51,29 +51,37 @@ def stochastic_level(y: torch.Tensor, table: torch.Tensor, u: torch.Tensor) -> t
     return r + (u < p).to(torch.int64)
 
 
-#: Buckets of :func:`search_tables` start here and double until two steps suffice.
-_MIN_BUCKETS = 256
+#: Bucket counts of :func:`search_tables`: from 2**8 up to 2**16.
+_MIN_BUCKETS_LOG, _MAX_BUCKETS_LOG = 8, 16
+#: More steps than this and kernels leave the table to the reference.
+MAX_SEARCH_STEPS = 8
 
 
 @lru_cache(maxsize=64)
-def search_tables(width: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, int]:
+def search_tables(width: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     """Tables for a gather-light exact level search in kernels.
 
-    Returns (levels with +inf appended, ``bucket``, log2 NB): ``bucket[b]`` is the
-    answer of :func:`stochastic_level`'s search, ``clamp(searchsorted(table, y,
-    right) - 1, 0, L - 2)``, at ``y = b / NB``; for any ``y`` in ``[b/NB, (b+1)/NB)``
-    the answer is at most two levels above it (checked here), so a kernel starts
-    at ``bucket[floor(y NB)]`` and steps up while the next level is ``<= y``,
-    twice."""
+    Returns (levels with +inf appended, ``bucket``, log2 NB, steps): ``bucket[b]``
+    is the answer of :func:`stochastic_level`'s search, ``clamp(searchsorted(table,
+    y, right) - 1, 0, L - 2)``, at ``y = b / NB``; for any ``y`` in ``[b/NB,
+    (b+1)/NB)`` the answer is at most ``steps`` levels above it (checked here), so
+    a kernel starts at ``bucket[floor(y NB)]`` and steps up while the next level
+    is ``<= y``, ``steps`` times. The smallest NB with two steps is taken; tables
+    too uneven for that (large eps) take more steps, and beyond
+    ``MAX_SEARCH_STEPS`` raise ValueError."""
     table = level_table(width, eps)
     top = table.numel() - 1
     ext = torch.cat([table, table.new_full((1,), float("inf"))])
-    nb_log = _MIN_BUCKETS.bit_length() - 1
-    while nb_log <= 20:
+    for nb_log in range(_MIN_BUCKETS_LOG, _MAX_BUCKETS_LOG + 1):
         nb = 1 << nb_log
         edges = (torch.arange(nb + 1, dtype=torch.float64) / nb).float()  # exact
         first = (torch.searchsorted(table, edges, right=True) - 1).clamp(0, max(top - 1, 0))
-        if int((first[1:] - first[:-1]).max()) <= 2:
-            return ext, first[:-1].to(torch.int32).contiguous(), nb_log
-        nb_log += 1
-    raise ValueError(f"level table of width {width} (eps {eps}) is too uneven for the bucket search")
+        steps = max(int((first[1:] - first[:-1]).max()), 1)
+        if steps <= 2 or nb_log == _MAX_BUCKETS_LOG:
+            break
+    if steps > MAX_SEARCH_STEPS:
+        raise ValueError(
+            f"level table of width {width} (eps {eps}) needs {steps} search steps "
+            f"(kernels take at most {MAX_SEARCH_STEPS})"
+        )
+    return ext, first[:-1].to(torch.int32).contiguous(), nb_log, steps

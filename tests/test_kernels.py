@@ -1,0 +1,225 @@
+"""DynamiQ's kernels against the reference, bit for bit (DESIGN: the reference is
+the specification). The numba CPU kernels and the Triton kernels (under
+TRITON_INTERPRET=1 on CPU, compiled on a GPU when there is one) must give the
+reference's payload bytes and float bits for every kernel, width, ragged tail,
+all-zero group, outlier, seed and hop."""
+
+import pytest
+import torch
+
+import hopq
+from hopq.codecs.base import HopContext
+from hopq.codecs.dynamiq import DynamiQ
+from hopq.kernels import dynamiq as triton_kernels
+from hopq.kernels import dynamiq_cpu as cpu_kernels
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: 0/0 in where()
+
+CUDA = torch.cuda.is_available()
+INTERPRET = triton_kernels.interpreting()
+
+BACKENDS = [
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="numba not installed")
+    ),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not triton_kernels.available() or not INTERPRET,
+            reason="triton not installed or TRITON_INTERPRET unset (GPU tests below)",
+        ),
+    ),
+]
+
+
+class LocalStats:
+    """A one-process stand-in for the engine's statistics exchange."""
+
+    def __init__(self, world_size, n_chunks, seed=0, round=0):
+        self.rank, self.world_size, self.n_chunks = 0, world_size, n_chunks
+        self.seed, self.round = seed, round
+
+    def all_reduce(self, t, op):
+        return t.clone()
+
+
+def _data(d, kind, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    m = -(-d // 256)
+    scale = torch.logspace(-6, 2, m)[torch.randperm(m, generator=g)].repeat_interleave(256)[:d]
+    x = torch.randn(d, generator=g) * scale
+    if kind == "zeros":  # all-zero groups and a whole zero super-group
+        x[16:48] = 0
+        x[256:512] = 0
+        x[600:603] = -0.0
+    elif kind == "outliers":
+        x[5] = 3e4
+        x[300] = -1e-30  # below every other entry of its group by far
+        x[301:316] = 1e-38  # subnormal-sized neighbours
+        x[700] = -7e3
+    elif kind == "nonfinite":
+        x[10] = float("nan")
+        x[400] = float("inf")
+        x[401] = -float("inf")
+    return x.to(device)
+
+
+def _bits(t):
+    """float32 bit patterns, every NaN as the canonical one: which operand's NaN
+    payload an addition propagates is the CPU's choice, not the codec's."""
+    if t.dtype != torch.float32:
+        return t
+    t = torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+    return t.contiguous().view(torch.int32)
+
+
+def _check_all_kernels(backend, cfg, x, n, seeds, device="cpu"):
+    """encode, decode, decode_accumulate and the fused hop of every chunk, with
+    several seeds and hop contexts, kernels vs reference."""
+    ref = DynamiQ(backend="reference", **cfg)
+    ker = DynamiQ(backend=backend, **cfg)
+    for seed in seeds:
+        stats = LocalStats(n, n, seed=seed)
+        plan = ref.plan(x, stats)
+        kplan = ker.plan(x, stats)  # the statistics pre-pass, where the backend has one
+        assert kplan.widths == plan.widths and torch.equal(kplan.perm, plan.perm)
+        assert torch.equal(_bits(kplan.mu), _bits(plan.mu))
+        work = ref.prepare(plan, x)
+        other = ref.prepare(plan, x.flip(0) * 0.5)
+        for c in range(n):
+            lo, hi = plan.chunks[c]
+            ctxs = [
+                HopContext(seed, 3, c, hop, 0, n, depth, peer, peers)
+                for hop, depth, peer, peers in ((0, 0, 0, 1), (1, 0, 1, n), (n - 1, 2, 0, 2))
+            ]
+            for ctx in ctxs:
+                chunk = work[lo:hi]
+                p_ref = ref.encode(plan, chunk, ctx)
+                p_ker = ker.encode(plan, chunk, ctx)
+                assert torch.equal(p_ker, p_ref), f"encode differs (chunk {c}, {ctx})"
+                a, b = torch.empty_like(chunk), torch.empty_like(chunk)
+                ref.decode(plan, p_ref, ctx, a)
+                ker.decode(plan, p_ref, ctx, b)
+                assert torch.equal(_bits(a), _bits(b)), "decode differs"
+                a, b = other[lo:hi].clone(), other[lo:hi].clone()
+                ref.decode_accumulate(plan, p_ref, a, ctx)
+                ker.decode_accumulate(plan, p_ref, b, ctx)
+                assert torch.equal(_bits(a), _bits(b)), "decode_accumulate differs"
+                q_ref = ref.decode_accumulate_encode(plan, p_ref, other[lo:hi].clone(), ctx)
+                q_ker = ker.decode_accumulate_encode(plan, p_ref, other[lo:hi].clone(), ctx)
+                assert torch.equal(q_ker, q_ref), "decode_accumulate_encode differs"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("width", [2, 4, 8, 16])
+@pytest.mark.parametrize("kind", ["gaussian", "zeros", "outliers"])
+def test_every_kernel_matches_reference_per_width(backend, width, kind):
+    cfg = {"widths": (width,), "budget": width + 1.0, "allocation": "fixed"}
+    x = _data(3 * 256 + 77, kind, seed=width)  # ragged tail: 77 entries in the last super-group
+    _check_all_kernels(backend, cfg, x, n=2, seeds=(0, 11))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"widths": (2, 4, 8, 16), "budget": 7.0},
+        {"group_size": 32, "supergroup_size": 512, "budget": 4.0},
+        {"levels": "uniform", "zero_class": True},
+        {"rounding": "path"},
+        {"rounding": "independent"},
+    ],
+)
+def test_mixed_segments_match_reference(backend, cfg):
+    """Chunks made of several width runs (and the zero class), other layouts and
+    rounding modes; three chunks, contexts with correlated peers."""
+    x = _data(9 * 256 + 5, "zeros", seed=3)
+    _check_all_kernels(backend, cfg, x, n=3, seeds=(5,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nonfinite_input_matches_reference(backend):
+    """NaN and Inf poison their super-group identically in both implementations."""
+    cfg = {"widths": (4,), "budget": 5.0, "allocation": "fixed"}
+    _check_all_kernels(backend, cfg, _data(2 * 256, "nonfinite", seed=1), n=2, seeds=(0,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("topology, n", [("ring", 3), ("butterfly", 4)])
+def test_simulation_with_kernels_equals_reference(backend, topology, n):
+    """A multi-step, multi-round simulation: every rank's output is bit-identical."""
+    xs = [_data(2000, "gaussian", seed=r) for r in range(n)]
+    for rnd in range(2):
+        a = hopq.simulate(xs, DynamiQ(backend="reference"), topology, seed=rnd).outputs
+        b = hopq.simulate(xs, DynamiQ(backend=backend), topology, seed=rnd).outputs
+        for ya, yb in zip(a, b, strict=True):
+            assert torch.equal(_bits(ya), _bits(yb))
+
+
+def test_backend_selection(monkeypatch):
+    x = torch.randn(1000)
+    stats = LocalStats(2, 2)
+    if cpu_kernels.available():
+        assert DynamiQ()._kernels(x.device) is cpu_kernels  # auto on CPU
+    assert DynamiQ(backend="reference")._kernels(x.device) is None
+    assert DynamiQ(scales="full")._kernels(x.device) is None  # auto: reference there
+    with pytest.raises(ValueError, match="hierarchical"):
+        DynamiQ(backend="cpu", scales="full").plan(x, stats)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        DynamiQ(backend="cuda")
+    if triton_kernels.available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="CUDA tensors"):
+            DynamiQ(backend="triton").plan(x, stats)
+
+
+def test_level_search_tables_need_at_most_two_steps():
+    from hopq.numerics.levels import level_table, search_tables, stochastic_level
+
+    for w, eps in ((2, 0.0), (4, 0.3), (4, 0.0), (4, 1.0), (8, 0.08), (8, 0.2)):
+        ext, bucket, nb_log, steps = search_tables(w, eps)
+        assert steps <= 8
+        table = level_table(w, eps)
+        top = table.numel() - 1
+        y = torch.cat([torch.rand(20000), table, torch.nextafter(table, torch.zeros(()))]).clamp(
+            0, 1
+        )
+        b = (y * (1 << nb_log)).long().clamp(max=(1 << nb_log) - 1)
+        lv = bucket[b].long()
+        for _ in range(steps):
+            lv += (ext[lv + 1] <= y).long()
+        lv = lv.clamp(max=max(top - 1, 0))
+        expect = stochastic_level(y, table, torch.ones_like(y))  # u = 1: never rounds up
+        assert torch.equal(lv, expect)
+    # levels too uneven for the bucket search: kernels step aside for the reference
+    with pytest.raises(ValueError, match="search steps"):
+        search_tables(8, 0.5)
+    uneven = {"eps": ((8, 0.5),)}
+    assert DynamiQ(**uneven)._kernels(torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="bucket search"):
+        DynamiQ(backend="cpu", **uneven)._kernels(torch.device("cpu"))
+
+
+# -- on a GPU (the device tool): compiled kernels on CUDA tensors ---------------
+gpu = pytest.mark.skipif(
+    not CUDA or INTERPRET or not triton_kernels.available(),
+    reason="needs a CUDA GPU with triton and TRITON_INTERPRET=0",
+)
+
+
+@gpu
+@pytest.mark.parametrize("width", [2, 4, 8, 16])
+def test_gpu_kernels_match_reference(width):
+    cfg = {"widths": (width,), "budget": width + 1.0, "allocation": "fixed"}
+    x = _data(1 << 20, "gaussian", seed=width, device="cuda") + 0.0
+    _check_all_kernels("triton", cfg, x, n=4, seeds=(0,), device="cuda")
+
+
+@gpu
+def test_gpu_simulation_matches_reference():
+    xs = [_data(3_000_000, "gaussian", seed=r, device="cuda") for r in range(4)]
+    a = hopq.simulate(xs, DynamiQ(backend="reference"), "ring", seed=1).outputs
+    b = hopq.simulate(xs, DynamiQ(backend="triton"), "ring", seed=1).outputs
+    mism = sum(int((_bits(ya) != _bits(yb)).sum()) for ya, yb in zip(a, b, strict=True))
+    assert mism == 0, f"{mism} of {4 * 3_000_000} coordinates differ"
