@@ -5,3 +5,16 @@ TRITON_INTERPRET=0 itself to test compiled kernels)."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compiled_cpu_kernels():
+    """Compile DynamiQ's numba kernels once, in this process, before any test
+    spawns workers: numba's disk cache then serves every worker (otherwise each
+    would compile its own copy, concurrently, on the first CI run)."""
+    from hopq.kernels import dynamiq_cpu
+
+    if dynamiq_cpu.available():
+        dynamiq_cpu.warm_up()
