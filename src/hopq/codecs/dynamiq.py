@@ -280,7 +280,8 @@ class DynamiQ(Codec):
         order = sorted(range(m), key=lambda j: widths[j])  # stable: by width, then position
         sorted_widths = tuple(widths[j] for j in order)
         perm = torch.tensor(order, dtype=torch.int64, device=x.device)
-        sg_bytes = [cfg.sg_bits(w) // 8 for w in sorted_widths]
+        cost = {w: cfg.sg_bits(w) // 8 for w in set(sorted_widths)}
+        sg_bytes = [cost[w] for w in sorted_widths]
         chunks_sg = self._split(sg_bytes, stats.n_chunks)
         segments = []
         for lo, hi in chunks_sg:
@@ -458,6 +459,9 @@ class DynamiQ(Codec):
     def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         assert isinstance(plan, DynamiQPlan) and plan.perm is not None and plan.mu is not None
         m, S, d = plan.supergroups, self.config.supergroup_size, plan.numel
+        kern = self._kernels(x.device)
+        if kern is not None and hasattr(kern, "gather_rows") and x.dtype == torch.float32:
+            return kern.gather_rows(x, plan.perm, plan.mu, S)
         xs = self._padded(x, m) - plan.mu[:, None]
         if d % S and m:
             xs[-1, d % S :] = 0  # padding stays exactly zero after the shift
@@ -466,6 +470,11 @@ class DynamiQ(Codec):
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         assert isinstance(plan, DynamiQPlan) and plan.perm is not None and plan.mu is not None
         m, S = plan.supergroups, self.config.supergroup_size
+        kern = self._kernels(y.device)
+        if kern is not None and hasattr(kern, "scatter_rows"):
+            return kern.scatter_rows(
+                y, plan.perm, plan.mu, S, world_size, op is ReduceOp.AVG, plan.numel
+            )
         out = torch.empty_like(y).view(m, S)
         out.index_copy_(0, plan.perm, y.view(m, S))
         if op is ReduceOp.AVG:

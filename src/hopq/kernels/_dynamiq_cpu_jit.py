@@ -231,3 +231,67 @@ def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):
 
 
 SEGMENT = {2: segment2, 4: segment4, 8: segment8, 16: segment16}
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def supergroup_stats(x, S, out):
+    """out[0, j] = mean, out[1, j] = sum of squares of super-group j, both summed
+    in numerics.reduce.tree_sum's order (halves added pairwise)."""
+    d = x.size
+    m = out.shape[1]
+    a = np.empty(S, np.float32)
+    q = np.empty(S, np.float32)
+    for r in range(m):
+        base = r * S
+        cnt = min(S, d - base)
+        nz = False
+        for j in range(S):
+            v = x[base + j] if j < cnt else np.float32(0.0)
+            nz |= v != 0
+            a[j] = v
+            q[j] = v * v
+        h = S // 2
+        while h >= 1:
+            for j in range(h):
+                a[j] = a[j] + a[j + h]
+                q[j] = q[j] + q[j + h]
+            h //= 2
+        out[0, r] = a[0] / np.float32(cnt)
+        sq = q[0]
+        if nz and sq == 0:
+            sq = np.float32(1.1754943508222875e-38)  # the smallest normal
+        out[1, r] = sq
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def gather_rows(x, perm, mu, S, out):
+    """out row k = (x row perm[k]) - mu[perm[k]], the padding exactly zero."""
+    d = x.size
+    for k in range(perm.size):
+        src = perm[k]
+        base = src * S
+        cnt = min(S, d - base)
+        m = mu[src]
+        for j in range(cnt):
+            out[k * S + j] = x[base + j] - m
+        for j in range(cnt, S):
+            out[k * S + j] = np.float32(0.0)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def scatter_rows(y, perm, mu, S, n, avg, out):
+    """out row perm[k] = y row k + n mu (sum) or y / n + mu (average), cut at out.size."""
+    d = out.size
+    fn = np.float32(n)
+    for k in range(perm.size):
+        dst = perm[k]
+        base = dst * S
+        cnt = min(S, d - base)
+        if avg:
+            m = mu[dst]
+            for j in range(cnt):
+                out[base + j] = y[k * S + j] / fn + m
+        else:
+            m = mu[dst] * fn
+            for j in range(cnt):
+                out[base + j] = y[k * S + j] + m

@@ -128,3 +128,35 @@ def warm_up() -> None:
                 out_payload=out, gamma_key=(1, 2), perm_key=(3, 4), peers=1, peer=0,
                 units=(1,), scale_key=(5, 6), eps=0.0,
             )  # fmt: skip
+
+
+def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
+    """[2, m] float32: per super-group mean (over its real entries) and sum of
+    squares, bit-identical to the reference plan's before the bfloat16 rounding."""
+    from hopq.kernels._dynamiq_cpu_jit import supergroup_stats as kernel
+
+    x = x.reshape(-1).contiguous()
+    m = -(-x.numel() // S)
+    out = torch.empty(2, m, dtype=torch.float32)
+    kernel(x.numpy(), S, out.numpy())
+    return out
+
+
+def gather_rows(x: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int) -> torch.Tensor:
+    """The reference ``prepare``: rows reordered by ``perm``, means subtracted."""
+    from hopq.kernels._dynamiq_cpu_jit import gather_rows as kernel
+
+    out = torch.empty(perm.numel() * S, dtype=torch.float32)
+    kernel(x.reshape(-1).contiguous().numpy(), perm.numpy(), mu.numpy(), S, out.numpy())
+    return out
+
+
+def scatter_rows(
+    y: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int, n: int, avg: bool, d: int
+) -> torch.Tensor:
+    """The reference ``finish``: the inverse reorder, means added back."""
+    from hopq.kernels._dynamiq_cpu_jit import scatter_rows as kernel
+
+    out = torch.empty(d, dtype=torch.float32)
+    kernel(y.contiguous().numpy(), perm.numpy(), mu.numpy(), S, n, avg, out.numpy())
+    return out
