@@ -223,3 +223,17 @@ def test_gpu_simulation_matches_reference():
     b = hopq.simulate(xs, DynamiQ(backend="triton"), "ring", seed=1).outputs
     mism = sum(int((_bits(ya) != _bits(yb)).sum()) for ya, yb in zip(a, b, strict=True))
     assert mism == 0, f"{mism} of {4 * 3_000_000} coordinates differ"
+
+
+def test_bench_kernels_reports_every_kernel(tmp_path):
+    from hopq.bench.kernels import KernelOptions, run
+
+    text = run(
+        KernelOptions(sizes=(1024,), widths=(2, 16), repeats=1, plot=str(tmp_path / "k.png")),
+        log=None,
+    )
+    for name in ("copy (ceiling)", "bf16 hop", "compress", "decompress_accumulate_recompress"):
+        assert name in text
+    assert "not measured" in text  # CPU run: GPU rows say so
+    with pytest.raises(ValueError, match="widths"):
+        KernelOptions(widths=(3,))

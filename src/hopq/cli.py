@@ -74,6 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_options(md, ModelOptions)
     md.add_argument("--out", help="also write the report to this file")
 
+    from hopq.bench.kernels import KernelOptions
+
+    kn = bsub.add_parser(
+        "kernels", help="DynamiQ kernel time and bandwidth against a copy on the same device"
+    )
+    _add_options(kn, KernelOptions)
+    kn.add_argument("--out", help="also write the table to this file")
+
     vn = bsub.add_parser("vnmse", help="compression error of every codec on real gradients")
     _add_options(vn, VnmseOptions)
     vn.add_argument("--out", help="also write the report to this file")
@@ -91,6 +99,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from hopq.bench import model
 
         _emit(model.run(_options(ModelOptions, ns)), ns.out)
+    elif ns.cmd == "bench" and ns.bench == "kernels":
+        from hopq.bench import kernels
+
+        _emit(kernels.run(_options(KernelOptions, ns)), ns.out)
     elif ns.cmd == "bench" and ns.bench == "vnmse":
         from hopq.bench import vnmse
 

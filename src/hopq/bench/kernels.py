@@ -1,0 +1,222 @@
+"""``hopq bench kernels``: DynamiQ's kernels against a copy of the same device.
+
+For each width and size, one width-uniform segment (what the reorder makes of
+every chunk) goes through the codec's four kernels as the engine calls them:
+compress, decompress, decompress-accumulate and the fused
+decompress-accumulate-recompress hop, plus the statistics pre-pass. Each row
+gives the time (median of ``repeats`` after a warm-up), the bytes the kernel
+must move (counted: compressed in, local chunk in, compressed or float out),
+the bandwidth this achieves and its ratio to a copy measured in the same run
+(``torch.Tensor.copy_`` of the chunk: device-to-device on GPU, ``memcpy`` on one
+CPU core). Beside them, the uncompressed bf16 hop (decode bf16, add, encode
+bf16) is the floor a compressed hop competes with.
+
+On CPU every timing is single-threaded (the numba kernels use one core, and the
+copy and the bf16 hop are held to one thread too), so coordinates per second
+read as "per core".
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hopq.bench.report import machine, markdown_table, pyplot, save_figure
+from hopq.codecs.base import HopContext
+from hopq.codecs.dynamiq import DynamiQ
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    #: Coordinates per segment; default: 1M, 4M, 16M on CPU, up to 256M on GPU.
+    sizes: tuple[int, ...] = ()
+    widths: tuple[int, ...] = (2, 4, 8, 16)
+    #: auto: CUDA when available, else CPU.
+    device: str = "auto"
+    #: auto | reference | triton | cpu (DynamiQConfig.backend).
+    backend: str = "auto"
+    repeats: int = 5
+    #: Where to write the bandwidth plot (PNG); empty: no plot.
+    plot: str = "kernel_bandwidth.png"
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
+        if any(s < 256 for s in self.sizes):
+            raise ValueError("--sizes must be at least one super-group (256 coordinates)")
+        if any(w not in (2, 4, 8, 16) for w in self.widths):
+            raise ValueError("--widths must be among 2 4 8 16")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError("--device must be auto, cpu or cuda")
+
+
+class _OneRank:
+    """The statistics exchange of a single rank (the plan of one segment)."""
+
+    rank, world_size, n_chunks, seed, round = 0, 1, 1, 0, 0
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return t
+
+
+def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    def measure(fn: Callable[[], object]) -> float:
+        fn()  # warm-up (compilation, caches)
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    return measure
+
+
+def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
+    say = log or (lambda _s: None)
+    if o.device == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(o.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    sizes = o.sizes or (
+        (1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28)
+        if device.type == "cuda"
+        else (1 << 20, 1 << 22, 1 << 24)
+    )
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    measure = _timer(device, o.repeats)
+    rows: list[list[object]] = []
+    curves: dict[str, list[tuple[int, float]]] = {}
+    backend_used = "?"
+
+    def one_width(w: int, x: torch.Tensor, copy_bw: float) -> Any:
+        nonlocal backend_used
+        n = x.numel()
+        codec = DynamiQ(widths=(w,), budget=w + 1.0, allocation="fixed", backend=o.backend)
+        kern = codec._kernels(device)
+        backend_used = "reference" if kern is None else kern.__name__.rsplit(".", 1)[-1]
+        plan = codec.plan(x, _OneRank())
+        work = codec.prepare(plan, x)
+        ctx = HopContext(0, 0, 0, 1, 0, 2)
+        payload = codec.encode(plan, work, ctx)
+        P = payload.numel()
+        acc = work.clone()
+        out = torch.empty_like(work)
+        kernels: list[tuple[str, Callable[[], object], int]] = [
+            ("compress", lambda: codec.encode(plan, work, ctx), 4 * n + P),
+            ("decompress", lambda: codec.decode(plan, payload, ctx, out), P + 4 * n),
+            (
+                "decompress_accumulate",
+                lambda: codec.decode_accumulate(plan, payload, acc, ctx),
+                P + 8 * n,
+            ),
+            (
+                "decompress_accumulate_recompress",
+                lambda: codec.decode_accumulate_encode(plan, payload, work, ctx),
+                P + 4 * n + P,
+            ),
+        ]
+        for name, fn, moved in kernels:
+            t = measure(fn)
+            bw = moved / t
+            rows.append([device.type, f"{n:,}", str(w), name, f"{t * 1e3:.3f}",
+                         f"{moved / 1e6:.1f}", f"{bw / 1e9:.1f}", f"{bw / copy_bw:.0%}",
+                         f"{n / t / 1e6:.0f}"])  # fmt: skip
+            if name == "decompress_accumulate_recompress":
+                curves.setdefault(f"{w}-bit fused hop", []).append((n, bw / copy_bw))
+                say(
+                    f"{'':>11}  {w:>2}-bit fused hop {n / t / 1e6:7.0f} Mcoord/s, {bw / copy_bw:.0%} of copy"
+                )
+        return kern
+
+    def one_size(d: int) -> None:
+        nonlocal backend_used
+        g = torch.Generator().manual_seed(d)
+        m = d // 256
+        scale = torch.logspace(-4, 0, m)[torch.randperm(m, generator=g)].repeat_interleave(256)
+        x = (torch.randn(m * 256, generator=g) * scale).to(device)
+        n = x.numel()
+        src = x.clone()
+        dst = torch.empty_like(x)
+        t_copy = measure(lambda: dst.copy_(src))
+        copy_bw = 2 * 4 * n / t_copy
+        say(f"{n:>11,} coords  copy {copy_bw / 1e9:7.1f} GB/s")
+        base: list[object] = [device.type, f"{n:,}"]
+        rows.append(base + ["-", "copy (ceiling)", f"{t_copy * 1e3:.3f}", f"{8 * n / 1e6:.1f}",
+                            f"{copy_bw / 1e9:.1f}", "100%", f"{n / t_copy / 1e6:.0f}"])  # fmt: skip
+        # the uncompressed floor: a bf16 hop (decode, add, encode)
+        inb = x.to(torch.bfloat16)
+
+        def bf16_hop() -> torch.Tensor:
+            return (src + inb.float()).to(torch.bfloat16)
+
+        t = measure(bf16_hop)
+        moved = 2 * n + 4 * n + 2 * n
+        rows.append(base + ["16", "bf16 hop (floor)", f"{t * 1e3:.3f}", f"{moved / 1e6:.1f}",
+                            f"{moved / t / 1e9:.1f}", f"{moved / t / copy_bw:.0%}", f"{n / t / 1e6:.0f}"])  # fmt: skip
+        kern = None
+        for w in o.widths:
+            kern = one_width(w, x, copy_bw)
+        # the statistics pre-pass (width-independent)
+        if kern is not None and hasattr(kern, "supergroup_stats"):
+            t = measure(lambda: kern.supergroup_stats(x, 256))
+            moved = 4 * n + 8 * (n // 256)
+            rows.append([device.type, f"{n:,}", "-", "stats pre-pass", f"{t * 1e3:.3f}",
+                         f"{moved / 1e6:.1f}", f"{moved / t / 1e9:.1f}",
+                         f"{moved / t / copy_bw:.0%}", f"{n / t / 1e6:.0f}"])  # fmt: skip
+
+    try:
+        for d in sizes:
+            one_size(d)
+    finally:
+        torch.set_num_threads(threads)
+    header = ["device", "coords", "bits", "kernel", "ms", "MB moved", "GB/s", "of copy", "Mcoord/s"]
+    where = "GPU" if device.type == "cuda" else "CPU, one core"
+    text = (
+        f"# DynamiQ kernels ({where}; backend: {backend_used})\n\n"
+        f"Machine: {machine()}\n\n"
+        + markdown_table(header, rows)
+        + "\n\nMB moved counts compressed in, local chunk in, compressed or float32 out; "
+        "'of copy' is the bandwidth over that of copy_() of the chunk (read + write) in the same run."
+    )
+    if device.type == "cpu":
+        text += (
+            "\n\nRan on CPU: the GPU rows (Triton kernels on a CUDA device) are not measured "
+            "by this run; `hopq bench kernels --device cuda` on a GPU machine measures them."
+        )
+    if o.plot and curves:
+        plt = pyplot()
+        if plt is not None:
+            fig, ax = plt.subplots(figsize=(6, 3.6))
+            for label, pts in curves.items():
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("coordinates")
+            ax.set_ylabel("% of copy bandwidth")
+            ax.set_title(f"DynamiQ fused hop ({where}, {backend_used})")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            path = save_figure(fig, Path(o.plot))
+            text += f"\n\nPlot: {path}"
+    return text
