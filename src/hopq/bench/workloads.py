@@ -135,6 +135,7 @@ def minilm_mlm(seed: int = 0) -> nn.Module:
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # the new head's "newly initialized" notice
+    logging.disable_progress_bar()  # "Loading weights" bars, once per worker and codec
     torch.manual_seed(seed)
     model = BertForMaskedLM.from_pretrained(str(minilm_dir()), tie_word_embeddings=True)
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
