@@ -64,3 +64,20 @@ def test_options_are_validated():
         train.TrainOptions(codecs=("zip",)).resolved_codecs()
     auto = train.TrainOptions().resolved_codecs()
     assert auto[:3] == ["bf16", "dynamiq", "mxfp8"] and "fp32" not in auto
+
+
+def test_goal_verdicts_say_when_a_codec_misses():
+    from hopq.bench.train import CodecRun, goal_verdicts
+
+    def run(codec, evals):
+        return CodecRun(codec, 10, [], evals)
+
+    bf16 = run("bf16", [(0.0, 10.0), (50.0, 6.0), (100.0, 5.0)])
+    fast_close = run("a", [(0.0, 10.0), (40.0, 5.04), (80.0, 5.02)])  # 101% at 40 s, +0.40%
+    fast_far = run("b", [(0.0, 10.0), (40.0, 5.04), (80.0, 5.03)])  # +0.60% at the end
+    slow = run("c", [(0.0, 10.0), (120.0, 5.0)])
+    lines = goal_verdicts([bf16, fast_close, fast_far, slow])
+    assert "meets the goal" in lines[0] and "0.40x" in lines[0]
+    assert "misses the goal" in lines[1] and "final loss too high" in lines[1]
+    assert "misses the goal" in lines[2] and "slower" in lines[2]
+    assert goal_verdicts([slow]) == []  # no bf16 baseline, no verdict

@@ -314,6 +314,52 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     return made
 
 
+def goal_verdicts(runs: list[CodecRun]) -> list[str]:
+    """One line per compressed codec: does it meet the goal against bf16?"""
+    base = next((r for r in runs if r.codec == "bf16"), None)
+    if base is None or not base.evals:
+        return []
+    final = base.evals[-1][1]
+    t_bf16 = time_to_target(base, final)
+    lines = []
+    for r in runs:
+        if r is base or not r.evals:
+            continue
+        t = time_to_target(r, final * 1.01)
+        gap = r.evals[-1][1] / final - 1
+        fast = t is not None and t_bf16 is not None and t < t_bf16
+        close = gap <= 0.005
+        reach = (
+            "never reaches 101% of bf16's final loss"
+            if t is None
+            else f"reaches 101% of bf16's final loss in {t:.0f} s vs bf16's {t_bf16:.0f} s"
+            f" ({t / t_bf16:.2f}x)"
+            if t_bf16
+            else f"reaches 101% of bf16's final loss in {t:.0f} s"
+        )
+        verdict = "**meets the goal**" if fast and close else "**misses the goal**"
+        why = [w for w, bad in (("slower", not fast), ("final loss too high", not close)) if bad]
+        lines.append(
+            f"- {r.codec}: {reach}; final loss {gap * 100:+.2f}% vs bf16 (bound +0.50%): "
+            f"{verdict}" + (f" ({', '.join(why)})" if why else "")
+        )
+    return lines
+
+
+def load_runs(path: Path) -> list[CodecRun]:
+    """The runs of a report folder's runs.json (to render a report again)."""
+    data = json.loads(Path(path).read_text())
+    return [
+        CodecRun(
+            d["codec"],
+            d["params"],
+            [StepRecord(**s) for s in d["steps"]],
+            [tuple(e) for e in d["evals"]],
+        )
+        for d in data
+    ]
+
+
 def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) -> str:
     from hopq.bench.report import machine, markdown_table
 
@@ -368,6 +414,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
         rows,
     )
     plots = _plots(runs, folder)
+    verdicts = goal_verdicts(runs)
     share = []
     for r in runs:
         share.append(f"{r.codec} {steady(r, 'comm_s') / steady(r, 'step_s'):.0%}")
@@ -382,6 +429,17 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             "",
             table,
             "",
+            *(
+                [
+                    "Goal (the training-benchmark issue: reach bf16's final evaluation loss within"
+                    " 1% in less wall-clock than bf16 takes to reach it, and end within 0.5% of it):",
+                    "",
+                    *verdicts,
+                    "",
+                ]
+                if verdicts
+                else []
+            ),
             *[f"![{p}]({p})" for p in plots],
         ]
     )
