@@ -18,6 +18,14 @@ the fused hop on (n-1) d/n and decodes (n-1) d/n plus its own chunk; a
 butterfly of p = 2^k core ranks runs the fused hop on d (1 - 1/p) and decodes as
 much. c_* are seconds per coordinate measured here for each codec (one core);
 w = max(1, n / cores) accounts for ranks sharing the machine's cores.
+
+Two terms beyond the textbook model: a butterfly on a non-power-of-two n folds
+the extra ranks in (their whole vector, compressed, to a partner before, the
+whole result back after: 2 d b/8 more on the critical path, one more encode and
+two more decodes of d); and a step in which a rank sends to and receives from
+the same peer (a ring of 2, every butterfly exchange) takes ``duplex`` times a
+one-way transfer, a factor measured on the network at hand (1 on a full-duplex
+link; on the emulated network with Gloo it was measured near 2).
 """
 
 from __future__ import annotations
@@ -123,19 +131,34 @@ def calibrate(codec_name: str, coords: int) -> CodecCost:
 
 
 def predict(
-    cost: CodecCost, topology: str, n: int, d: int, beta_bytes: float, alpha: float, cores: int
+    cost: CodecCost,
+    topology: str,
+    n: int,
+    d: int,
+    beta_bytes: float,
+    alpha: float,
+    cores: int,
+    duplex: float = 1.0,
 ) -> float:
-    """Modelled seconds of one all-reduce of d float32 coordinates on n ranks."""
+    """Modelled seconds of one all-reduce of d float32 coordinates on n ranks.
+    ``duplex``: how much longer a step takes when a rank sends to and receives
+    from the same peer at once (ring of 2, every butterfly exchange) than a
+    one-way transfer of the same size; 1 on full-duplex links."""
     if n == 1:
         return d * (cost.plan + cost.enc + cost.dec)
+    payload = d * cost.bits / 8
     if topology == "ring":
         steps = 2 * (n - 1)
         enc, hop, dec = d / n, (n - 1) * d / n, d
+        wire = 2 * (n - 1) / n * payload * (duplex if n == 2 else 1.0)
     else:
         p = 1 << (n.bit_length() - 1)
         steps = 2 * int(math.log2(p)) + (2 if p != n else 0)
         enc, hop, dec = d / p, d * (1 - 1 / p), d
-    wire = 2 * (n - 1) / n * d * cost.bits / 8
+        wire = 2 * (p - 1) / p * payload * duplex
+        if p != n:  # fold: an extra rank's whole vector in, the whole result out
+            wire += 2 * payload
+            enc, dec = enc + d, dec + 2 * d
     overload = max(1.0, n / cores)
     compute = overload * (d * cost.plan + enc * cost.enc + hop * cost.hop + dec * cost.dec)
     stats_steps = 2 * (n - 1) if cost.bits < 15.5 else 0  # codecs with a stats exchange
@@ -163,6 +186,27 @@ def _measure_worker(
             w.wait()
         lat.append(time.perf_counter() - t0)
     out["alpha"] = statistics.median(lat)
+    # duplex: a same-peer exchange against a one-way transfer of 1 MiB (pairs 2i, 2i+1)
+    peer = rank ^ 1
+    big, into = torch.zeros(1 << 18), torch.empty(1 << 18)
+    one: list[float] = []
+    both: list[float] = []
+    for mode, acc in (("one", one), ("both", both)):
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            if peer < n:
+                ops = []
+                if rank % 2 == 0 or mode == "both":
+                    ops.append(dist.P2POp(dist.isend, big, peer))
+                if rank % 2 == 1 or mode == "both":
+                    ops.append(dist.P2POp(dist.irecv, into, peer))
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+            acc.append(time.perf_counter() - t0)
+    f = torch.tensor([statistics.median(both) / statistics.median(one) if peer < n else 0.0])
+    dist.all_reduce(f, op=dist.ReduceOp.MAX)
+    out["duplex"] = min(2.0, max(1.0, float(f)))
     for c in codecs:
         codec = get_codec(c)
         for topo in topologies:
@@ -252,12 +296,15 @@ def run(o: ModelOptions) -> str:
                     )[0]
                 for topo in ("ring", "butterfly"):
                     for c in codecs:
-                        pred = predict(costs[c], topo, n, numel, beta_v, res["alpha"], cores)
+                        pred = predict(
+                            costs[c], topo, n, numel, beta_v, res["alpha"], cores, res["duplex"]
+                        )
                         meas = res[(c, topo)]
                         errs.append(abs(pred - meas) / meas)
                         vrows.append(
                             [
                                 n,
+                                f"{res['duplex']:.2f}",
                                 topo,
                                 c,
                                 f"{meas * 1e3:.0f}",
@@ -268,10 +315,11 @@ def run(o: ModelOptions) -> str:
             lines += [
                 "",
                 f"### Model vs emulated network: {o.validate_size_mib:g} MiB, {o.validate_rate_mbit:g} Mbit/s per worker, "
-                f"alpha measured per run, {cores} cores shared by the ranks",
+                f"alpha and the duplex factor measured per run, {cores} cores shared by the ranks",
                 "",
                 markdown_table(
-                    ["n", "topology", "codec", "measured (ms)", "model (ms)", "error"], vrows
+                    ["n", "duplex", "topology", "codec", "measured (ms)", "model (ms)", "error"],
+                    vrows,
                 ),
                 "",
                 f"Mean absolute error {statistics.mean(errs) * 100:.0f}%, median {statistics.median(errs) * 100:.0f}%, "
