@@ -250,6 +250,15 @@ _LAUNCH = {} if interpreting() else {"enable_fp_fusion": False}
 _INTERPRETER_LOCK = threading.Lock() if interpreting() else contextlib.nullcontext()
 
 
+@lru_cache(maxsize=16)
+def _dummies(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the pointers a mode does not use."""
+    return (
+        torch.empty(1, dtype=torch.uint8, device=device),
+        torch.empty(1, dtype=torch.float32, device=device),
+    )
+
+
 def run_segment(
     mode: int,
     width: int,
@@ -273,8 +282,7 @@ def run_segment(
     """The same contract as :func:`hopq.kernels.dynamiq_cpu.run_segment`."""
     ref = next(t for t in (payload, local, out_rows, out_payload) if t is not None)
     dev = str(ref.device)
-    dummy_b = torch.empty(1, dtype=torch.uint8, device=dev)
-    dummy_f = torch.empty(1, dtype=torch.float32, device=dev)
+    dummy_b, dummy_f = _dummies(dev)
     inb = payload if payload is not None else dummy_b
     loc = local if local is not None else dummy_f
     outf = out_rows if out_rows is not None else dummy_f

@@ -13,9 +13,10 @@ coordinate for the fused hop. These kernels walk one super-group at a time
 Every float operation is the reference's float32 operation in the reference's
 order (numba without ``fastmath`` keeps IEEE semantics: no reassociation, no
 fused multiply-add), the hash is the same lowbias32, and the level search finds
-the reference's ``searchsorted`` index exactly: a bucket table gives a start at
-most two levels below the answer, two compare-and-step moves finish it
-(:func:`search_tables` checks that two suffice for the table at hand).
+the reference's ``searchsorted`` index exactly: a bucket table gives a start a
+few levels below the answer and compare-and-step moves finish it
+(:func:`hopq.numerics.levels.search_tables` says how many suffice: two for the
+default tables).
 ``tests/test_kernels.py`` holds them to the reference bit for bit.
 
 numba is optional (``pip install hopq[cpu]``); without it the codec runs the
@@ -48,20 +49,10 @@ def _np_tables(width: int, eps: float) -> tuple[np.ndarray, np.ndarray, int, int
     return ext.numpy(), bucket.numpy(), nb_log, steps
 
 
-def _build():
-    from hopq.kernels._dynamiq_cpu_jit import SEGMENT
+def _get():
+    from hopq.kernels._dynamiq_cpu_jit import SEGMENT  # compiled or loaded on first use
 
     return SEGMENT
-
-
-_kernels = None
-
-
-def _get():
-    global _kernels
-    if _kernels is None:
-        _kernels = _build()
-    return _kernels
 
 
 @lru_cache(maxsize=64)
@@ -97,10 +88,10 @@ def run_segment(
     for the modes). Tensors are contiguous CPU tensors: ``payload``/``out_payload``
     uint8 (the segment's bytes), ``local``/``out_rows`` float32 of rows * S."""
     kern = _get()
-    inb = payload.numpy() if payload is not None else _EMPTY_U8
-    loc = local.numpy() if local is not None else _EMPTY_F32
-    outf = out_rows.numpy() if out_rows is not None else _EMPTY_F32
-    outb = out_payload.numpy() if out_payload is not None else _EMPTY_U8
+    inb = payload.detach().numpy() if payload is not None else _EMPTY_U8
+    loc = local.detach().numpy() if local is not None else _EMPTY_F32
+    outf = out_rows.detach().numpy() if out_rows is not None else _EMPTY_F32
+    outb = out_payload.detach().numpy() if out_payload is not None else _EMPTY_U8
     gk = np.array(gamma_key, np.uint64)
     pk = np.array(perm_key, np.uint64)
     un = _units_array(units)
@@ -135,7 +126,7 @@ def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
     squares, bit-identical to the reference plan's before the bfloat16 rounding."""
     from hopq.kernels._dynamiq_cpu_jit import supergroup_stats as kernel
 
-    x = x.reshape(-1).contiguous()
+    x = x.detach().reshape(-1).contiguous()
     m = -(-x.numel() // S)
     out = torch.empty(2, m, dtype=torch.float32)
     kernel(x.numpy(), S, out.numpy())
@@ -147,7 +138,7 @@ def gather_rows(x: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int) -
     from hopq.kernels._dynamiq_cpu_jit import gather_rows as kernel
 
     out = torch.empty(perm.numel() * S, dtype=torch.float32)
-    kernel(x.reshape(-1).contiguous().numpy(), perm.numpy(), mu.numpy(), S, out.numpy())
+    kernel(x.detach().reshape(-1).contiguous().numpy(), perm.numpy(), mu.numpy(), S, out.numpy())
     return out
 
 
@@ -158,5 +149,5 @@ def scatter_rows(
     from hopq.kernels._dynamiq_cpu_jit import scatter_rows as kernel
 
     out = torch.empty(d, dtype=torch.float32)
-    kernel(y.contiguous().numpy(), perm.numpy(), mu.numpy(), S, n, avg, out.numpy())
+    kernel(y.detach().contiguous().numpy(), perm.numpy(), mu.numpy(), S, n, avg, out.numpy())
     return out
