@@ -299,11 +299,16 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     ax.legend(fontsize=8)
     made.append(save_figure(fig, folder / "breakdown.png").name)
 
+    series = {
+        r.codec: [(s.step, s.vnmse) for s in r.steps if not math.isnan(s.vnmse) and s.vnmse > 0]
+        for r in runs
+    }
+    if not any(series.values()):  # --vnmse-every 0: nothing to plot
+        return made
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r in runs:
-        pts = [(s.step, s.vnmse) for s in r.steps if not math.isnan(s.vnmse) and s.vnmse > 0]
+    for codec, pts in series.items():
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=r.codec)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=codec)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("vNMSE")
