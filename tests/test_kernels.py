@@ -4,6 +4,8 @@ TRITON_INTERPRET=1 on CPU, compiled on a GPU when there is one) must give the
 reference's payload bytes and float bits for every kernel, width, ragged tail,
 all-zero group, outlier, seed and hop."""
 
+import os
+
 import pytest
 import torch
 
@@ -237,3 +239,18 @@ def test_bench_kernels_reports_every_kernel(tmp_path):
     assert "not measured" in text  # CPU run: GPU rows say so
     with pytest.raises(ValueError, match="widths"):
         KernelOptions(widths=(3,))
+
+
+@pytest.mark.skipif(not triton_kernels.available(), reason="triton not installed")
+def test_triton_kernels_compile_for_cuda_without_a_gpu():
+    """The interpreter runs the kernels' Python as is; the compiler is stricter
+    (constexpr globals, types). Every variant must compile for sm_90 with
+    correctly rounded divisions and no fused multiply-add."""
+    import subprocess
+    import sys
+
+    code = "from hopq.kernels import dynamiq as k; print(len(k.compile_all(90)))"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "33"

@@ -52,13 +52,18 @@ def interpreting() -> bool:
 
 
 if triton is not None:
+    # globals a compiled kernel reads must be constexpr (the interpreter does not care)
+    _ENCODE, _DECODE, _DECODE_ACC, _DAR = (
+        tl.constexpr(v) for v in (ENCODE, DECODE, DECODE_ACC, DAR)
+    )
+    _M1, _M2 = tl.constexpr(M1), tl.constexpr(M2)
 
     @triton.jit
     def _mix(x):
         x = x ^ (x >> 16)
-        x = x * M1
+        x = x * _M1
         x = x ^ (x >> 15)
-        x = x * M2
+        x = x * _M2
         return x ^ (x >> 16)
 
     @triton.jit
@@ -111,15 +116,15 @@ if triton is not None:
         r = tl.program_id(0)
         gidx = tl.arange(0, NG)
         j = gidx[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G]
-        if MODE == DECODE:
+        if MODE == _DECODE:
             v = _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
             tl.store(outf + r * S + j, v)
-        elif MODE == DECODE_ACC:
+        elif MODE == _DECODE_ACC:
             v = _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
             tl.store(outf + r * S + j, tl.load(local + r * S + j) + v)
         else:
             x = tl.load(local + r * S + j)
-            if MODE == DAR:
+            if MODE == _DAR:
                 x = x + _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
             _encode_sg(
                 x, outb, r, k, row0 + r, j, gidx, units, tab, dtab, bucket,
@@ -186,17 +191,17 @@ if triton is not None:
     ):  # fmt: skip
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < total
-        if MODE != ENCODE:
+        if MODE != _ENCODE:
             b0 = tl.load(inb + 2 * i, mask=ok, other=0).to(tl.int32)
             b1 = tl.load(inb + 2 * i + 1, mask=ok, other=0).to(tl.int32)
             v = ((b0 | (b1 << 8)) << 16).to(tl.float32, bitcast=True)
-        if MODE == DECODE:
+        if MODE == _DECODE:
             tl.store(outf + i, v, mask=ok)
-        elif MODE == DECODE_ACC:
+        elif MODE == _DECODE_ACC:
             tl.store(outf + i, tl.load(local + i, mask=ok, other=0.0) + v, mask=ok)
         else:
             x = tl.load(local + i, mask=ok, other=0.0)
-            if MODE == DAR:
+            if MODE == _DAR:
                 x = x + v
             u = _entry_uniforms(
                 (first + i).to(tl.uint32),
@@ -360,4 +365,69 @@ def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
             _stats_kernel[(m,)](
                 x.reshape(-1).contiguous(), out, d, m, S=S, LOG=S.bit_length() - 1, **_LAUNCH
             )
+    return out
+
+
+def compile_all(arch: int = 90) -> list[str]:
+    """Compile every kernel variant for a CUDA target (sm_<arch>) without a GPU
+    (Triton's front end and the ptxas in its wheel) and check that divisions are
+    the correctly rounded ones and no multiply-add was fused. Catches what the
+    interpreter lets through (it runs the Python directly). Needs
+    TRITON_INTERPRET unset when this module is imported. Returns one line per
+    variant."""
+    if triton is None or interpreting():
+        raise RuntimeError("compile_all needs triton and TRITON_INTERPRET=0 at import")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    out = []
+
+    def build(fn, sig: dict[str, str], const: dict[str, object]) -> None:
+        names = list(sig)
+        src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
+        ptx = triton.compile(src, target=target, options={"enable_fp_fusion": False}).asm["ptx"]
+        if "div.full" in ptx or "div.approx" in ptx or "fma.rn.f32" in ptx:
+            raise AssertionError(
+                f"{fn.__name__} {const}: approximate division or fused multiply-add"
+            )
+        out.append(f"{fn.__name__} {const}: ok")
+
+    ptrs = {"inb": "*u8", "local": "*fp32", "outf": "*fp32", "outb": "*u8", "units": "*i32"}
+    keys = {
+        "g0": "i64",
+        "g1": "i64",
+        "p0": "i64",
+        "p1": "i64",
+        "n": "i32",
+        "me": "i32",
+        "nu": "i32",
+    }
+    seg = {
+        **ptrs, "tab": "*fp32", "dtab": "*fp32", "bucket": "*i32", "k": "i32", "row0": "i32",
+        **keys, "s0": "i64", "s1": "i64",
+        **dict.fromkeys(("W", "MODE", "S", "G", "NB_LOG", "STEPS", "CORR"), "constexpr"),
+    }  # fmt: skip
+    seg16 = {
+        **ptrs, "total": "i32", "first": "i32", **keys,
+        **dict.fromkeys(("MODE", "BLOCK", "CORR"), "constexpr"),
+    }  # fmt: skip
+    for mode in (ENCODE, DECODE, DECODE_ACC, DAR):
+        for corr in (False, True):
+            for w in (2, 4, 8):
+                const = {"W": w, "MODE": mode, "S": 256, "G": 16, "NB_LOG": 8, "STEPS": 2}
+                build(_segment_kernel, seg, {**const, "CORR": corr})
+            build(_segment16_kernel, seg16, {"MODE": mode, "BLOCK": 1024, "CORR": corr})
+    build(
+        _stats_kernel,
+        {
+            "x_ptr": "*fp32",
+            "out_ptr": "*fp32",
+            "d": "i32",
+            "m": "i32",
+            "S": "constexpr",
+            "LOG": "constexpr",
+        },
+        {"S": 256, "LOG": 8},
+    )
     return out
