@@ -4,9 +4,9 @@ TRITON_INTERPRET=0 itself to test compiled kernels)."""
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
 
-import pytest  # noqa: E402
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

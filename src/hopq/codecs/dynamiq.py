@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -202,6 +202,17 @@ class DynamiQConfig(CodecConfig):
     def sg_bits(self, width: int) -> int:
         """Payload bits of one super-group (codes and scales)."""
         return self.supergroup_size * width + self.meta_bits(width)
+
+
+class Streams(NamedTuple):
+    """The random streams of one encoding, as the kernels take them."""
+
+    gamma_key: tuple[int, int]
+    perm_key: tuple[int, int]
+    peers: int
+    peer: int
+    units: tuple[int, ...]
+    scale_key: tuple[int, int]
 
 
 @dataclass
@@ -484,7 +495,7 @@ class DynamiQ(Codec):
         return out.reshape(-1)[: plan.numel]
 
     # -- quantization ------------------------------------------------------
-    def _streams(self, ctx: HopContext) -> dict[str, object]:
+    def _streams(self, ctx: HopContext) -> Streams:
         """The random streams of one encoding (module docstring): keys and the
         correlated-rounding class (peers = 1: independent rounding)."""
         if self.config.rounding is Rounding.PATH:
@@ -493,29 +504,29 @@ class DynamiQ(Codec):
             n, me, cls = ctx.peers, ctx.peer, ctx.depth + 1
         if self.config.rounding is Rounding.INDEPENDENT:
             n, me = 1, 0
-        return {
-            "gamma_key": stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop),
-            "perm_key": stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16 | cls),
-            "peers": n,
-            "peer": me,
-            "units": tuple(_units(n)),
-            "scale_key": stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_SCALE << 16 | ctx.hop),
-        }
+        return Streams(
+            gamma_key=stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop),
+            perm_key=stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16 | cls),
+            peers=n,
+            peer=me,
+            units=tuple(_units(n)),
+            scale_key=stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_SCALE << 16 | ctx.hop),
+        )
 
     def _uniforms(
         self, plan: DynamiQPlan, ctx: HopContext, start: int, count: int, device: torch.device
     ) -> torch.Tensor:
         """u for the entries [start, start + count) of the working vector."""
         st = self._streams(ctx)
-        gamma = uniform(count, st["gamma_key"], offset=start, device=device)  # type: ignore[arg-type]
-        n, me = int(st["peers"]), int(st["peer"])  # type: ignore[call-overload]
+        gamma = uniform(count, st.gamma_key, offset=start, device=device)
+        n, me = st.peers, st.peer
         if n == 1:
             return gamma
         idx = torch.arange(start, start + count, dtype=torch.int64, device=device)
         # pi: an affine permutation (mult * i + shift) mod n with mult a unit mod n,
         # drawn per entry from a stream shared by the n correlated encoders.
-        h = hash32(idx, st["perm_key"])  # type: ignore[arg-type]
-        units = torch.tensor(st["units"], dtype=torch.int64, device=device)
+        h = hash32(idx, st.perm_key)
+        units = torch.tensor(st.units, dtype=torch.int64, device=device)
         mult = units[(h >> 16) % units.numel()]
         shift = (h & 0xFFFF) % n
         pi = (mult * me + shift) % n
@@ -524,7 +535,14 @@ class DynamiQ(Codec):
     # -- backends ----------------------------------------------------------
     def _kernels(self, device: torch.device):
         """The kernel module that runs this device's segments, or None for the
-        reference (see :class:`Backend`)."""
+        reference (see :class:`Backend`); resolved once per device type (it is
+        asked on every encode and decode)."""
+        cache: dict[str, object] = self.__dict__.setdefault("_kernel_cache", {})
+        if device.type not in cache:
+            cache[device.type] = self._resolve_kernels(device)
+        return cache[device.type]
+
+    def _resolve_kernels(self, device: torch.device):
         cfg = self.config
         b = cfg.backend
         if b is Backend.REFERENCE:
@@ -588,7 +606,7 @@ class DynamiQ(Codec):
             sg.lo,
             eps=cfg.eps_for(sg.width),
             **tensors,
-            **self._streams(ctx),
+            **self._streams(ctx)._asdict(),
         )
 
     def _encode_rows(

@@ -293,65 +293,23 @@ def run_segment(
     outf = out_rows if out_rows is not None else dummy_f
     outb = out_payload if out_payload is not None else dummy_b
     un = _units(units, dev)
-    with _INTERPRETER_LOCK:
-        _launch(
-            mode,
-            width,
-            rows,
-            S,
-            s,
-            row0,
-            inb,
-            loc,
-            outf,
-            outb,
-            un,
-            peers,
-            peer,
-            gamma_key,
-            perm_key,
-            scale_key,
-            eps,
-            dev,
-        )
-
-
-def _launch(
-    mode,
-    width,
-    rows,
-    S,
-    s,
-    row0,
-    inb,
-    loc,
-    outf,
-    outb,
-    un,
-    peers,
-    peer,
-    gamma_key,
-    perm_key,
-    scale_key,
-    eps,
-    dev,
-) -> None:
     corr = peers > 1
-    if width == 16:
-        total = rows * S
-        block = 1024
-        _segment16_kernel[(triton.cdiv(total, block),)](
-            inb, loc, outf, outb, un, total, row0 * S,
-            *gamma_key, *perm_key, peers, peer, un.numel(),
-            MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
+    with _INTERPRETER_LOCK:
+        if width == 16:
+            total = rows * S
+            block = 1024
+            _segment16_kernel[(triton.cdiv(total, block),)](
+                inb, loc, outf, outb, un, total, row0 * S,
+                *gamma_key, *perm_key, peers, peer, un.numel(),
+                MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
+            )  # fmt: skip
+            return
+        tab, dtab, bucket, nb_log, steps = _tables(width, eps, dev)
+        _segment_kernel[(rows,)](
+            inb, loc, outf, outb, un, tab, dtab, bucket,
+            rows, row0, *gamma_key, *perm_key, peers, peer, un.numel(), *scale_key,
+            W=width, MODE=mode, S=S, G=s, NB_LOG=nb_log, STEPS=steps, CORR=corr, **_LAUNCH,
         )  # fmt: skip
-        return
-    tab, dtab, bucket, nb_log, steps = _tables(width, eps, dev)
-    _segment_kernel[(rows,)](
-        inb, loc, outf, outb, un, tab, dtab, bucket,
-        rows, row0, *gamma_key, *perm_key, peers, peer, un.numel(), *scale_key,
-        W=width, MODE=mode, S=S, G=s, NB_LOG=nb_log, STEPS=steps, CORR=corr, **_LAUNCH,
-    )  # fmt: skip
 
 
 def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """DynamiQ's fused CPU kernels (numba): the same bits as the PyTorch reference.
 
 The reference (``hopq.codecs.dynamiq``) is a chain of tensor operations, each of
-which reads and writes the whole chunk; on a CPU worker that costs ~75 ns per
-coordinate for the fused hop. These kernels walk one super-group at a time
+which reads and writes the whole chunk; its fused hop runs at 6-8 million
+coordinates per second on one core (``hopq bench kernels --backend reference``). These kernels walk one super-group at a time
 (256 entries stay in L1) and do decode, accumulate and encode in one pass:
 
 * ``ENCODE``: local rows -> segment bytes (the leaf);
