@@ -80,6 +80,69 @@ def test_variable_beats_fixed_on_skewed_gradients():
     assert var < fixed / 2
 
 
+def _buckets(n, seed):
+    """Three "DDP buckets" of one step: a small loud one, a larger quiet one, and a
+    large one with a few loud super-groups (the shape of a transformer's gradient)."""
+    g = torch.Generator().manual_seed(seed)
+    loud = [torch.randn(8 * 1024, generator=g) for _ in range(n)]
+    quiet = [1e-3 * torch.randn(40 * 1024 + 5, generator=g) for _ in range(n)]
+    mixed = _grads(n, 64 * 1024, seed=seed)
+    return [loud, quiet, mixed]
+
+
+def _keyed_steps(codec, n, steps, topology="ring"):
+    """Per step: (error, reference norm, bits) summed over the buckets."""
+    out = []
+    for step in range(steps):
+        err = ref = bits = d = 0.0
+        for key, xs in enumerate(_buckets(n, seed=step)):
+            r = hopq.simulate(xs, codec, topology, seed=step, key=key)
+            assert r.identical
+            exact = torch.stack(xs).double().sum(0)
+            err += (r.outputs[0].double() - exact).square().sum().item()
+            ref += exact.square().sum().item()
+            bits += r.bits_per_coord * xs[0].numel()
+            d += xs[0].numel()
+        out.append((err / ref, bits / d))
+    return out
+
+
+@pytest.mark.parametrize("topology", ["ring", "butterfly"])
+def test_shared_budget_across_keyed_calls(topology):
+    """Keyed calls (DDP buckets) share the step's budget: the first step, with no
+    statistics yet, gives every bucket the budget; from the second step on the
+    buckets' bits differ but the step as a whole stays within the budget, every
+    rank holds the same bits, and the error drops well below per-bucket budgets'."""
+    shared = _keyed_steps(DynamiQ(), 4, 3, topology)
+    alone = _keyed_steps(DynamiQ(share_budget=False), 4, 3, topology)
+    assert shared[0] == alone[0]  # step 0: nothing to share from yet
+    for (e_s, b_s), (e_a, _) in zip(shared[1:], alone[1:], strict=True):
+        assert 4.9 <= b_s <= 5.0 + 1e-9
+        assert e_s < e_a / 3
+    # unkeyed calls keep the per-call budget whatever the setting
+    xs = _grads(3, 10_000)
+    c = DynamiQ()
+    for _ in range(2):
+        a = hopq.simulate(xs, c, topology, seed=1)
+    b = hopq.simulate(xs, DynamiQ(share_budget=False), topology, seed=1)
+    assert a.bits_per_coord == b.bits_per_coord
+
+
+def test_shared_budget_follows_the_layout():
+    """A key whose size changed (DDP rebuilds its buckets after the first step)
+    takes the plain budget instead of a share computed for another size."""
+    c = DynamiQ()
+    xs = _buckets(3, 0)
+    for key, x in enumerate(xs):
+        hopq.simulate(x, c, "ring", key=key)
+    resized = [t[:-1000] for t in xs[1]]
+    r = hopq.simulate(resized, c, "ring", key=1)
+    plain = hopq.simulate(resized, DynamiQ(share_budget=False), "ring")
+    assert r.bits_per_coord == plain.bits_per_coord
+    r0 = hopq.simulate(xs[0], c, "ring", key=0)  # unchanged size: its share
+    assert r0.bits_per_coord > 6
+
+
 @pytest.mark.parametrize("d", [1, 15, 17, 255, 257, 1000, 4099])
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_ragged_sizes(d, n):

@@ -44,6 +44,7 @@ def simulate(
     topology: str = "ring",
     seed: int = 0,
     op: str | ReduceOp = "sum",
+    key: int | None = None,
 ) -> SimResult:
     """All-reduce ``tensors[i]`` as the input of virtual rank i.
 
@@ -51,6 +52,7 @@ def simulate(
     state (round counter, adaptive parameters). The per-rank clones are kept with
     the instance, so that repeated calls evolve every virtual rank's own state
     (e.g. the saturation counts each rank measured) exactly as a real run would.
+    ``key`` names the tensor as ``hopq.all_reduce``'s does (a DDP bucket index).
     """
     op = ReduceOp.parse(op)
     n = len(tensors)
@@ -73,7 +75,7 @@ def simulate(
     def work(r: int) -> None:
         try:
             results[r] = engine.run(
-                codecs[r], tensors[r].reshape(-1), schedule, transports[r], seed=seed, op=op
+                codecs[r], tensors[r].reshape(-1), schedule, transports[r], seed=seed, op=op, key=key
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)

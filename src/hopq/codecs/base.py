@@ -62,6 +62,10 @@ class StatsExchange(Protocol):
     n_chunks: int
     seed: int
     round: int
+    #: The caller's name for the tensor, stable across steps (the DDP hook: the
+    #: bucket index), or None. Codecs may keep per-key state with it (DynamiQ
+    #: splits a step's bit budget across the keys).
+    key: int | None
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """Uncompressed all-reduce of a small tensor; op is "sum", "max" or "min".

@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -142,6 +142,11 @@ class DynamiQConfig(CodecConfig):
     eps: tuple[tuple[int, float], ...] | None = None
     #: Which implementation runs encode/decode; all produce the same bits.
     backend: Backend = Backend.AUTO
+    #: Keyed calls (the DDP hook's buckets, see ``StatsExchange.key``) share one
+    #: bit budget per step instead of each taking ``budget`` (beyond the paper):
+    #: the previous step's statistics of all keys are allocated together, and
+    #: each key gets the bits that allocation gave its super-groups.
+    share_budget: bool = True
 
     def __post_init__(self) -> None:
         enums: dict[str, type[Enum]] = {
@@ -259,6 +264,13 @@ class DynamiQ(Codec):
     config: DynamiQConfig
     layout_preserving: ClassVar[bool] = False
 
+    def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        #: key -> (numel, F) of the keyed calls of the step under way.
+        self._step_stats: dict[int, tuple[int, torch.Tensor]] = {}
+        #: key -> (numel, bits per coordinate) split from the previous step.
+        self._shares: dict[int, tuple[int, float]] = {}
+
     def nonfinite_block(self) -> int:
         return self.config.supergroup_size  # the mean and the scale carry the poison
 
@@ -287,7 +299,11 @@ class DynamiQ(Codec):
         glob = stats.all_reduce(local, "sum").float()
         mu = glob[0] / stats.world_size
         F = glob[1]
-        widths = self._allocate(F.cpu().double(), d)
+        budget = self._budget_for(stats.key, d)
+        F64 = F.cpu().double()
+        widths = self._allocate(F64, d, budget)
+        if stats.key is not None and cfg.share_budget:
+            self._step_stats[stats.key] = (d, F64)
         order = sorted(range(m), key=lambda j: widths[j])  # stable: by width, then position
         sorted_widths = tuple(widths[j] for j in order)
         perm = torch.tensor(order, dtype=torch.int64, device=x.device)
@@ -321,7 +337,7 @@ class DynamiQ(Codec):
             mu=mu,
             segments=tuple(segments),
             planned_bits=total_bits / d if d else 0.0,
-            over_budget=bool(d) and total_bits > cfg.budget * d + 1e-9,
+            over_budget=bool(d) and total_bits > budget * d + 1e-9,
         )
 
     def _padded(self, x: torch.Tensor, m: int) -> torch.Tensor:
@@ -350,15 +366,52 @@ class DynamiQ(Codec):
         bounds.append(m)
         return [(bounds[i], bounds[i + 1]) for i in range(n_chunks)]
 
-    def _allocate(self, F: torch.Tensor, d: int) -> list[int]:
-        """Width per super-group (original order), identical on every rank: pure
-        float64 CPU arithmetic on the all-reduced F."""
+    def _budget_for(self, key: int | None, d: int) -> float:
+        """Bits per coordinate for this call. A keyed call whose key already ran
+        in this step starts the next step: the finished step's statistics are
+        split into per-key shares first (the same float64 arithmetic on the same
+        all-reduced F on every rank, so every rank gets the same shares). A key
+        without a share of its size (the first step, DDP's bucket rebuild) takes
+        the configured budget."""
+        cfg = self.config
+        if key is None or not cfg.share_budget:
+            return cfg.budget
+        if key in self._step_stats:
+            self._shares = self._split_budget(self._step_stats)
+            self._step_stats = {}
+        share = self._shares.get(key)
+        return share[1] if share is not None and share[0] == d else cfg.budget
+
+    def _split_budget(self, step: dict[int, tuple[int, torch.Tensor]]) -> dict[int, tuple[int, float]]:
+        """Per-key budgets that sum to ``budget`` over the step: one allocation over
+        the super-groups of all keys; each key gets the bits (payload, scales,
+        statistics) of its own super-groups, plus the allocation's leftover in
+        proportion to its size."""
+        cfg = self.config
+        keys = [k for k in sorted(step) if step[k][0] > 0]
+        total = sum(step[k][0] for k in keys)
+        if not keys:
+            return {}
+        widths = self._allocate(torch.cat([step[k][1] for k in keys]), total, cfg.budget)
+        per_width = {w: cfg.sg_bits(w) + STATS_BITS for w in (0, *cfg.widths)}
+        sg_cost = torch.tensor([per_width[w] for w in widths], dtype=torch.float64)
+        sizes = [step[k][1].numel() for k in keys]
+        bits = [float(c.sum()) for c in torch.split(sg_cost, sizes)]
+        slack = max(0.0, cfg.budget * total - sum(bits))
+        return {
+            k: (step[k][0], (b + slack * step[k][0] / total) / step[k][0])
+            for k, b in zip(keys, bits, strict=True)
+        }
+
+    def _allocate(self, F: torch.Tensor, d: int, budget: float) -> list[int]:
+        """Width per super-group (original order) for ``budget`` bits per coordinate,
+        identical on every rank: pure float64 CPU arithmetic on the all-reduced F."""
         cfg = self.config
         m = F.numel()
         if m == 0:
             return []
         W = list(cfg.widths)
-        budget_bits = cfg.budget * d - STATS_BITS * m
+        budget_bits = budget * d - STATS_BITS * m
         F = torch.nan_to_num(F, nan=math.inf)
         zero = (F == 0) if cfg.zero_class else torch.zeros(m, dtype=torch.bool)
         live = ~zero

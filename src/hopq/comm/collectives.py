@@ -47,12 +47,17 @@ def all_reduce(
     op: str | ReduceOp = "sum",
     group: torch.distributed.ProcessGroup | None = None,
     seed: int = 0,
+    key: int | None = None,
 ) -> engine.RunStats:
     """Compressed all-reduce of ``tensor`` in place over ``group`` (default: WORLD).
 
     ``codec`` is a registered name (a fresh instance per call) or a Codec instance
     (its state, e.g. the round counter that keys the RNG, carries across calls).
     Every rank ends with bit-identical values. Returns this rank's statistics.
+
+    ``key`` names the tensor when a step reduces several (the DDP hook passes the
+    bucket index): the same key on every rank, stable from step to step. DynamiQ
+    then splits the step's bit budget across the keys (``share_budget``).
     """
     op = ReduceOp.parse(op)
     c = get_codec(codec)
@@ -61,7 +66,9 @@ def all_reduce(
     schedule = get_schedule(topology, transport.world_size)
     flat = tensor.detach().reshape(-1)  # a view when contiguous: then the work can be in place
     in_place = tensor.is_contiguous()
-    y, info = engine.run(c, flat, schedule, transport, seed=seed, op=op, scratch=in_place)
+    y, info = engine.run(
+        c, flat, schedule, transport, seed=seed, op=op, scratch=in_place, key=key
+    )
     if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
         with torch.no_grad():
             tensor.copy_(y.view(tensor.shape))

@@ -67,13 +67,16 @@ class _StatsExchange:
     """The codec's view of the statistics exchange: all-gather, then a reduction
     in rank order (bit-identical on every rank and in the simulator)."""
 
-    def __init__(self, transport: Transport, n_chunks: int, seed: int, round: int) -> None:
+    def __init__(
+        self, transport: Transport, n_chunks: int, seed: int, round: int, key: int | None = None
+    ) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.n_chunks = n_chunks
         self.seed = seed
         self.round = round
+        self.key = key
         self.bytes = 0.0
         self.seconds = 0.0
 
@@ -131,17 +134,19 @@ def run(
     op: ReduceOp = ReduceOp.SUM,
     gather: bool = True,
     scratch: bool = False,
+    key: int | None = None,
 ) -> tuple[torch.Tensor, RunStats]:
     """One compressed all-reduce (or, with ``gather=False``, reduce-scatter) of the
     flat tensor ``x`` on this rank. Returns the float32 result in ``x``'s layout
     (for reduce-scatter, valid only on the chunks this rank owns) and the stats.
-    With ``scratch=True`` the codec may work in ``x``'s memory (and return it)."""
+    With ``scratch=True`` the codec may work in ``x``'s memory (and return it).
+    ``key`` names the tensor across steps (see ``StatsExchange.key``)."""
     t_start = time.perf_counter()
     rank, n = transport.rank, transport.world_size
     if schedule.world_size != n:
         raise ValueError(f"schedule is for {schedule.world_size} ranks, the group has {n}")
     device = x.device
-    stats = _StatsExchange(transport, schedule.n_chunks, seed, codec.round)
+    stats = _StatsExchange(transport, schedule.n_chunks, seed, codec.round, key)
     plan = codec.plan(x, stats)
     if len(plan.chunks) != schedule.n_chunks:
         raise RuntimeError(

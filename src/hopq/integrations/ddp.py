@@ -81,7 +81,11 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         dist.all_reduce(exact, group=state.process_group)
         exact /= dist.get_world_size(state.process_group)
         state.exact_seconds += time.perf_counter() - t0
-    info = all_reduce(buf, state.codec, state.topology, "avg", state.process_group, state.seed)
+    # the bucket index names the bucket from step to step (DynamiQ shares the
+    # step's bit budget across buckets by it)
+    info = all_reduce(
+        buf, state.codec, state.topology, "avg", state.process_group, state.seed, bucket.index()
+    )
     if exact is not None:
         state.err_sq += float((buf.to(torch.float64) - exact).square().sum())
         state.ref_sq += float(exact.square().sum())
