@@ -75,7 +75,13 @@ def simulate(
     def work(r: int) -> None:
         try:
             results[r] = engine.run(
-                codecs[r], tensors[r].reshape(-1), schedule, transports[r], seed=seed, op=op, key=key
+                codecs[r],
+                tensors[r].reshape(-1),
+                schedule,
+                transports[r],
+                seed=seed,
+                op=op,
+                key=key,
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)

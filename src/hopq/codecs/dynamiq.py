@@ -382,7 +382,9 @@ class DynamiQ(Codec):
         share = self._shares.get(key)
         return share[1] if share is not None and share[0] == d else cfg.budget
 
-    def _split_budget(self, step: dict[int, tuple[int, torch.Tensor]]) -> dict[int, tuple[int, float]]:
+    def _split_budget(
+        self, step: dict[int, tuple[int, torch.Tensor]]
+    ) -> dict[int, tuple[int, float]]:
         """Per-key budgets that sum to ``budget`` over the step: one allocation over
         the super-groups of all keys; each key gets the bits (payload, scales,
         statistics) of its own super-groups, plus the allocation's leftover in

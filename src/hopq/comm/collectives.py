@@ -66,9 +66,7 @@ def all_reduce(
     schedule = get_schedule(topology, transport.world_size)
     flat = tensor.detach().reshape(-1)  # a view when contiguous: then the work can be in place
     in_place = tensor.is_contiguous()
-    y, info = engine.run(
-        c, flat, schedule, transport, seed=seed, op=op, scratch=in_place, key=key
-    )
+    y, info = engine.run(c, flat, schedule, transport, seed=seed, op=op, scratch=in_place, key=key)
     if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
         with torch.no_grad():
             tensor.copy_(y.view(tensor.shape))
