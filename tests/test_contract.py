@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hopq
-from hopq.codecs.base import HopContext, ReduceOp, even_chunks
+from hopq.codecs.base import HopContext, LocalStats, ReduceOp, even_chunks
 from hopq.comm.topology import TOPOLOGIES
 from hopq.errors import PayloadError
 
@@ -88,10 +88,7 @@ def test_input_dtypes_and_refusals():
 def test_payload_validation():
     codec = hopq.get_codec("bf16")
 
-    class Stats:
-        rank, world_size, n_chunks, seed, round = 0, 2, 2, 0, 0
-
-    plan = codec.plan(torch.zeros(10), Stats())
+    plan = codec.plan(torch.zeros(10), LocalStats(n_chunks=2, world_size=2))
     ctx = HopContext(0, 0, 0, 0, 0, 2)
     acc = torch.zeros(5)
     with pytest.raises(PayloadError):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hopq
-from hopq.codecs.base import HopContext
+from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.dynamiq import DynamiQ
 from hopq.kernels import dynamiq as triton_kernels
 from hopq.kernels import dynamiq_cpu as cpu_kernels
@@ -32,17 +32,6 @@ BACKENDS = [
         ),
     ),
 ]
-
-
-class LocalStats:
-    """A one-process stand-in for the engine's statistics exchange."""
-
-    def __init__(self, world_size, n_chunks, seed=0, round=0):
-        self.rank, self.world_size, self.n_chunks = 0, world_size, n_chunks
-        self.seed, self.round = seed, round
-
-    def all_reduce(self, t, op):
-        return t.clone()
 
 
 def _data(d, kind, seed, device="cpu"):
@@ -81,7 +70,7 @@ def _check_all_kernels(backend, cfg, x, n, seeds, device="cpu"):
     ref = DynamiQ(backend="reference", **cfg)
     ker = DynamiQ(backend=backend, **cfg)
     for seed in seeds:
-        stats = LocalStats(n, n, seed=seed)
+        stats = LocalStats(n_chunks=n, world_size=n, seed=seed)
         plan = ref.plan(x, stats)
         kplan = ker.plan(x, stats)  # the statistics pre-pass, where the backend has one
         assert kplan.widths == plan.widths and torch.equal(kplan.perm, plan.perm)
@@ -161,7 +150,7 @@ def test_simulation_with_kernels_equals_reference(backend, topology, n):
 
 def test_backend_selection(monkeypatch):
     x = torch.randn(1000)
-    stats = LocalStats(2, 2)
+    stats = LocalStats(n_chunks=2, world_size=2)
     if cpu_kernels.available():
         assert DynamiQ()._kernels(x.device) is cpu_kernels  # auto on CPU
     assert DynamiQ(backend="reference")._kernels(x.device) is None

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hopq.bench.report import machine, markdown_table, pyplot, save_figure
-from hopq.codecs.base import HopContext
+from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.dynamiq import DynamiQ
 
 
@@ -54,15 +54,6 @@ class KernelOptions:
             raise ValueError("--widths must be among 2 4 8 16")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError("--device must be auto, cpu or cuda")
-
-
-class _OneRank:
-    """The statistics exchange of a single rank (the plan of one segment)."""
-
-    rank, world_size, n_chunks, seed, round = 0, 1, 1, 0, 0
-
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        return t
 
 
 def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
@@ -116,7 +107,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         codec = DynamiQ(widths=(w,), budget=w + 1.0, allocation="fixed", backend=o.backend)
         kern = codec._kernels(device)
         backend_used = "reference" if kern is None else kern.__name__.rsplit(".", 1)[-1]
-        plan = codec.plan(x, _OneRank())
+        plan = codec.plan(x, LocalStats())
         work = codec.prepare(plan, x)
         ctx = HopContext(0, 0, 0, 1, 0, 2)
         payload = codec.encode(plan, work, ctx)

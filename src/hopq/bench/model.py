@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from hopq.bench.report import machine, markdown_table
-from hopq.codecs.base import HopContext, ReduceOp
+from hopq.codecs.base import HopContext, LocalStats, ReduceOp
 from hopq.codecs.registry import available_codecs, get_codec
 
 
@@ -71,16 +71,6 @@ class CodecCost:
     bits: float
 
 
-class _OneRankStats:
-    """A statistics exchange for planning alone (world size 1, n_chunks given)."""
-
-    def __init__(self, n_chunks: int) -> None:
-        self.rank, self.world_size, self.n_chunks, self.seed, self.round = 0, 1, n_chunks, 0, 0
-
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        return t.clone()
-
-
 def _best(fn: Any, reps: int = 3) -> float:
     fn()
     times = []
@@ -105,12 +95,12 @@ def calibrate(codec_name: str, coords: int) -> CodecCost:
         )
         codec = get_codec(codec_name)
         n_chunks = 4
-        plan = codec.plan(x, _OneRankStats(n_chunks))
+        plan = codec.plan(x, LocalStats(n_chunks))
         work = codec.prepare(plan, x)
         codec.finish(plan, work.clone(), ReduceOp.SUM, 1)
 
         def plan_prepare_finish() -> None:
-            p = codec.plan(x, _OneRankStats(n_chunks))
+            p = codec.plan(x, LocalStats(n_chunks))
             w = codec.prepare(p, x)
             codec.finish(p, w, ReduceOp.SUM, 1)
 

@@ -73,6 +73,27 @@ class StatsExchange(Protocol):
         ...
 
 
+class LocalStats:
+    """A statistics exchange without a group, whose all-reduce returns this
+    rank's own statistics: for planning one rank's work alone (benchmarks that
+    time a codec's kernels, the cost model's calibration, kernel tests).
+    ``world_size`` is only what the plan is told."""
+
+    def __init__(
+        self,
+        n_chunks: int = 1,
+        world_size: int = 1,
+        seed: int = 0,
+        round: int = 0,
+        key: int | None = None,
+    ) -> None:
+        self.rank, self.world_size, self.n_chunks = 0, world_size, n_chunks
+        self.seed, self.round, self.key = seed, round, key
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        return t.clone()
+
+
 @dataclass(frozen=True)
 class HopContext:
     """Where an encode or decode happens, for the hash RNG and correlated rounding.
