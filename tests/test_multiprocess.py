@@ -7,7 +7,7 @@ import torch
 import hopq
 from hopq.bench.launch import run_workers as run_ranks
 from hopq.comm.topology import TOPOLOGIES, get_schedule
-from tests.workers import SIZES, ddp_train, grid, make_input
+from tests.workers import KEYED, SIZES, ddp_train, grid, keyed_input, make_input
 
 CODECS = hopq.available_codecs()
 
@@ -51,6 +51,19 @@ def test_grid(n):
                                 topo,
                                 size,
                             )
+    for topo in TOPOLOGIES:  # keyed calls: the simulator replays the real sequence
+        codec = hopq.get_codec("dynamiq")
+        for step in range(2):
+            for key, size, scale in KEYED:
+                xs = [keyed_input(r, step, size, scale) for r in range(n)]
+                sim = hopq.simulate(xs, codec, topo, seed=5, key=key)
+                got = res[0][("keyed", topo, step, key)]
+                assert torch.equal(_bits(sim.outputs[0]), _bits(got)), (topo, step, key)
+                assert sim.bytes_sent == [
+                    res[r][("keyed_bytes", topo, step, key)] for r in range(n)
+                ]
+        if n > 1:  # the loud key got a larger share in the second step
+            assert res[0][("keyed_bytes", topo, 1, 0)] > 1.5 * res[0][("keyed_bytes", topo, 0, 0)]
     for topo in TOPOLOGIES:
         xs = [make_input("float", r, 4 * 37) for r in range(n)]
         exact = torch.stack(xs).double().sum(0)

@@ -22,6 +22,15 @@ def make_input(kind: str, rank: int, size: int, dtype: torch.dtype = torch.float
     return torch.randn(size, generator=g).to(dtype)
 
 
+#: (key, size, scale) of the keyed calls of one "step" (DDP-bucket-like tensors).
+KEYED = ((0, 3000, 1.0), (1, 20000, 1e-3), (2, 7001, 0.1))
+
+
+def keyed_input(rank: int, step: int, size: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(97 * rank + 13 * step + size)
+    return torch.randn(size, generator=g) * scale
+
+
 def grid(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
     """Every codec x topology x size x input kind, plus the checks that need a group."""
     out: dict[Any, Any] = {}
@@ -53,6 +62,16 @@ def grid(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
         out[("rs", topo)] = hopq.reduce_scatter(x.clone(), codec="bf16", topology=topo)
         hopq.all_reduce(x, codec="bf16", topology=topo)
         out[("rs_full", topo)] = x
+    # keyed calls over two steps through one codec instance (DynamiQ shares the
+    # second step's budget across the keys)
+    for topo in TOPOLOGIES:
+        codec = hopq.get_codec("dynamiq")
+        for step in range(2):
+            for key, size, scale in KEYED:
+                x = keyed_input(rank, step, size, scale)
+                info = hopq.all_reduce(x, codec=codec, topology=topo, seed=5, key=key)
+                out[("keyed", topo, step, key)] = x
+                out[("keyed_bytes", topo, step, key)] = info.bytes_sent
     # bad dtypes are refused before anything is sent: the group stays usable
     refused = []
     for bad in (
