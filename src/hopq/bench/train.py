@@ -48,7 +48,8 @@ class TrainOptions:
     codecs: tuple[str, ...] = ("auto",)
     topology: str = "ring"
     world_size: int = 4
-    #: 60 steps x 7 codecs: about 10 minutes on 2 cores with the default GPT.
+    #: 60 steps x 7 codecs: about 10 minutes of training (14 in all, with the link
+    #: calibration and the evaluations) on 2 cores with the default GPT.
     steps: int = 60
     batch_size: int = 8
     #: 0: the workload's default (gpt 1e-3, minilm 1e-4).

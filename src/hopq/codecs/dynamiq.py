@@ -8,6 +8,11 @@ Per round:
    adds back n mu_j (sum) or mu_j (average).
 2. *Bit allocation* (section 3.2, appendix A) from F_j, so that payload, scales
    and the statistics together stay within ``budget`` bits per coordinate.
+   Keyed calls (DDP buckets, ``StatsExchange.key``) share one budget per step
+   (``share_budget``, beyond the paper): the step before's F_j of all keys are
+   allocated together, and each key's allocation runs within the bits that this
+   gave its super-groups. Shares live in the instance only: after
+   ``load_state_dict`` the first step takes the plain budget.
 3. *Reorder* super-groups by width (stable), so every chunk is a few runs of
    one width; chunks are cut at super-group boundaries with near-equal bytes.
 4. *Quantization* (section 3.3) of every chunk at every hop: sign bit plus a
