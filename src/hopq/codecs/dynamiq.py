@@ -11,8 +11,8 @@ Per round:
    Keyed calls (DDP buckets, ``StatsExchange.key``) share one budget per step
    (``share_budget``, beyond the paper): the step before's F_j of all keys are
    allocated together, and each key's allocation runs within the bits that this
-   gave its super-groups. Shares live in the instance only: after
-   ``load_state_dict`` the first step takes the plain budget.
+   gave its super-groups. Shares live in the instance, not in ``state_dict``:
+   a run resumed from a checkpoint takes the plain budget for one step.
 3. *Reorder* super-groups by width (stable), so every chunk is a few runs of
    one width; chunks are cut at super-group boundaries with near-equal bytes.
 4. *Quantization* (section 3.3) of every chunk at every hop: sign bit plus a
