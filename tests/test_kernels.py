@@ -165,6 +165,20 @@ def test_backend_selection(monkeypatch):
             DynamiQ(backend="triton").plan(x, stats)
 
 
+def test_codec_that_ran_kernels_still_copies():
+    """The kernel module a codec resolved stays out of copies: an instance that
+    already ran can be cloned (the simulator's ranks) and pickled."""
+    import pickle
+
+    c = DynamiQ()
+    xs = [torch.randn(3000) for _ in range(2)]
+    hopq.simulate(xs, c, "ring", seed=1)
+    assert c._kernels(torch.device("cpu")) is not None or not cpu_kernels.available()
+    copy = hopq.simulate(xs, c.clone(), "ring", seed=1)  # same round, same bits
+    assert torch.equal(copy.outputs[0], hopq.simulate(xs, c, "ring", seed=1).outputs[0])
+    assert pickle.loads(pickle.dumps(c)).config == c.config
+
+
 def test_level_search_tables_need_at_most_two_steps():
     from hopq.numerics.levels import level_table, search_tables, stochastic_level
 

@@ -260,6 +260,59 @@ def _units(n: int) -> list[int]:
     return [a for a in range(1, n) if math.gcd(a, n) == 1] or [1]
 
 
+def _kernel_module(cfg: DynamiQConfig, device_type: str) -> Any:
+    """The kernel module that runs ``cfg``'s segments on this device type, or
+    None for the reference (see :class:`Backend`)."""
+    b = cfg.backend
+    if b is Backend.REFERENCE:
+        return None
+    supported = cfg.scales is Scales.HIERARCHICAL and _kernel_levels_ok(cfg)
+    if b is Backend.AUTO:
+        if not supported:
+            return None
+        if device_type == "cuda":
+            from hopq.kernels import dynamiq as tk
+
+            return tk if tk.available() else None
+        if device_type == "cpu":
+            from hopq.kernels import dynamiq_cpu as ck
+
+            return ck if ck.available() else None
+        return None
+    if not supported:
+        raise ValueError(
+            f"dynamiq: backend {b.value!r} needs scales='hierarchical' and level tables "
+            f"the kernels' bucket search handles (eps {[cfg.eps_for(w) for w in cfg.widths]})"
+        )
+    if b is Backend.CPU:
+        from hopq.kernels import dynamiq_cpu as ck
+
+        if not ck.available():
+            raise RuntimeError("dynamiq: backend 'cpu' needs numba (pip install hopq[cpu])")
+        if device_type != "cpu":
+            raise ValueError(f"dynamiq: backend 'cpu' runs on CPU tensors, got {device_type}")
+        return ck
+    from hopq.kernels import dynamiq as tk
+
+    if not tk.available():
+        raise RuntimeError("dynamiq: backend 'triton' needs triton (pip install hopq[triton])")
+    if device_type != "cuda" and not tk.interpreting():
+        raise ValueError(
+            f"dynamiq: backend 'triton' runs on CUDA tensors (or with TRITON_INTERPRET=1), got {device_type}"
+        )
+    return tk
+
+
+def _kernel_levels_ok(cfg: DynamiQConfig) -> bool:
+    try:
+        for w in cfg.widths:
+            if w in (2, 4, 8):
+                search_tables(w, cfg.eps_for(w))
+    except ValueError:
+        return False
+    return True
+
+
 @register(
     "dynamiq",
     "DynamiQ: variable bitwidth per super-group, non-uniform levels, hierarchical scales, correlated rounding",
@@ -275,6 +328,12 @@ class DynamiQ(Codec):
         self._step_stats: dict[int, tuple[int, torch.Tensor]] = {}
         #: key -> (numel, bits per coordinate) split from the previous step.
         self._shares: dict[int, tuple[int, float]] = {}
+        #: device type -> kernel module (or None: the reference), resolved once.
+        self._kernel_cache: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # modules neither pickle nor deep-copy: a copy resolves its kernels again
+        return {**self.__dict__, "_kernel_cache": {}}
 
     def nonfinite_block(self) -> int:
         return self.config.supergroup_size  # the mean and the scale carry the poison
@@ -593,65 +652,13 @@ class DynamiQ(Codec):
         return (pi.to(torch.float32) + gamma) / float(n)
 
     # -- backends ----------------------------------------------------------
-    def _kernels(self, device: torch.device):
+    def _kernels(self, device: torch.device) -> Any:
         """The kernel module that runs this device's segments, or None for the
         reference (see :class:`Backend`); resolved once per device type (it is
         asked on every encode and decode)."""
-        cache: dict[str, object] = self.__dict__.setdefault("_kernel_cache", {})
-        if device.type not in cache:
-            cache[device.type] = self._resolve_kernels(device)
-        return cache[device.type]
-
-    def _resolve_kernels(self, device: torch.device):
-        cfg = self.config
-        b = cfg.backend
-        if b is Backend.REFERENCE:
-            return None
-        supported = cfg.scales is Scales.HIERARCHICAL and self._kernel_levels_ok()
-        if b is Backend.AUTO:
-            if not supported:
-                return None
-            if device.type == "cuda":
-                from hopq.kernels import dynamiq as tk
-
-                return tk if tk.available() else None
-            if device.type == "cpu":
-                from hopq.kernels import dynamiq_cpu as ck
-
-                return ck if ck.available() else None
-            return None
-        if not supported:
-            raise ValueError(
-                f"dynamiq: backend {b.value!r} needs scales='hierarchical' and level tables "
-                f"the kernels' bucket search handles (eps {[cfg.eps_for(w) for w in cfg.widths]})"
-            )
-        if b is Backend.CPU:
-            from hopq.kernels import dynamiq_cpu as ck
-
-            if not ck.available():
-                raise RuntimeError("dynamiq: backend 'cpu' needs numba (pip install hopq[cpu])")
-            if device.type != "cpu":
-                raise ValueError(f"dynamiq: backend 'cpu' runs on CPU tensors, got {device}")
-            return ck
-        from hopq.kernels import dynamiq as tk
-
-        if not tk.available():
-            raise RuntimeError("dynamiq: backend 'triton' needs triton (pip install hopq[triton])")
-        if device.type != "cuda" and not tk.interpreting():
-            raise ValueError(
-                f"dynamiq: backend 'triton' runs on CUDA tensors (or with TRITON_INTERPRET=1), got {device}"
-            )
-        return tk
-
-    def _kernel_levels_ok(self) -> bool:
-        cfg = self.config
-        try:
-            for w in cfg.widths:
-                if w in (2, 4, 8):
-                    search_tables(w, cfg.eps_for(w))
-        except ValueError:
-            return False
-        return True
+        if device.type not in self._kernel_cache:
+            self._kernel_cache[device.type] = _kernel_module(self.config, device.type)
+        return self._kernel_cache[device.type]
 
     def _run_segment(
         self, kern, mode: int, sg: Segment, ctx: HopContext, **tensors: torch.Tensor | None
