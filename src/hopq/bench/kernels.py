@@ -80,6 +80,15 @@ def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]
     return measure
 
 
+def _row(
+    device: torch.device, n: int, bits: str, kernel: str, t: float, moved: float, copy_bw: float
+) -> list[object]:
+    """A table row: time, bytes moved, bandwidth, share of copy, coordinates/s."""
+    bw = moved / t
+    return [device.type, f"{n:,}", bits, kernel, f"{t * 1e3:.3f}", f"{moved / 1e6:.1f}",
+            f"{bw / 1e9:.1f}", f"{bw / copy_bw:.0%}", f"{n / t / 1e6:.0f}"]  # fmt: skip
+
+
 def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
     say = log or (lambda _s: None)
     if o.device == "auto":
@@ -131,9 +140,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         for name, fn, moved in kernels:
             t = measure(fn)
             bw = moved / t
-            rows.append([device.type, f"{n:,}", str(w), name, f"{t * 1e3:.3f}",
-                         f"{moved / 1e6:.1f}", f"{bw / 1e9:.1f}", f"{bw / copy_bw:.0%}",
-                         f"{n / t / 1e6:.0f}"])  # fmt: skip
+            rows.append(_row(device, n, str(w), name, t, moved, copy_bw))
             if name == "decompress_accumulate_recompress":
                 curves.setdefault(f"{w}-bit fused hop", []).append((n, bw / copy_bw))
                 say(
@@ -153,9 +160,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         t_copy = measure(lambda: dst.copy_(src))
         copy_bw = 2 * 4 * n / t_copy
         say(f"{n:>11,} coords  copy {copy_bw / 1e9:7.1f} GB/s")
-        base: list[object] = [device.type, f"{n:,}"]
-        rows.append(base + ["-", "copy (ceiling)", f"{t_copy * 1e3:.3f}", f"{8 * n / 1e6:.1f}",
-                            f"{copy_bw / 1e9:.1f}", "100%", f"{n / t_copy / 1e6:.0f}"])  # fmt: skip
+        rows.append(_row(device, n, "-", "copy (ceiling)", t_copy, 8 * n, copy_bw))
         # the uncompressed floor: a bf16 hop (decode, add, encode)
         inb = x.to(torch.bfloat16)
 
@@ -163,9 +168,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
             return (src + inb.float()).to(torch.bfloat16)
 
         t = measure(bf16_hop)
-        moved = 2 * n + 4 * n + 2 * n
-        rows.append(base + ["16", "bf16 hop (floor)", f"{t * 1e3:.3f}", f"{moved / 1e6:.1f}",
-                            f"{moved / t / 1e9:.1f}", f"{moved / t / copy_bw:.0%}", f"{n / t / 1e6:.0f}"])  # fmt: skip
+        rows.append(_row(device, n, "16", "bf16 hop (floor)", t, 2 * n + 4 * n + 2 * n, copy_bw))
         kern = None
         for w in o.widths:
             kern = one_width(w, x, copy_bw)
@@ -173,9 +176,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         if kern is not None and hasattr(kern, "supergroup_stats"):
             t = measure(lambda: kern.supergroup_stats(x, 256))
             moved = 4 * n + 8 * (n // 256)
-            rows.append([device.type, f"{n:,}", "-", "stats pre-pass", f"{t * 1e3:.3f}",
-                         f"{moved / 1e6:.1f}", f"{moved / t / 1e9:.1f}",
-                         f"{moved / t / copy_bw:.0%}", f"{n / t / 1e6:.0f}"])  # fmt: skip
+            rows.append(_row(device, n, "-", "stats pre-pass", t, moved, copy_bw))
 
     try:
         for d in sizes:

@@ -2,8 +2,9 @@
 
 The reference (``hopq.codecs.dynamiq``) is a chain of tensor operations, each of
 which reads and writes the whole chunk; its fused hop runs at 6-8 million
-coordinates per second on one core (``hopq bench kernels --backend reference``). These kernels walk one super-group at a time
-(256 entries stay in L1) and do decode, accumulate and encode in one pass:
+coordinates per second on one core (``hopq bench kernels --backend reference``).
+These kernels walk one super-group at a time (256 entries stay in L1) and do
+decode, accumulate and encode in one pass:
 
 * ``ENCODE``: local rows -> segment bytes (the leaf);
 * ``DECODE``: segment bytes -> rows (the all-gather receive);
