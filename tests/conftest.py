@@ -1,5 +1,5 @@
 """Test-wide setup. Triton kernels run under the interpreter on CPU: the variable
-must be set before hopq.kernels.dynamiq is imported (a GPU run sets
+must be set before hopq.kernels.dynamiq_triton is imported (a GPU run sets
 TRITON_INTERPRET=0 itself to test compiled kernels)."""
 
 import os

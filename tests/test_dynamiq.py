@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hopq
-from hopq.codecs.dynamiq import DynamiQ, DynamiQConfig
+from hopq.codecs.dynamiq import DynamiQ, DynamiQConfig, allocation
 
 
 def _grads(n, d, seed=0, skew=True):
@@ -202,7 +202,7 @@ def test_heuristic_thresholds_follow_appendix_a():
     live = torch.ones_like(F, dtype=torch.bool)
     cost = {w: codec.config.sg_bits(w) for w in (2, 4, 8)}
     budget = 4.3 * 256 * F.numel()
-    w = DynamiQ._heuristic(F, live, [2, 4, 8], cost, budget)
+    w = allocation.heuristic(F, live, [2, 4, 8], cost, budget)
     t24 = F[(w >= 4).nonzero()[0]].item()
     t48 = F[(w >= 8).nonzero()[0]].item()
     assert t24 / t48 == pytest.approx(17 / 512, rel=0.03)  # grid step 2^0.01
@@ -214,7 +214,7 @@ def test_exact_allocation_uses_the_budget_greedily():
     live = torch.ones(4, dtype=torch.bool)
     codec = DynamiQ()
     cost = {w: codec.config.sg_bits(w) for w in (2, 4, 8)}
-    w = DynamiQ._exact(F, live, [2, 4, 8], cost, budget=4 * cost[4])
+    w = allocation.exact(F, live, [2, 4, 8], cost, budget=4 * cost[4])
     assert w.tolist()[0] <= w.tolist()[1] <= w.tolist()[2] <= w.tolist()[3]
     assert sum(cost[int(v)] for v in w) <= 4 * cost[4]
 

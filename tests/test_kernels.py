@@ -12,8 +12,8 @@ import torch
 import hopq
 from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.dynamiq import DynamiQ
-from hopq.kernels import dynamiq as triton_kernels
 from hopq.kernels import dynamiq_cpu as cpu_kernels
+from hopq.kernels import dynamiq_triton as triton_kernels
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: 0/0 in where()
 
@@ -152,9 +152,9 @@ def test_backend_selection(monkeypatch):
     x = torch.randn(1000)
     stats = LocalStats(n_chunks=2, world_size=2)
     if cpu_kernels.available():
-        assert DynamiQ()._kernels(x.device) is cpu_kernels  # auto on CPU
-    assert DynamiQ(backend="reference")._kernels(x.device) is None
-    assert DynamiQ(scales="full")._kernels(x.device) is None  # auto: reference there
+        assert DynamiQ().kernels(x.device) is cpu_kernels  # auto on CPU
+    assert DynamiQ(backend="reference").kernels(x.device) is None
+    assert DynamiQ(scales="full").kernels(x.device) is None  # auto: reference there
     with pytest.raises(ValueError, match="hierarchical"):
         DynamiQ(backend="cpu", scales="full").plan(x, stats)
     with pytest.raises(ValueError, match="backend must be one of"):
@@ -173,7 +173,7 @@ def test_codec_that_ran_kernels_still_copies():
     c = DynamiQ()
     xs = [torch.randn(3000) for _ in range(2)]
     hopq.simulate(xs, c, "ring", seed=1)
-    assert c._kernels(torch.device("cpu")) is not None or not cpu_kernels.available()
+    assert c.kernels(torch.device("cpu")) is not None or not cpu_kernels.available()
     copy = hopq.simulate(xs, c.clone(), "ring", seed=1)  # same round, same bits
     assert torch.equal(copy.outputs[0], hopq.simulate(xs, c, "ring", seed=1).outputs[0])
     assert pickle.loads(pickle.dumps(c)).config == c.config
@@ -201,9 +201,9 @@ def test_level_search_tables_need_at_most_two_steps():
     with pytest.raises(ValueError, match="search steps"):
         search_tables(8, 0.5)
     uneven = {"eps": ((8, 0.5),)}
-    assert DynamiQ(**uneven)._kernels(torch.device("cpu")) is None
+    assert DynamiQ(**uneven).kernels(torch.device("cpu")) is None
     with pytest.raises(ValueError, match="bucket search"):
-        DynamiQ(backend="cpu", **uneven)._kernels(torch.device("cpu"))
+        DynamiQ(backend="cpu", **uneven).kernels(torch.device("cpu"))
 
 
 # -- on a GPU (the device tool): compiled kernels on CUDA tensors ---------------
@@ -252,7 +252,7 @@ def test_triton_kernels_compile_for_cuda_without_a_gpu():
     import subprocess
     import sys
 
-    code = "from hopq.kernels import dynamiq as k; print(len(k.compile_all(90)))"
+    code = "from hopq.kernels import dynamiq_triton as k; print(len(k.compile_all(90)))"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

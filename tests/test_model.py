@@ -2,7 +2,7 @@
 
 import pytest
 
-from hopq.bench.model import CodecCost, predict
+from hopq.bench.cost_model import CodecCost, predict
 
 BF16 = CodecCost("bf16", 0.0, 0.0, 0.0, 0.0, 16.0)
 SLOW = CodecCost("slow", 1e-9, 5e-9, 1e-8, 2e-9, 5.0)

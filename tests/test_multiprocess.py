@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import hopq
-from hopq.bench.launch import run_workers as run_ranks
+from hopq.cluster.launch import run_workers as run_ranks
 from hopq.comm.topology import TOPOLOGIES, get_schedule
 from tests.workers import KEYED, SIZES, ddp_train, grid, keyed_input, make_input
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hopq.bench.launch import run_workers
-from hopq.bench.network import EmulatedNetwork, unavailable_reason
+from hopq.cluster.launch import run_workers
+from hopq.cluster.network import EmulatedNetwork, unavailable_reason
 
 WHY = unavailable_reason()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated network here: {WHY}")

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hopq.numerics import pack_bits, packed_nbytes, stream_key, uniform, unpack_bits
+from hopq.numerics.bitpack import sign_extend
 from hopq.numerics.rng import hash32, mix32_int
 
 
@@ -72,6 +73,26 @@ def test_pack_layout_is_little_endian_within_byte():
     codes = torch.tensor([1, 2, 3, 0, 3], dtype=torch.uint8)
     assert pack_bits(codes, 2).tolist() == [1 | 2 << 2 | 3 << 4, 3]
     assert pack_bits(torch.tensor([0xA, 0x5], dtype=torch.uint8), 4).tolist() == [0x5A]
+
+
+def test_wide_and_odd_widths_share_the_bit_stream_layout():
+    """Six-bit codes go four to three bytes (little-endian 24-bit words), twelve-bit
+    lanes two to three, sixteen-bit codes as little-endian halves: one layout."""
+    six = torch.tensor([1, 2, 3, 63, 5], dtype=torch.uint8)
+    word = 1 | 2 << 6 | 3 << 12 | 63 << 18
+    assert pack_bits(six, 6).tolist() == [word & 0xFF, (word >> 8) & 0xFF, word >> 16, 5]
+    lanes = torch.tensor([0xABC, 0x123, 0xFFF], dtype=torch.int64)
+    assert pack_bits(lanes, 12).tolist() == [0xBC, 0x3A, 0x12, 0xFF, 0x0F]
+    assert pack_bits(torch.tensor([0x1234, 0xFFFF]), 16).tolist() == [0x34, 0x12, 0xFF, 0xFF]
+    for bits in (6, 12, 16):
+        for n in (0, 1, 2, 3, 5, 101):
+            codes = torch.randint(0, 2**bits, (n,), dtype=torch.int64)
+            codes = codes.to(torch.uint8) if bits <= 8 else codes
+            packed = pack_bits(codes, bits)
+            assert packed.numel() == packed_nbytes(n, bits) == (n * bits + 7) // 8
+            assert torch.equal(unpack_bits(packed, bits, n).to(codes.dtype), codes)
+    v = torch.tensor([-2047, -1, 0, 5, 2047])
+    assert torch.equal(sign_extend(unpack_bits(pack_bits(v & 0xFFF, 12), 12, 5), 12), v)
 
 
 def test_pack_rejects_bad_input():

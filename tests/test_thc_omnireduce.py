@@ -9,6 +9,7 @@ import torch
 import hopq
 from hopq.codecs.base import ReduceOp
 from hopq.codecs.thc import THC, THCConfig, fwht
+from hopq.sim import virtual_ranks
 
 
 def test_fwht_is_orthonormal_and_involutive():
@@ -45,7 +46,7 @@ def test_thc_integer_sums_are_exact(n, topology):
     xs = [torch.randn(3000) for _ in range(n)]
     codec = _Capture()
     hopq.simulate(xs, codec, topology, seed=7)
-    ints = [c.ints for c in codec.sim_ranks]
+    ints = [c.ints for c in virtual_ranks(codec)]
     # every rank's own integers, recomputed with the same plan inputs
     from hopq.comm.engine import _StatsExchange
     from hopq.comm.topology import get_schedule
@@ -79,8 +80,17 @@ def test_thc_lanes():
     assert THCConfig().lanes_for(8) == 8
     assert THCConfig().lanes_for(9) == 12
     assert THCConfig().lanes_for(64) == 12
-    assert THCConfig().lanes_for(273) == 12  # 15 * 273 + 1 = 4096 = 2^12
-    assert THCConfig().lanes_for(274) == 16
+    # sums of n ranks lie in [-7 n, 7 n]: signed 12-bit lanes hold them up to n = 292
+    assert THCConfig().lanes_for(292) == 12
+    assert THCConfig().lanes_for(293) == 16
+    # other level counts: q = 8 (L = 127) needs 2 * 127 * n + 1 values per lane
+    assert THCConfig(q=8).lanes_for(1) == 8
+    assert THCConfig(q=8).lanes_for(2) == 12
+    assert THCConfig(q=8).lanes_for(9) == 12  # 2287 values
+    assert THCConfig(q=8).lanes_for(17) == 16  # 4319 values
+    assert THCConfig(q=2).lanes_for(200) == 12
+    with pytest.raises(ValueError, match="lanes"):
+        THCConfig(q=8).lanes_for(70_000)
     xs = [torch.randn(1000) for _ in range(16)]
     r = hopq.simulate(xs, "thc", "ring")  # 12-bit lanes round trip
     assert r.identical and r.vnmse < 0.5
@@ -94,7 +104,7 @@ def test_thc_lane_overflow_is_reported():
         warnings.simplefilter("always")
         r = hopq.simulate(xs, codec, "ring")
     assert any("saturate" in str(x.message) for x in w)
-    assert sum(c.overflows for c in codec.sim_ranks) > 0
+    assert sum(c.overflows for c in virtual_ranks(codec)) > 0
     assert r.identical  # saturation, not wrap-around: still the same on every rank
     assert (r.outputs[0] > 0).float().mean() > 0.9
 

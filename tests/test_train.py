@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from hopq.bench import train
+from hopq.train import job as train
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_options_are_validated():
 
 
 def test_goal_verdicts_say_when_a_codec_misses():
-    from hopq.bench.train import CodecRun, goal_verdicts
+    from hopq.train.report import CodecRun, goal_verdicts
 
     def run(codec, evals):
         return CodecRun(codec, 10, [], evals)

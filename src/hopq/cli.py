@@ -1,46 +1,107 @@
-"""The command line: ``hopq train`` and ``hopq bench ...``.
+"""The command line: ``hopq train``, ``hopq bench ...`` and ``hopq codecs``.
 
-Options are generated from the jobs' frozen option dataclasses.
+Every option is generated from a job's frozen option dataclass (help text and
+choices come from the fields' metadata, see :func:`hopq.options.option`), and the
+options are validated by that dataclass before anything is launched: a bad value
+is a usage error, not a traceback from a worker process.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
+import functools
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hopq.options import enum_type, field_types, parse_codec_option, parse_value
 
-def _add_options(p: argparse.ArgumentParser, cls: type) -> None:
-    hints = typing.get_type_hints(cls)
+
+def _default_text(v: Any) -> str:
+    if isinstance(v, enum.Enum):
+        return str(v.value)
+    if isinstance(v, tuple):
+        return " ".join(_default_text(x) for x in v) or "none"
+    return str(v)
+
+
+def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` whose errors print the parser's own message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = getattr(parse, "__name__", "value")
+    return convert
+
+
+def _parse_as(hint: Any, what: str, text: str) -> Any:
+    return parse_value(hint, text, what)
+
+
+def add_options(p: argparse.ArgumentParser, cls: type) -> None:
+    """One command-line option per field of the option dataclass ``cls``."""
+    hints = field_types(cls)
     for f in dataclasses.fields(cls):
-        t = hints[f.name]
+        hint = hints[f.name]
+        meta = f.metadata
         flag = "--" + f.name.replace("_", "-")
-        if typing.get_origin(t) is tuple:
-            default: tuple[Any, ...] = f.default  # type: ignore[assignment]
-            elem = typing.get_args(t)[0]
-            p.add_argument(
-                flag,
-                nargs="+",
-                type=elem if elem in (int, float, str) else str,
-                default=default,
-                help=f"default: {' '.join(map(str, default))}",
+        help_text = meta.get("help", "")
+        choices = meta.get("choices")
+        if callable(choices):
+            choices = choices()
+        kw: dict[str, Any] = {"dest": f.name, "default": f.default}
+        if f.name == "codec_options":
+            kw.update(
+                action="append",
+                type=_typed(parse_codec_option),
+                metavar=meta.get("metavar", "CODEC.NAME=VALUE"),
+                default=[],
             )
-        elif t is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            p.add_argument("--codec-option", **kw, help=help_text + " (repeatable)")
+            continue
+        if hint is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **kw)
+            continue
+        elem = hint
+        if typing.get_origin(hint) is tuple:
+            elem = typing.get_args(hint)[0]
+            kw["nargs"] = "+"
+        cls_enum = enum_type(elem)
+        if cls_enum is not None:
+            choices = [str(e.value) for e in cls_enum]
+            kw["type"] = str
         else:
-            p.add_argument(flag, type=t, default=f.default, help=f"default: {f.default}")
+            kw["type"] = _typed(functools.partial(_parse_as, elem, "--" + f.name))
+        if choices:
+            kw["choices"] = list(choices)
+            listed = ",".join(map(str, choices))
+            if "nargs" in kw:  # a list: name the choices in the help, keep the usage short
+                kw["metavar"] = f.name.rstrip("s").upper()
+                help_text += f"; choices: {listed}"
+            else:
+                kw["metavar"] = "{" + listed + "}"
+        p.add_argument(flag, help=f"{help_text} (default: {_default_text(f.default)})", **kw)
 
 
-def _options(cls: type, ns: argparse.Namespace) -> Any:
-    kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)}
-    for k, v in kw.items():
-        if isinstance(v, list):
-            kw[k] = tuple(v)
-    return cls(**kw)
+def build(cls: type, ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The option dataclass from parsed arguments; its validation errors become
+    usage errors (exit status 2, no traceback)."""
+    kw = {}
+    for f in dataclasses.fields(cls):
+        v = getattr(ns, f.name)
+        kw[f.name] = tuple(v) if isinstance(v, list) else v
+    try:
+        return cls(**kw)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
 
 
 def _emit(text: str | None, out: str | None) -> None:
@@ -48,65 +109,90 @@ def _emit(text: str | None, out: str | None) -> None:
         return
     print(text)
     if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(text + "\n")
         print(f"\nwritten to {out}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def codecs_text() -> str:
+    """``hopq codecs``: every registered codec, with its options and defaults."""
+    from hopq.codecs.registry import available_codecs, codec_info
+
+    lines = []
+    for name in available_codecs():
+        info = codec_info(name)
+        lines.append(f"{name}: {info.summary}")
+        cfg = info.cls.config_class
+        hints = field_types(cfg)
+        for f in dataclasses.fields(cfg):
+            cls_enum = enum_type(hints[f.name])
+            choice = f" {{{','.join(str(e.value) for e in cls_enum)}}}" if cls_enum else ""
+            lines.append(
+                f"    {f.name}{choice} = {_default_text(f.default)}: {f.metadata.get('help', '')}"
+            )
+    lines.append("\nSet them with --codec-option CODEC.NAME=VALUE (hopq train) or")
+    lines.append("hopq.get_codec(name, **options) / hopq.HookState(codec=name, **options).")
+    return "\n".join(lines)
+
+
+def parser() -> tuple[
+    argparse.ArgumentParser, dict[str, tuple[argparse.ArgumentParser, type, Any]]
+]:
+    """The parser, and per command: its sub-parser, option class and runner."""
     from hopq.bench.allreduce import Options as AllreduceOptions
-    from hopq.bench.train import TrainOptions
-
-    parser = argparse.ArgumentParser(prog="hopq", description=__doc__)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    tr = sub.add_parser("train", help="data-parallel training with the hopq DDP hook, per codec")
-    _add_options(tr, TrainOptions)
-    bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    ar = bsub.add_parser(
-        "allreduce", help="nccl-tests style all-reduce timings vs torch.distributed"
-    )
-    _add_options(ar, AllreduceOptions)
-    ar.add_argument("--out", help="also write the table to this file")
-    from hopq.bench.model import ModelOptions
-    from hopq.bench.vnmse import VnmseOptions
-
-    md = bsub.add_parser("model", help="alpha-beta-gamma cost model: calibrate, predict, validate")
-    _add_options(md, ModelOptions)
-    md.add_argument("--out", help="also write the report to this file")
-
+    from hopq.bench.cost_model import ModelOptions
     from hopq.bench.kernels import KernelOptions
+    from hopq.bench.vnmse import VnmseOptions
+    from hopq.train.job import TrainOptions
 
-    kn = bsub.add_parser(
-        "kernels", help="DynamiQ kernel time and bandwidth against a copy on the same device"
+    top = argparse.ArgumentParser(
+        prog="hopq", description="Compressed gradient synchronization inside multi-hop all-reduce."
     )
-    _add_options(kn, KernelOptions)
-    kn.add_argument("--out", help="also write the table to this file")
+    sub = top.add_subparsers(dest="cmd", required=True, metavar="{train,bench,codecs}")
+    commands: dict[str, tuple[argparse.ArgumentParser, type, Any]] = {}
+    tr = sub.add_parser(
+        "train",
+        help="the main job: data-parallel training per codec over an emulated network, with a report",
+        description="N workers train a workload once per codec (same weights and data), "
+        "over an emulated network when root and tc are available; report in --out.",
+    )
+    add_options(tr, TrainOptions)
+    commands["train"] = (tr, TrainOptions, "hopq.train.job")
+    sub.add_parser("codecs", help="list the registered codecs and their options")
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(
+        dest="bench", required=True, metavar="{allreduce,kernels,vnmse,model}"
+    )
+    for name, cls, module, what in (
+        ("allreduce", AllreduceOptions, "hopq.bench.allreduce",
+         "nccl-tests style all-reduce timings beside torch.distributed's"),
+        ("kernels", KernelOptions, "hopq.bench.kernels",
+         "DynamiQ kernel time and bandwidth against a copy on the same device"),
+        ("vnmse", VnmseOptions, "hopq.bench.vnmse",
+         "compression error of every codec on real gradients"),
+        ("model", ModelOptions, "hopq.bench.cost_model",
+         "alpha-beta-gamma cost model: calibrate, predict, validate"),
+    ):  # fmt: skip
+        bp = bsub.add_parser(name, help=what, description=what)
+        add_options(bp, cls)
+        bp.add_argument("--out", help="also write the report to this file")
+        commands[f"bench {name}"] = (bp, cls, module)
+    return top, commands
 
-    vn = bsub.add_parser("vnmse", help="compression error of every codec on real gradients")
-    _add_options(vn, VnmseOptions)
-    vn.add_argument("--out", help="also write the report to this file")
-    ns = parser.parse_args(argv)
 
-    if ns.cmd == "train":
-        from hopq.bench import train
+def main(argv: Sequence[str] | None = None) -> int:
+    import importlib
 
-        _emit(train.run(_options(TrainOptions, ns)), None)  # the report folder is --out
-    elif ns.cmd == "bench" and ns.bench == "allreduce":
-        from hopq.bench import allreduce
-
-        _emit(allreduce.run(_options(AllreduceOptions, ns)), ns.out)
-    elif ns.cmd == "bench" and ns.bench == "model":
-        from hopq.bench import model
-
-        _emit(model.run(_options(ModelOptions, ns)), ns.out)
-    elif ns.cmd == "bench" and ns.bench == "kernels":
-        from hopq.bench import kernels
-
-        _emit(kernels.run(_options(KernelOptions, ns)), ns.out)
-    elif ns.cmd == "bench" and ns.bench == "vnmse":
-        from hopq.bench import vnmse
-
-        _emit(vnmse.run(_options(VnmseOptions, ns)), ns.out)
+    top, commands = parser()
+    ns = top.parse_args(argv)
+    if ns.cmd == "codecs":
+        print(codecs_text())
+        return 0
+    key = "train" if ns.cmd == "train" else f"bench {ns.bench}"
+    p, cls, module = commands[key]
+    options = build(cls, ns, p)
+    text = importlib.import_module(module).run(options)
+    _emit(text, getattr(ns, "out", None) if key != "train" else None)
     return 0
 
 

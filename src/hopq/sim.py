@@ -8,8 +8,10 @@ outputs are bit-identical to a real n-process run.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +21,17 @@ from hopq.comm import engine
 from hopq.comm.collectives import check_input
 from hopq.comm.topology import get_schedule
 from hopq.comm.transport import make_inprocess_group
+from hopq.errors import TransportError
+
+#: A codec instance -> its per-virtual-rank copies, kept across calls so that
+#: repeated simulations evolve every rank's own state (see :func:`simulate`).
+_RANKS: weakref.WeakKeyDictionary[Codec[Any], list[Codec[Any]]] = weakref.WeakKeyDictionary()
+
+
+def virtual_ranks(codec: Codec[Any]) -> list[Codec[Any]]:
+    """The per-rank copies the simulator keeps for ``codec`` (empty before its
+    first simulation): what each virtual rank's codec holds after the last call."""
+    return _RANKS.get(codec, [])
 
 
 @dataclass
@@ -40,7 +53,7 @@ class SimResult:
 
 def simulate(
     tensors: Sequence[torch.Tensor],
-    codec: str | Codec = "bf16",
+    codec: str | Codec[Any] = "bf16",
     topology: str = "ring",
     seed: int = 0,
     op: str | ReduceOp = "sum",
@@ -66,7 +79,7 @@ def simulate(
     check_input(tensors[0], proto, topology)
     schedule = get_schedule(topology, n)
     transports = make_inprocess_group(n)
-    codecs = proto.sim_ranks
+    codecs = _RANKS.get(proto, [])
     if len(codecs) != n or codecs[0].state_dict() != proto.state_dict():
         codecs = [proto.clone() for _ in range(n)]
     results: list[tuple[torch.Tensor, engine.RunStats] | None] = [None] * n
@@ -96,11 +109,11 @@ def simulate(
         for th in threads:
             th.join()
     if errors:
-        first = next((e for e in errors if type(e).__name__ != "TransportError"), errors[0])
-        raise first
+        # the rank that failed first, not the peers that lost it
+        raise next((e for e in errors if not isinstance(e, TransportError)), errors[0])
     done = [r for r in results if r is not None]
     proto.load_state_dict(codecs[0].state_dict())
-    proto.sim_ranks = codecs
+    _RANKS[proto] = codecs
     outputs = [y.view(shape).to(dtype) for y, _ in done]
     stats = [s for _, s in done]
     exact = torch.stack([t.reshape(-1).double() for t in tensors]).sum(0)

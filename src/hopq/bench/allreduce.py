@@ -17,35 +17,43 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hopq.bench.launch import run_workers
-from hopq.bench.report import human_bytes, machine, markdown_table
-from hopq.codecs.registry import get_codec
+from hopq.cluster.launch import run_workers
+from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
 from hopq.comm.collectives import all_reduce
+from hopq.comm.topology import TOPOLOGIES, get_schedule
+from hopq.options import option
+from hopq.reporting import human_bytes, machine, markdown_table
 
 NATIVE = "torch.distributed"
 
 
 @dataclass(frozen=True)
 class Options:
-    world_size: int = 4
-    min_bytes: int = 1 << 10
-    max_bytes: int = 64 << 20
-    #: "auto": every registered codec.
-    codecs: tuple[str, ...] = ("auto",)
-    topologies: tuple[str, ...] = ("ring", "butterfly")
-    #: Rough time to spend per (method, size), in seconds; sets the iteration count.
-    budget_s: float = 0.6
-    #: Per-worker link of an emulated network in Mbit/s; 0: plain loopback.
-    rate_mbit: float = 0.0
+    world_size: int = option(4, "Gloo ranks on this machine")
+    min_bytes: int = option(1 << 10, "smallest tensor, bytes of float32")
+    max_bytes: int = option(64 << 20, "largest tensor (sizes grow 4x)")
+    codecs: tuple[str, ...] = option(
+        ("auto",),
+        "codecs to time; auto: all but fp32/fp16; all: every codec",
+        choices=codec_choices,
+    )
+    topologies: tuple[str, ...] = option(
+        ("ring", "butterfly"), "schedules to time", choices=lambda: sorted(TOPOLOGIES)
+    )
+    budget_s: float = option(0.6, "rough seconds per (method, size); sets the iteration count")
+    rate_mbit: float = option(
+        0.0, "per-worker link of an emulated network in Mbit/s; 0: plain loopback"
+    )
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.min_bytes < 4 or self.max_bytes < self.min_bytes:
+            raise ValueError("need world_size >= 1 and 4 <= min_bytes <= max_bytes")
+        for t in self.topologies:
+            get_schedule(t, 1)
+        self.resolved_codecs()
 
     def resolved_codecs(self) -> list[str]:
-        from hopq.codecs.registry import available_codecs, codec_info
-
-        if tuple(self.codecs) == ("auto",):
-            return available_codecs()
-        for c in self.codecs:
-            codec_info(c)
-        return list(self.codecs)
+        return resolve_codecs(self.codecs)
 
 
 def _sizes(o: Options) -> list[int]:
@@ -105,7 +113,7 @@ def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
 
 def run(o: Options) -> str:
     """Run the benchmark; return the report (markdown)."""
-    from hopq.bench.network import EmulatedNetwork, unavailable_reason
+    from hopq.cluster.network import EmulatedNetwork, unavailable_reason
 
     n = o.world_size
     where = "loopback"

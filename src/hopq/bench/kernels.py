@@ -27,23 +27,26 @@ from typing import Any
 
 import torch
 
-from hopq.bench.report import machine, markdown_table, pyplot, save_figure
 from hopq.codecs.base import HopContext, LocalStats
-from hopq.codecs.dynamiq import DynamiQ
+from hopq.codecs.dynamiq import Backend, DynamiQ
+from hopq.options import option
+from hopq.reporting import machine, markdown_table, pyplot, save_figure
 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    #: Coordinates per segment; default: 1M, 4M, 16M on CPU, up to 256M on GPU.
-    sizes: tuple[int, ...] = ()
-    widths: tuple[int, ...] = (2, 4, 8, 16)
-    #: auto: CUDA when available, else CPU.
-    device: str = "auto"
-    #: auto | reference | triton | cpu (DynamiQConfig.backend).
-    backend: str = "auto"
-    repeats: int = 5
-    #: Where to write the bandwidth plot (PNG); empty: no plot.
-    plot: str = "kernel_bandwidth.png"
+    sizes: tuple[int, ...] = option(
+        (), "coordinates per segment; default: 1M, 4M, 16M on CPU, up to 256M on GPU"
+    )
+    widths: tuple[int, ...] = option((2, 4, 8, 16), "bit widths", choices=(2, 4, 8, 16))
+    device: str = option(
+        "auto", "auto: CUDA when available, else CPU", choices=("auto", "cpu", "cuda")
+    )
+    backend: str = option(
+        "auto", "DynamiQ's backend (the same bits)", choices=tuple(b.value for b in Backend)
+    )
+    repeats: int = option(5, "timed repetitions (median) after a warm-up")
+    plot: str = option("kernel_bandwidth.png", "bandwidth plot (PNG); empty: none")
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -114,8 +117,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         nonlocal backend_used
         n = x.numel()
         codec = DynamiQ(widths=(w,), budget=w + 1.0, allocation="fixed", backend=o.backend)
-        kern = codec._kernels(device)
-        backend_used = "reference" if kern is None else kern.__name__.rsplit(".", 1)[-1]
+        backend_used = codec.backend_name(device)
         plan = codec.plan(x, LocalStats())
         work = codec.prepare(plan, x)
         ctx = HopContext(0, 0, 0, 1, 0, 2)
@@ -146,7 +148,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
                 say(
                     f"{'':>11}  {w:>2}-bit fused hop {n / t / 1e6:7.0f} Mcoord/s, {bw / copy_bw:.0%} of copy"
                 )
-        return kern
+        return codec.kernels(device)
 
     def one_size(d: int) -> None:
         nonlocal backend_used
@@ -173,8 +175,9 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         for w in o.widths:
             kern = one_width(w, x, copy_bw)
         # the statistics pre-pass (width-independent)
-        if kern is not None and hasattr(kern, "supergroup_stats"):
-            t = measure(lambda: kern.supergroup_stats(x, 256))
+        if kern is not None:
+            stats_kernel = kern.supergroup_stats
+            t = measure(lambda: stats_kernel(x, 256))
             moved = 4 * n + 8 * (n // 256)
             rows.append(_row(device, n, "-", "stats pre-pass", t, moved, copy_bw))
 

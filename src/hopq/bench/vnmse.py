@@ -1,7 +1,7 @@
 """``hopq bench vnmse``: compression error of every codec on real gradients.
 
 Each worker's gradient comes from its own micro-batch (see
-:mod:`hopq.bench.workloads`); every figure is ``hopq.simulate`` of those
+:mod:`hopq.train.workloads`); every figure is ``hopq.simulate`` of those
 gradients: vNMSE against the exact float64 sum and the bits per coordinate
 counted from the bytes sent. Tables: the super-group norm distribution
 (the paper's Figures 1 and 3), the eps sweep of the non-uniform levels, the
@@ -21,35 +21,49 @@ from typing import Any
 
 import torch
 
-from hopq.bench.report import machine, markdown_table, pyplot, save_figure
 from hopq.codecs.base import Codec
 from hopq.codecs.dynamiq import DEFAULT_EPS, DynamiQ
 from hopq.codecs.registry import available_codecs, get_codec
+from hopq.comm.topology import TOPOLOGIES, get_schedule
+from hopq.options import option
+from hopq.reporting import machine, markdown_table, pyplot, save_figure
 from hopq.sim import simulate
+from hopq.train.workloads import WORKLOADS
+
+TABLES = ("norms", "eps", "ladder", "budget", "scale", "beyond")
 
 
 @dataclass(frozen=True)
 class VnmseOptions:
-    workloads: tuple[str, ...] = ("minilm", "gpt")
-    worlds: tuple[int, ...] = (4, 8)
-    topologies: tuple[str, ...] = ("ring", "butterfly")
-    #: World sizes of the scaling table (on a slice of sweep_coords coordinates).
-    sweep_worlds: tuple[int, ...] = (2, 3, 4, 6, 8, 16, 32, 64)
-    sweep_coords: int = 1_000_000
-    minilm_warmup: int = 20
-    gpt_warmup: int = 300
-    batch: int = 4
-    seed: int = 0
-    plots: str = "runs/vnmse"
-    tables: tuple[str, ...] = ("norms", "eps", "ladder", "budget", "scale", "beyond")
+    workloads: tuple[str, ...] = option(
+        ("minilm", "gpt"), "workloads whose gradients are measured", choices=tuple(WORKLOADS)
+    )
+    worlds: tuple[int, ...] = option((4, 8), "world sizes of the main tables")
+    topologies: tuple[str, ...] = option(
+        ("ring", "butterfly"), "schedules", choices=lambda: sorted(TOPOLOGIES)
+    )
+    sweep_worlds: tuple[int, ...] = option(
+        (2, 3, 4, 6, 8, 16, 32, 64), "world sizes of the scaling table"
+    )
+    sweep_coords: int = option(1_000_000, "coordinates per worker in the scaling table")
+    minilm_warmup: int = option(20, "AdamW steps before MiniLM's gradients are taken")
+    gpt_warmup: int = option(300, "AdamW steps before the GPT's gradients are taken")
+    batch: int = option(4, "sequences per worker")
+    seed: int = option(0, "seed of the data and the codecs")
+    plots: str = option("runs/vnmse", "folder of the plots")
+    tables: tuple[str, ...] = option(TABLES, "tables to compute", choices=TABLES)
 
     def __post_init__(self) -> None:
         unknown = set(self.tables) - set(TABLES)
         if unknown:
             raise ValueError(f"unknown tables {sorted(unknown)}; choose from {TABLES}")
-
-
-TABLES = ("norms", "eps", "ladder", "budget", "scale", "beyond")
+        bad = set(self.workloads) - set(WORKLOADS)
+        if bad:
+            raise ValueError(f"unknown workloads {sorted(bad)}; choose from {sorted(WORKLOADS)}")
+        for t in self.topologies:
+            get_schedule(t, 1)
+        if any(n < 1 for n in (*self.worlds, *self.sweep_worlds)):
+            raise ValueError("world sizes must be >= 1")
 
 
 #: The paper's Table 6 ladder: each row adds one technique. Without hierarchical
@@ -155,7 +169,7 @@ def _plot_norms(curves: dict[str, tuple[list[float], list[float]]], path: Path) 
 
 
 def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
-    from hopq.bench import workloads
+    from hopq.train import workloads
 
     def _stderr(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

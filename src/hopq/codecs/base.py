@@ -29,7 +29,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
@@ -50,6 +50,14 @@ class ReduceOp(str, Enum):
             raise ValueError(f"op must be one of {[o.value for o in cls]}, got {op!r}") from None
 
 
+class StatsOp(str, Enum):
+    """Reductions of the statistics exchange (done in rank order by the engine)."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+
+
 #: Floating dtypes accepted as input; accumulation is float32 whatever the input.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -67,8 +75,8 @@ class StatsExchange(Protocol):
     #: splits a step's bit budget across the keys).
     key: int | None
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        """Uncompressed all-reduce of a small tensor; op is "sum", "max" or "min".
+    def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
+        """Uncompressed all-reduce of a small tensor, the same shape on every rank.
         The result is bit-identical on every rank."""
         ...
 
@@ -90,7 +98,7 @@ class LocalStats:
         self.rank, self.world_size, self.n_chunks = 0, world_size, n_chunks
         self.seed, self.round, self.key = seed, round, key
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         return t.clone()
 
 
@@ -183,8 +191,11 @@ class CodecConfig:
     """Base of every codec's frozen, validated configuration."""
 
 
-class Codec(ABC):
-    """A compression scheme usable inside multi-hop all-reduce."""
+P = TypeVar("P", bound=Plan)
+
+
+class Codec(ABC, Generic[P]):
+    """A compression scheme usable inside multi-hop all-reduce; ``P`` is its plan type."""
 
     #: Registry name, e.g. "bf16".
     name: ClassVar[str]
@@ -210,21 +221,19 @@ class Codec(ABC):
         self.config = config
         #: Number of all-reduce calls this instance has run; part of the RNG stream key.
         self.round = 0
-        #: The simulator's per-virtual-rank copies, kept across calls (see hopq.simulate).
-        self.sim_ranks: list[Codec] = []
 
     # -- the contract -----------------------------------------------------
     @abstractmethod
-    def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan: ...
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> P: ...
 
     @abstractmethod
-    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor: ...
+    def prepare(self, plan: P, x: torch.Tensor, scratch: bool = False) -> torch.Tensor: ...
 
     @abstractmethod
-    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor: ...
+    def encode(self, plan: P, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor: ...
 
     def decode_accumulate(
-        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+        self, plan: P, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
     ) -> None:
         """acc += decode(payload); codecs override it with a fused version."""
         tmp = torch.empty_like(acc)
@@ -232,7 +241,7 @@ class Codec(ABC):
         acc.add_(tmp)
 
     def decode_accumulate_encode(
-        self, plan: Plan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+        self, plan: P, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
     ) -> torch.Tensor:
         """The fused hop; codecs override it with a fused version. ``local`` may be
         overwritten with the accumulated sum."""
@@ -241,13 +250,11 @@ class Codec(ABC):
 
     @abstractmethod
     def decode(
-        self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+        self, plan: P, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
     ) -> None: ...
 
     @abstractmethod
-    def finish(
-        self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int
-    ) -> torch.Tensor: ...
+    def finish(self, plan: P, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor: ...
 
     def nonfinite_block(self) -> int:
         """A NaN or Inf at position i makes the output non-finite at i on every rank,
@@ -262,7 +269,7 @@ class Codec(ABC):
         return None
 
     # -- state across rounds ----------------------------------------------
-    def end_round(self, plan: Plan) -> None:
+    def end_round(self, plan: P) -> None:
         """Called once after every round on every rank; adaptive codecs update state here."""
         self.round += 1
 
@@ -272,13 +279,9 @@ class Codec(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round = int(state["round"])
 
-    def clone(self) -> Codec:
+    def clone(self) -> Codec[P]:
         """An independent copy with the same config and state (one per virtual rank)."""
-        ranks, self.sim_ranks = self.sim_ranks, []
-        try:
-            return copy.deepcopy(self)
-        finally:
-            self.sim_ranks = ranks
+        return copy.deepcopy(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"

@@ -32,12 +32,15 @@ from hopq.codecs.base import (
     Plan,
     ReduceOp,
     StatsExchange,
+    StatsOp,
     check_payload,
     even_chunks,
 )
 from hopq.codecs.registry import register
 from hopq.numerics import fp_formats as fpf
-from hopq.numerics.bitpack import pack_bits, unpack_bits
+from hopq.numerics.bitpack import pack_bits, packed_nbytes, unpack_bits
+from hopq.numerics.blocks import pad_to_blocks
+from hopq.options import check_finite, check_int, coerce_enums, option
 
 
 class ScaleFormat(str, Enum):
@@ -47,35 +50,32 @@ class ScaleFormat(str, Enum):
 
 @dataclass(frozen=True)
 class MXConfig(CodecConfig):
-    block: int = 32
-    scale: ScaleFormat = ScaleFormat.BF16
+    block: int = option(32, "elements sharing one scale (the OCP MX block is 32)")
+    scale: ScaleFormat = option(ScaleFormat.BF16, "scale format")
     #: Initial mu; None: the world size (the sum of n blocks then cannot overflow).
-    mu_init: float | None = None
+    mu_init: float | None = option(None, "initial scale factor mu; default: the world size")
     #: FP8-LM: more than 0.001% saturated entries double mu.
-    overflow_threshold: float = 1e-5
+    overflow_threshold: float = option(1e-5, "saturated share above which mu doubles")
     #: Otherwise mu shrinks by this factor per round (FP8-LM's 2^(-1/1000)).
-    shrink: float = 2 ** (-1 / 1000)
+    shrink: float = option(2 ** (-1 / 1000), "per-round shrink factor of mu otherwise")
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "scale", ScaleFormat(self.scale))
-        except ValueError:
-            raise ValueError(f"mx: scale must be bf16 or e8m0, got {self.scale!r}") from None
-        if self.block < 1:
-            raise ValueError(f"mx: block must be >= 1, got {self.block}")
-        if self.mu_init is not None and not self.mu_init > 0:
-            raise ValueError(f"mx: mu_init must be > 0, got {self.mu_init}")
-        if not 0 < self.shrink <= 1:
+        coerce_enums(self, "mx")
+        check_int("mx: block", self.block, lo=1, hi=1 << 20)
+        if self.mu_init is not None:
+            check_finite("mx: mu_init", self.mu_init, positive=True)
+        check_finite("mx: overflow_threshold", self.overflow_threshold)
+        if not 0 < check_finite("mx: shrink", self.shrink) <= 1:
             raise ValueError(f"mx: shrink must be in (0, 1], got {self.shrink}")
 
 
 @dataclass
 class MXPlan(Plan):
-    scale: torch.Tensor | None = None  # float32 per block of the working vector
-    mu: float = 1.0
+    scale: torch.Tensor  # float32 per block of the working vector
+    mu: float
 
 
-class MXCodec(Codec):
+class MXCodec(Codec[MXPlan]):
     """Shared implementation; subclasses fix the element format."""
 
     element: ClassVar[fpf.ElementFormat]
@@ -98,10 +98,7 @@ class MXCodec(Codec):
         return self.config.block
 
     def _payload_nbytes(self, n: int) -> int:
-        bits = self.element.bits
-        if bits == 6:
-            return fpf.packed6_nbytes(n)
-        return (n * bits + 7) // 8
+        return packed_nbytes(n, self.element.bits)
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> MXPlan:
         cfg = self.config
@@ -112,20 +109,20 @@ class MXCodec(Codec):
         counts = torch.tensor(
             [float(self.overflow), float(self.encoded)], dtype=torch.float64, device=x.device
         )
-        glob = stats.all_reduce(counts, "sum").tolist()
+        glob = stats.all_reduce(counts, StatsOp.SUM).tolist()
         if self.mu is None:
             self.mu = float(cfg.mu_init if cfg.mu_init is not None else stats.world_size)
         elif glob[1] > 0:
             self.last_overflow_ratio = glob[0] / glob[1]
             self.mu *= 2.0 if self.last_overflow_ratio > cfg.overflow_threshold else cfg.shrink
         self.overflow = self.encoded = 0
-        flat = x.reshape(-1).to(torch.float32)
-        padded = flat.new_zeros(nb * B)
-        padded[:d] = flat
+        blocks = pad_to_blocks(x, B)
         local_max = (
-            fpf.round_up_bf16(padded.view(nb, B).abs().amax(1)) if nb else padded.to(torch.bfloat16)
+            fpf.round_up_bf16(blocks.abs().amax(1))
+            if nb
+            else blocks.new_zeros(0, dtype=torch.bfloat16)
         )
-        gm = stats.all_reduce(local_max, "max").float()
+        gm = stats.all_reduce(local_max, StatsOp.MAX).float()
         scale = gm * self.mu
         scale = (
             fpf.round_up_pow2(scale)
@@ -142,18 +139,17 @@ class MXCodec(Codec):
             mu=self.mu,
         )
 
-    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare(self, plan: MXPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         out = torch.zeros(plan.work_numel, dtype=torch.float32, device=x.device)
         out[: plan.numel] = x.reshape(-1)
         return out
 
-    def _block_scale(self, plan: Plan, c: int, n: int) -> torch.Tensor:
-        assert isinstance(plan, MXPlan) and plan.scale is not None
+    def _block_scale(self, plan: MXPlan, c: int, n: int) -> torch.Tensor:
         B = self.config.block
         start = plan.chunks[c][0] // B
         return plan.scale[start : start + n // B].repeat_interleave(B)
 
-    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+    def encode(self, plan: MXPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         fmt = self.element
         s = self._block_scale(plan, ctx.chunk, chunk.numel())
         v = torch.where(s > 0, chunk / s * fmt.max, chunk)
@@ -161,27 +157,20 @@ class MXCodec(Codec):
         self.overflow += int(sat.sum())
         self.encoded += chunk.numel()
         codes = fpf.encode(v, fmt)
-        if fmt.bits == 8:
-            return codes
-        if fmt.bits == 6:
-            return fpf.pack6(codes)
-        return pack_bits(codes, fmt.bits)
+        return codes if fmt.bits == 8 else pack_bits(codes, fmt.bits)
 
-    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+    def decode(
+        self, plan: MXPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None:
         check_payload(
             payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
         )
         fmt, n = self.element, out.numel()
-        if fmt.bits == 8:
-            codes = payload
-        elif fmt.bits == 6:
-            codes = fpf.unpack6(payload, n)
-        else:
-            codes = unpack_bits(payload, fmt.bits, n)
+        codes = payload if fmt.bits == 8 else unpack_bits(payload, fmt.bits, n)
         s = self._block_scale(plan, ctx.chunk, n)
         out.copy_(fpf.decode(codes, fmt) * s / fmt.max)
 
-    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+    def finish(self, plan: MXPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         y = y[: plan.numel]
         return y.div_(world_size) if op is ReduceOp.AVG else y
 

@@ -18,21 +18,26 @@ from typing import Any, ClassVar
 
 import torch
 
-from hopq.codecs.base import CodecConfig, Plan, ReduceOp, StatsExchange, even_chunks
+from hopq.codecs.base import CodecConfig, Plan, ReduceOp, StatsExchange, StatsOp, even_chunks
 from hopq.codecs.registry import register
-from hopq.codecs.uncompressed import Uncompressed
+from hopq.codecs.uncompressed import WireCodec, working_copy
+from hopq.numerics.blocks import pad_to_blocks
+from hopq.options import check_finite, check_int, option
 
 
 @dataclass(frozen=True)
 class OmniReduceConfig(CodecConfig):
-    block: int = 256
+    block: int = option(256, "entries per block (the unit of top-k selection)")
     #: b: the union should hold b/16 of the blocks (each travels at 16 bits).
-    budget: float = 8.0
-    momentum: float = 0.8
+    budget: float = option(
+        8.0, "target bits per coordinate: the union holds budget/16 of the blocks"
+    )
+    momentum: float = option(0.8, "momentum g of k's adaptation")
 
     def __post_init__(self) -> None:
-        if self.block < 1:
-            raise ValueError(f"omnireduce: block must be >= 1, got {self.block}")
+        check_int("omnireduce: block", self.block, lo=1, hi=1 << 20)
+        check_finite("omnireduce: budget", self.budget)
+        check_finite("omnireduce: momentum", self.momentum)
         if not 0 < self.budget <= 16:
             raise ValueError(f"omnireduce: budget must be in (0, 16] bits, got {self.budget}")
         if not 0 <= self.momentum <= 1:
@@ -41,15 +46,15 @@ class OmniReduceConfig(CodecConfig):
 
 @dataclass
 class OmniPlan(Plan):
-    blocks: torch.Tensor | None = None  # indices of the union's blocks, ascending
-    union: int = 0
-    k: int = 0
+    blocks: torch.Tensor  # indices of the union's blocks, ascending
+    union: int
+    k: int
 
 
 @register(
     "omnireduce", "OmniReduce: block top-k, union agreed in the statistics exchange, bf16 blocks"
 )
-class OmniReduce(Uncompressed):
+class OmniReduce(WireCodec[OmniPlan]):
     wire_dtype = torch.bfloat16
     config_class = OmniReduceConfig
     config: OmniReduceConfig
@@ -70,10 +75,7 @@ class OmniReduce(Uncompressed):
         B = self.config.block
         d = x.numel()
         nb = -(-d // B)
-        flat = x.reshape(-1).to(torch.float32)
-        padded = flat.new_zeros(nb * B)
-        padded[:d] = flat
-        norms = padded.view(nb, B).square().sum(1)
+        norms = pad_to_blocks(x, B).square().sum(1)
         K = self.target(nb) if nb else 0
         if self.k is None:
             self.k = float(K)
@@ -83,7 +85,7 @@ class OmniReduce(Uncompressed):
             # NaN counts as the largest, so a non-finite block is always sent
             key = torch.nan_to_num(norms, nan=float("inf"))
             mask[torch.topk(key, k, sorted=False).indices] = 1
-        union = stats.all_reduce(mask, "max").bool()
+        union = stats.all_reduce(mask, StatsOp.MAX).bool()
         blocks = torch.nonzero(union).flatten()
         size = int(blocks.numel())
         if size and K:
@@ -99,20 +101,18 @@ class OmniReduce(Uncompressed):
         )
 
     def _index(self, plan: OmniPlan, device: torch.device) -> torch.Tensor:
-        assert plan.blocks is not None
         B = self.config.block
         idx = (plan.blocks[:, None] * B + torch.arange(B, device=device)).reshape(-1)
         return idx[: plan.work_numel]
 
-    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        assert isinstance(plan, OmniPlan)
-        flat = x.reshape(-1).to(torch.float32)
+    def prepare(self, plan: OmniPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         if plan.work_numel == plan.numel:  # every block selected: plain bf16
-            return super().prepare(plan, x, scratch)
-        return flat[self._index(plan, x.device)]
+            return working_copy(x, scratch)
+        return x.reshape(-1).to(torch.float32)[self._index(plan, x.device)]
 
-    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
-        assert isinstance(plan, OmniPlan)
+    def finish(
+        self, plan: OmniPlan, y: torch.Tensor, op: ReduceOp, world_size: int
+    ) -> torch.Tensor:
         if plan.work_numel != plan.numel:
             out = y.new_zeros(plan.numel)
             out[self._index(plan, y.device)] = y

@@ -1,8 +1,9 @@
-"""Codec registry: codecs register by name; the engine and the test grid read it."""
+"""Codec registry: codecs register by name; the engine, the command line and the
+test grid read it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,33 +13,54 @@ from hopq.codecs.base import FLOAT_DTYPES, Codec
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """Why a codec refuses a call, and the exception that says so."""
+
+    reason: str
+    #: TypeError for an input dtype it does not take, ValueError otherwise.
+    error: type[Exception] = ValueError
+
+    def exception(self) -> Exception:
+        return self.error(self.reason)
+
+
+@dataclass(frozen=True)
 class CodecInfo:
     """What a registered codec supports, and why it refuses what it does not."""
 
     name: str
-    cls: type[Codec]
+    cls: type[Codec[Any]]
     summary: str
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     devices: tuple[str, ...] = ("cpu", "cuda")
     topologies: tuple[str, ...] | None = None  # None: every topology
+    #: Uncompressed baselines, left out of the "auto" comparisons (bf16 stays in).
+    baseline: bool = False
 
-    def refusal(self, *, dtype: torch.dtype, device: torch.device, topology: str) -> str | None:
+    def refusal(self, *, dtype: torch.dtype, device: torch.device, topology: str) -> Refusal | None:
         if dtype not in self.dtypes:
-            return f"codec {self.name!r} does not take {dtype}; it takes {[str(d) for d in self.dtypes]}"
+            return Refusal(
+                f"codec {self.name!r} does not take {dtype}; it takes {[str(d) for d in self.dtypes]}",
+                TypeError,
+            )
         if device.type not in self.devices:
-            return f"codec {self.name!r} does not run on {device.type}"
+            return Refusal(f"codec {self.name!r} does not run on {device.type}")
         if self.topologies is not None and topology not in self.topologies:
-            return f"codec {self.name!r} does not run on topology {topology!r}; it runs on {self.topologies}"
+            return Refusal(
+                f"codec {self.name!r} does not run on topology {topology!r}; it runs on {self.topologies}"
+            )
         return None
 
 
 _REGISTRY: dict[str, CodecInfo] = {}
 
 
-def register(name: str, summary: str, **support: Any) -> Callable[[type[Codec]], type[Codec]]:
+def register(
+    name: str, summary: str, **support: Any
+) -> Callable[[type[Codec[Any]]], type[Codec[Any]]]:
     """Class decorator: register a Codec subclass under ``name``."""
 
-    def deco(cls: type[Codec]) -> type[Codec]:
+    def deco(cls: type[Codec[Any]]) -> type[Codec[Any]]:
         if name in _REGISTRY:
             raise ValueError(f"codec {name!r} is registered twice")
         cls.name = name
@@ -60,10 +82,37 @@ def codec_info(name: str) -> CodecInfo:
         raise ValueError(f"unknown codec {name!r}; available: {available_codecs()}") from None
 
 
-def get_codec(codec: str | Codec, **config: Any) -> Codec:
+#: The order of the "auto" selection: the baseline first, then the flagship.
+_AUTO_FIRST = ("bf16", "dynamiq")
+
+
+def resolve_codecs(names: Sequence[str]) -> list[str]:
+    """Codec names as the jobs take them: ``("auto",)`` means bf16, DynamiQ and every
+    other registered codec except the redundant uncompressed baselines (fp32,
+    fp16); ``("all",)`` every registered codec. Unknown names raise ValueError."""
+    names = tuple(names)
+    if names == ("all",):
+        return available_codecs()
+    if names == ("auto",):
+        first = [c for c in _AUTO_FIRST if c in _REGISTRY]
+        rest = [c for c, i in _REGISTRY.items() if c not in first and not i.baseline]
+        return first + rest
+    for c in names:
+        codec_info(c)
+    return list(names)
+
+
+def codec_choices() -> list[str]:
+    """What a job's ``codecs`` option accepts."""
+    return ["auto", "all", *available_codecs()]
+
+
+def get_codec(codec: str | Codec[Any], **config: Any) -> Codec[Any]:
     """A codec instance from a name (fresh, with ``config``) or an instance (as is)."""
     if isinstance(codec, Codec):
         if config:
             raise ValueError("pass config overrides only with a codec name")
         return codec
+    if not isinstance(codec, str):
+        raise TypeError(f"codec must be a registered name or a Codec, got {codec!r}")
     return codec_info(codec).cls(**config)

@@ -6,9 +6,13 @@ signs from a seed all ranks share, then a fast Walsh-Hadamard transform over
 power-of-two blocks that each interleave the whole vector, normalised), the ranks agree on a global scale M (the
 largest rotated magnitude, a max all-reduce), and each rank quantizes every
 rotated coordinate once, stochastically, to an integer in [-L, L] with
-L = 2^(q-1) - 1 (q = 4: 15 levels). Partial sums then travel as integers in
-b-bit lanes and are added without any decompression (homomorphic): b = 8 for
-n <= 8 and 12 beyond, as the paper does (16 once 2^12 < 15 n + 1). A partial sum beyond its lane saturates and is counted
+L = 2^(q-1) - 1 (q = 4: the 15 levels -7..7). Partial sums then travel as
+integers in b-bit lanes and are added without any decompression (homomorphic):
+a sum of n ranks lies in [-nL, nL], so the lane needs 2 n L + 1 values. By
+default b follows the DynamiQ paper's THC (8 bits up to n = 8, then 12), widened
+to the smallest of 12, 16, 24 bits that holds those values (for q = 4, 12 bits
+last up to n = 292; for q = 8, L = 127, 16 bits are needed from n = 9). A lane
+set by hand that is too narrow saturates a partial sum beyond it and counts it
 (``overflows``, with a warning): never wrapped. Decoding scales by M / L and
 applies the inverse transform once, in ``finish``.
 
@@ -31,50 +35,66 @@ from hopq.codecs.base import (
     Plan,
     ReduceOp,
     StatsExchange,
+    StatsOp,
     check_payload,
     even_chunks,
-    view_as_dtype,
 )
 from hopq.codecs.registry import register
+from hopq.numerics.bitpack import pack_bits, sign_extend, unpack_bits
+from hopq.numerics.blocks import n_blocks, pad_to_blocks
 from hopq.numerics.rng import hash32, stream_key, uniform
+from hopq.options import check_int, option
 
 #: Stream coordinates of THC's randomness (chunk field; distinct from real chunks).
 SIGN_STREAM, ROUND_STREAM = 0xFFFF0, 0xFFFF1
-LANES = (8, 12, 16)
+#: Lane widths; integer sums are accumulated in float32, exact up to 2^24.
+LANES = (8, 12, 16, 24)
 
 
 @dataclass(frozen=True)
 class THCConfig(CodecConfig):
-    q: int = 4
+    q: int = option(4, "bits per quantized coordinate (levels -(2^(q-1)-1) .. 2^(q-1)-1)")
     #: Lane width b; None: chosen from the world size (see the module docstring).
-    lane_bits: int | None = None
+    lane_bits: int | None = option(
+        None, "integer lane width; default: the narrowest that cannot overflow"
+    )
     #: Hadamard block H (a power of two); small vectors use the largest power of
     #: two <= d / 16, so that padding to whole blocks stays small. Block j holds
     #: every m-th coordinate (m = number of blocks), so each block samples the
     #: whole vector: with one global scale, contiguous blocks of skewed gradients
     #: leave low-energy blocks with far more rounding noise than signal (measured
     #: on MiniLM gradients, n = 4: vNMSE 1.7 contiguous vs interleaved, README).
-    hadamard_block: int = 1 << 16
+    hadamard_block: int = option(1 << 16, "Hadamard block (a power of two)")
 
     def __post_init__(self) -> None:
-        if not 2 <= self.q <= 8:
-            raise ValueError(f"thc: q must be in 2..8 bits, got {self.q}")
+        check_int("thc: q", self.q, lo=2, hi=8)
         if self.lane_bits is not None and self.lane_bits not in LANES:
             raise ValueError(f"thc: lane_bits must be one of {LANES}, got {self.lane_bits}")
-        h = self.hadamard_block
-        if h < 1 or h & (h - 1):
+        h = check_int("thc: hadamard_block", self.hadamard_block, lo=1, hi=1 << 24)
+        if h & (h - 1):
             raise ValueError(f"thc: hadamard_block must be a power of two, got {h}")
 
     @property
     def levels(self) -> int:
         return (1 << (self.q - 1)) - 1
 
+    def lane_need(self, n: int) -> int:
+        """Bits a lane needs so that a sum of n ranks' integers never saturates:
+        sums lie in [-n L, n L], 2 n L + 1 values."""
+        return math.ceil(math.log2(2 * n * self.levels + 1))
+
     def lanes_for(self, n: int) -> int:
         if self.lane_bits is not None:
             return self.lane_bits
-        # the paper: 8 bits up to n = 8, then 12 (enough up to n = 272), wider beyond
-        need = 8 if n <= 8 else max(12, math.ceil(math.log2(15 * n + 1)))
-        return next((b for b in LANES if b >= need), 16)
+        need = self.lane_need(n)
+        paper = 8 if n <= 8 else 12
+        for b in LANES:
+            if b >= max(need, paper):
+                return b
+        raise ValueError(
+            f"thc: {n} ranks of {self.q}-bit integers need {need}-bit lanes; at most "
+            f"{LANES[-1]} are exact in float32 accumulation (lower q)"
+        )
 
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
@@ -93,19 +113,22 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class THCPlan(Plan):
-    block: int = 1
-    step: float = 1.0  # M / L
-    lane_bits: int = 8
-    seed: int = 0
-    round: int = 0
-    rank: int = 0
+    block: int
+    step: float  # M / L
+    lane_bits: int
+    seed: int
+    round: int
+    rank: int
+    world_size: int
+    #: This rank's rotated vector: rank-local (not agreed), consumed by prepare().
+    rotated: torch.Tensor
 
 
 @register(
     "thc",
     "THC: randomized Hadamard transform, global scale, 4-bit stochastic integers summed homomorphically",
 )
-class THC(Codec):
+class THC(Codec[THCPlan]):
     config_class = THCConfig
     config: THCConfig
     layout_preserving: ClassVar[bool] = False
@@ -125,8 +148,7 @@ class THC(Codec):
 
     def _rotate(self, x: torch.Tensor, H: int, seed: int, round: int, numel: int) -> torch.Tensor:
         """Signs, then interleave (block j = coordinates j, j + m, ...), then FWHT per block."""
-        padded = x.new_zeros(numel)
-        padded[: x.numel()] = x
+        padded = pad_to_blocks(x, H).reshape(-1) if numel else x.new_zeros(0)
         signed = padded * self._signs(numel, seed, round, x.device)
         return fwht(signed.view(H, -1).t().contiguous()).reshape(-1)
 
@@ -135,12 +157,11 @@ class THC(Codec):
         d = x.numel()
         # the largest power of two <= d / 16, capped: padding stays under ~6% of d
         H = min(cfg.hadamard_block, 1 << max(0, (max(d, 1) // 16).bit_length() - 1))
-        work = -(-d // H) * H if d else 0
-        # this rank's rotated vector, kept for prepare() (rank-local, not part of the plan)
-        self._rot = self._rotate(x.reshape(-1).to(torch.float32), H, stats.seed, stats.round, work)
-        local_max = self._rot.abs().amax().reshape(1) if work else torch.zeros(1, device=x.device)
-        M = float(stats.all_reduce(local_max, "max").item())
+        work = n_blocks(d, H) * H
         lanes = cfg.lanes_for(stats.world_size)
+        rot = self._rotate(x.reshape(-1).to(torch.float32), H, stats.seed, stats.round, work)
+        local_max = rot.abs().amax().reshape(1) if work else torch.zeros(1, device=x.device)
+        M = float(stats.all_reduce(local_max, StatsOp.MAX).item())
         chunks = even_chunks(work, stats.n_chunks, align=2)  # 12-bit lanes pack in pairs
         self.overflows = 0
         return THCPlan(
@@ -155,13 +176,13 @@ class THC(Codec):
             seed=stats.seed,
             round=stats.round,
             rank=stats.rank,
+            world_size=stats.world_size,
+            rotated=rot,
         )
 
-    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare(self, plan: THCPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         """This rank's integers, as float32: stochastic rounding of rotated / step."""
-        assert isinstance(plan, THCPlan)
-        rot = self._rot
-        del self._rot
+        rot = plan.rotated
         if not math.isfinite(plan.step):  # non-finite input: finish() multiplies by it
             return torch.zeros_like(rot)
         v = rot / plan.step
@@ -182,52 +203,37 @@ class THC(Codec):
             self.overflows += int(sat.sum())
             warnings.warn(
                 f"thc: {int(sat.sum())} partial sums exceed {b}-bit lanes and saturate; "
-                "use lane_bits >= log2(15 n + 1)",
+                f"leave lane_bits unset (this world needs {self.config.lane_need(plan.world_size)})",
                 RuntimeWarning,
                 stacklevel=3,
             )
         i = ints.clamp(-top, top).to(torch.int64)
         if b == 8:
             return i.to(torch.int8).view(torch.uint8)
-        if b == 16:
-            return i.to(torch.int16).view(torch.uint8)
-        u = (i & 0xFFF).view(-1, 2)  # 12-bit two's complement, pairs in 3 bytes
-        word = u[:, 0] | (u[:, 1] << 12)
-        return (
-            torch.stack([word & 0xFF, (word >> 8) & 0xFF, word >> 16], 1)
-            .to(torch.uint8)
-            .reshape(-1)
-        )
+        return pack_bits(i & ((1 << b) - 1), b)  # two's complement in b-bit lanes
 
     def _unpack(self, plan: THCPlan, payload: torch.Tensor, n: int) -> torch.Tensor:
         b = plan.lane_bits
         if b == 8:
             return payload.view(torch.int8).to(torch.float32)
-        if b == 16:
-            return view_as_dtype(payload, torch.int16).to(torch.float32)
-        w = payload.view(-1, 3).to(torch.int64)
-        word = w[:, 0] | (w[:, 1] << 8) | (w[:, 2] << 16)
-        pair = torch.stack([word & 0xFFF, word >> 12], 1).reshape(-1)
-        return (pair - ((pair & 0x800) << 1)).to(torch.float32)[:n]
+        return sign_extend(unpack_bits(payload, b, n), b).to(torch.float32)
 
-    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-        assert isinstance(plan, THCPlan)
+    def encode(self, plan: THCPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         return self._pack(plan, chunk)
 
-    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
-        assert isinstance(plan, THCPlan)
+    def decode(
+        self, plan: THCPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None:
         check_payload(payload, plan.payload_nbytes[ctx.chunk], f"thc chunk {ctx.chunk} payload")
         out.copy_(self._unpack(plan, payload, out.numel()))
 
     def decode_accumulate(
-        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+        self, plan: THCPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
     ) -> None:
-        assert isinstance(plan, THCPlan)
         check_payload(payload, plan.payload_nbytes[ctx.chunk], f"thc chunk {ctx.chunk} payload")
         acc.add_(self._unpack(plan, payload, acc.numel()))  # integers: exact in float32
 
-    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
-        assert isinstance(plan, THCPlan)
+    def finish(self, plan: THCPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         if not plan.work_numel:
             return y
         H = plan.block

@@ -15,6 +15,7 @@ import torch
 from hopq.codecs.base import (
     Codec,
     HopContext,
+    P,
     Plan,
     ReduceOp,
     StatsExchange,
@@ -25,10 +26,40 @@ from hopq.codecs.base import (
 from hopq.codecs.registry import register
 
 
-class Uncompressed(Codec):
-    """Send each chunk as ``wire_dtype``; no statistics exchange."""
+def working_copy(x: torch.Tensor, scratch: bool) -> torch.Tensor:
+    """``x`` flattened as float32: ``x``'s own memory when the engine allows it
+    (``scratch``) and no conversion is needed, else a copy."""
+    flat = x.reshape(-1)
+    if scratch and flat.dtype == torch.float32:
+        return flat
+    return flat.to(torch.float32, copy=True)
+
+
+class WireCodec(Codec[P]):
+    """Chunks travel as ``wire_dtype`` (rounded to nearest), accumulation in
+    float32; subclasses decide what the working vector holds."""
 
     wire_dtype: ClassVar[torch.dtype]
+
+    def _wire(self, plan: P, payload: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        check_payload(payload, plan.payload_nbytes[ctx.chunk])
+        return view_as_dtype(payload, self.wire_dtype)
+
+    def encode(self, plan: P, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        return chunk.to(self.wire_dtype, copy=True).view(torch.uint8)
+
+    def decode_accumulate(
+        self, plan: P, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        acc.add_(self._wire(plan, payload, ctx))
+
+    def decode(self, plan: P, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        out.copy_(self._wire(plan, payload, ctx))
+
+
+class Uncompressed(WireCodec[Plan]):
+    """Send each chunk as ``wire_dtype``; no statistics exchange."""
+
     layout_preserving = True
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan:
@@ -38,25 +69,7 @@ class Uncompressed(Codec):
         return Plan(d, d, chunks, tuple((e - s) * size for s, e in chunks))
 
     def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        flat = x.reshape(-1)
-        if scratch and flat.dtype == torch.float32:
-            return flat
-        return flat.to(torch.float32, copy=True)
-
-    def _wire(self, plan: Plan, payload: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-        check_payload(payload, plan.payload_nbytes[ctx.chunk])
-        return view_as_dtype(payload, self.wire_dtype)
-
-    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-        return chunk.to(self.wire_dtype, copy=True).view(torch.uint8)
-
-    def decode_accumulate(
-        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
-    ) -> None:
-        acc.add_(self._wire(plan, payload, ctx))
-
-    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
-        out.copy_(self._wire(plan, payload, ctx))
+        return working_copy(x, scratch)
 
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         return y.div_(world_size) if op is ReduceOp.AVG else y
@@ -70,7 +83,7 @@ class Uncompressed(Codec):
         return chain * (u * abs_sum + fi.smallest_normal * fi.eps / 2)
 
 
-@register("fp32", "uncompressed float32 (exact up to summation order)")
+@register("fp32", "uncompressed float32 (exact up to summation order)", baseline=True)
 class Fp32(Uncompressed):
     wire_dtype = torch.float32
 
@@ -85,6 +98,6 @@ class Bf16(Uncompressed):
     wire_dtype = torch.bfloat16
 
 
-@register("fp16", "uncompressed float16 payloads, float32 accumulation")
+@register("fp16", "uncompressed float16 payloads, float32 accumulation", baseline=True)
 class Fp16(Uncompressed):
     wire_dtype = torch.float16

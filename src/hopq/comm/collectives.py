@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hopq.codecs.base import FLOAT_DTYPES, Codec, ReduceOp
@@ -24,7 +26,7 @@ def _transport(group: torch.distributed.ProcessGroup | None) -> DistTransport:
     return t
 
 
-def check_input(tensor: torch.Tensor, codec: Codec, topology: str) -> None:
+def check_input(tensor: torch.Tensor, codec: Codec[Any], topology: str) -> None:
     """Refuse bad input before anything is sent: TypeError for dtypes, ValueError otherwise."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
@@ -33,16 +35,16 @@ def check_input(tensor: torch.Tensor, codec: Codec, topology: str) -> None:
             f"hopq reduces floating-point tensors {[str(d) for d in FLOAT_DTYPES]}; got {tensor.dtype}"
         )
     get_schedule(topology, 1)  # unknown topology -> ValueError
-    why = codec_info(codec.name).refusal(
+    refusal = codec_info(codec.name).refusal(
         dtype=tensor.dtype, device=tensor.device, topology=topology
     )
-    if why:
-        raise (TypeError if "does not take" in why else ValueError)(why)
+    if refusal is not None:
+        raise refusal.exception()
 
 
 def all_reduce(
     tensor: torch.Tensor,
-    codec: str | Codec = "bf16",
+    codec: str | Codec[Any] = "bf16",
     topology: str = "ring",
     op: str | ReduceOp = "sum",
     group: torch.distributed.ProcessGroup | None = None,
@@ -75,7 +77,7 @@ def all_reduce(
 
 def reduce_scatter(
     tensor: torch.Tensor,
-    codec: str | Codec = "bf16",
+    codec: str | Codec[Any] = "bf16",
     topology: str = "ring",
     op: str | ReduceOp = "sum",
     group: torch.distributed.ProcessGroup | None = None,

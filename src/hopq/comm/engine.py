@@ -21,10 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 
-from hopq.codecs.base import Codec, HopContext, ReduceOp
+from hopq.codecs.base import Codec, HopContext, ReduceOp, StatsOp
 from hopq.comm.topology import Phase, Schedule
 from hopq.comm.transport import Transport
 
@@ -57,10 +58,14 @@ class RunStats:
 
     @property
     def bits_per_coord(self) -> float:
-        """8 x bytes sent / (2(n-1)/n x d): 16 for uncompressed bf16 on any topology
-        (DESIGN.md, "Stated bit budget"). NaN when nothing needs to move (n = 1 or d = 0)."""
-        denom = 2 * (self.world_size - 1) / self.world_size * self.numel
-        return 8 * self.bytes_sent / denom if denom else float("nan")
+        return bits_per_coordinate(self.bytes_sent, self.world_size, self.numel)
+
+
+def bits_per_coordinate(bytes_sent: float, world_size: int, numel: int) -> float:
+    """8 x bytes sent / (2(n-1)/n x d): 16 for uncompressed bf16 on any topology
+    (DESIGN.md, "Stated bit budget"). NaN when nothing needs to move (n = 1 or d = 0)."""
+    denom = 2 * (world_size - 1) / world_size * numel
+    return 8 * bytes_sent / denom if denom else float("nan")
 
 
 class _StatsExchange:
@@ -80,7 +85,7 @@ class _StatsExchange:
         self.bytes = 0.0
         self.seconds = 0.0
 
-    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         n = self.world_size
         if t.numel() == 0:  # same shape on every rank: nothing to exchange
             return t.clone()
@@ -88,16 +93,15 @@ class _StatsExchange:
         t0 = time.perf_counter()
         parts = self.transport.all_gather(t)
         self.seconds += time.perf_counter() - t0
+        op = StatsOp(op)
         acc = parts[0].clone()
         for p in parts[1:]:
-            if op == "sum":
+            if op is StatsOp.SUM:
                 acc.add_(p)
-            elif op == "max":
+            elif op is StatsOp.MAX:
                 torch.maximum(acc, p, out=acc)
-            elif op == "min":
-                torch.minimum(acc, p, out=acc)
             else:
-                raise ValueError(f"stats op must be sum, max or min, got {op!r}")
+                torch.minimum(acc, p, out=acc)
         return acc
 
 
@@ -125,7 +129,7 @@ def _last_reduce_recv(schedule: Schedule, rank: int) -> dict[int, int]:
 
 
 def run(
-    codec: Codec,
+    codec: Codec[Any],
     x: torch.Tensor,
     schedule: Schedule,
     transport: Transport,

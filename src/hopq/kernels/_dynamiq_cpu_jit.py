@@ -10,9 +10,11 @@ packing unroll."""
 import numpy as np
 from numba import njit
 
+from hopq.kernels import Mode
 from hopq.numerics.rng import M1, M2
 
-ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3
+# plain ints: numba compiles them in as constants
+ENCODE, DECODE, DECODE_ACC = int(Mode.ENCODE), int(Mode.DECODE), int(Mode.DECODE_ACC)
 
 
 MASK = np.uint64(0xFFFFFFFF)

@@ -1,15 +1,15 @@
 """DynamiQ's fused CPU kernels (numba): the same bits as the PyTorch reference.
 
-The reference (``hopq.codecs.dynamiq``) is a chain of tensor operations, each of
+The reference (``hopq.codecs.dynamiq.reference``) is a chain of tensor operations, each of
 which reads and writes the whole chunk; its fused hop runs at 6-8 million
 coordinates per second on one core (``hopq bench kernels --backend reference``).
 These kernels walk one super-group at a time (256 entries stay in L1) and do
 decode, accumulate and encode in one pass:
 
-* ``ENCODE``: local rows -> segment bytes (the leaf);
-* ``DECODE``: segment bytes -> rows (the all-gather receive);
-* ``DECODE_ACC``: rows += decode(bytes);
-* ``DAR``: bytes, local rows -> bytes of decode(bytes) + local (the fused hop).
+* ``Mode.ENCODE``: local rows -> segment bytes (the leaf);
+* ``Mode.DECODE``: segment bytes -> rows (the all-gather receive);
+* ``Mode.DECODE_ACC``: rows += decode(bytes);
+* ``Mode.DAR``: bytes, local rows -> bytes of decode(bytes) + local (the fused hop).
 
 Every float operation is the reference's float32 operation in the reference's
 order (numba without ``fastmath`` keeps IEEE semantics: no reassociation, no
@@ -31,17 +31,12 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from hopq.kernels import Mode, backend
 from hopq.numerics.levels import search_tables
-
-ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3
 
 
 def available() -> bool:
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return backend("dynamiq", "cpu").available()
 
 
 @lru_cache(maxsize=64)
@@ -66,7 +61,7 @@ _EMPTY_F32 = np.empty(0, np.float32)
 
 
 def run_segment(
-    mode: int,
+    mode: Mode,
     width: int,
     rows: int,
     S: int,
@@ -89,6 +84,7 @@ def run_segment(
     for the modes). Tensors are contiguous CPU tensors: ``payload``/``out_payload``
     uint8 (the segment's bytes), ``local``/``out_rows`` float32 of rows * S."""
     kern = _get()
+    mode = int(mode)  # type: ignore[assignment]  # numba takes a plain int
     inb = payload.detach().numpy() if payload is not None else _EMPTY_U8
     loc = local.detach().numpy() if local is not None else _EMPTY_F32
     outf = out_rows.detach().numpy() if out_rows is not None else _EMPTY_F32
@@ -113,10 +109,10 @@ def warm_up() -> None:
     for w in (2, 4, 8, 16):
         nb = 2 * 512 if w == 16 else 2 * (2 + 16 + 256 * w // 8)
         out = torch.empty(nb, dtype=torch.uint8)
-        for mode in (ENCODE, DAR):
+        for mode in (Mode.ENCODE, Mode.DAR):
             run_segment(
                 mode, w, 2, 256, 16, 0,
-                payload=None if mode == ENCODE else out.clone(), local=x, out_rows=None,
+                payload=None if mode is Mode.ENCODE else out.clone(), local=x, out_rows=None,
                 out_payload=out, gamma_key=(1, 2), perm_key=(3, 4), peers=1, peer=0,
                 units=(1,), scale_key=(5, 6), eps=0.0,
             )  # fmt: skip

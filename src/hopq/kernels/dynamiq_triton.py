@@ -25,16 +25,15 @@ CPU tensors; that is how CI checks them against the reference.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from functools import lru_cache
 
 import torch
 
+from hopq.kernels import Mode, interpreting
 from hopq.numerics.levels import search_tables
 from hopq.numerics.rng import M1, M2
-
-ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3
+from hopq.numerics.rows import gather_rows, scatter_rows
 
 try:
     import triton
@@ -47,14 +46,10 @@ def available() -> bool:
     return triton is not None
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 if triton is not None:
     # globals a compiled kernel reads must be constexpr (the interpreter does not care)
     _ENCODE, _DECODE, _DECODE_ACC, _DAR = (
-        tl.constexpr(v) for v in (ENCODE, DECODE, DECODE_ACC, DAR)
+        tl.constexpr(int(v)) for v in (Mode.ENCODE, Mode.DECODE, Mode.DECODE_ACC, Mode.DAR)
     )
     _M1, _M2 = tl.constexpr(M1), tl.constexpr(M2)
 
@@ -265,7 +260,7 @@ def _dummies(device: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_segment(
-    mode: int,
+    mode: Mode,
     width: int,
     rows: int,
     S: int,
@@ -301,15 +296,20 @@ def run_segment(
             _segment16_kernel[(triton.cdiv(total, block),)](
                 inb, loc, outf, outb, un, total, row0 * S,
                 *gamma_key, *perm_key, peers, peer, un.numel(),
-                MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
+                MODE=int(mode), BLOCK=block, CORR=corr, **_LAUNCH,
             )  # fmt: skip
             return
         tab, dtab, bucket, nb_log, steps = _tables(width, eps, dev)
         _segment_kernel[(rows,)](
             inb, loc, outf, outb, un, tab, dtab, bucket,
             rows, row0, *gamma_key, *perm_key, peers, peer, un.numel(), *scale_key,
-            W=width, MODE=mode, S=S, G=s, NB_LOG=nb_log, STEPS=steps, CORR=corr, **_LAUNCH,
+            W=width, MODE=int(mode), S=S, G=s, NB_LOG=nb_log, STEPS=steps, CORR=corr, **_LAUNCH,
         )  # fmt: skip
+
+
+__all__ = ["gather_rows", "run_segment", "scatter_rows", "supergroup_stats"]
+# gather_rows and scatter_rows: the reference's own index operations
+# (hopq.numerics.rows), memory-bound on a GPU already.
 
 
 def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
@@ -370,7 +370,7 @@ def compile_all(arch: int = 90) -> list[str]:
         **ptrs, "total": "i32", "first": "i32", **keys,
         **dict.fromkeys(("MODE", "BLOCK", "CORR"), "constexpr"),
     }  # fmt: skip
-    for mode in (ENCODE, DECODE, DECODE_ACC, DAR):
+    for mode in (int(m) for m in Mode):
         for corr in (False, True):
             for w in (2, 4, 8):
                 const = {"W": w, "MODE": mode, "S": 256, "G": 16, "NB_LOG": 8, "STEPS": 2}

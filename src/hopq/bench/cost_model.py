@@ -38,25 +38,29 @@ from typing import Any
 
 import torch
 
-from hopq.bench.report import machine, markdown_table
 from hopq.codecs.base import HopContext, LocalStats, ReduceOp
-from hopq.codecs.registry import available_codecs, get_codec
+from hopq.codecs.registry import available_codecs, codec_choices, get_codec, resolve_codecs
+from hopq.options import option
+from hopq.reporting import machine, markdown_table
 
 
 @dataclass(frozen=True)
 class ModelOptions:
-    codecs: tuple[str, ...] = ("bf16", "dynamiq", "mxfp8", "thc", "omnireduce")
-    #: Prediction: per-worker link bandwidth (Gbit/s), latency per step (us), world sizes.
-    bandwidth_gbit: float = 10.0
-    latency_us: float = 20.0
-    worlds: tuple[int, ...] = (8, 64, 256, 1024)
-    size_mib: float = 64.0
-    #: Validation against the emulated network (skipped without root/tc).
-    validate: bool = True
-    validate_worlds: tuple[int, ...] = (2, 3, 4, 6, 8)
-    validate_rate_mbit: float = 200.0
-    validate_size_mib: float = 4.0
-    calib_coords: int = 1 << 20
+    codecs: tuple[str, ...] = option(
+        ("bf16", "dynamiq", "mxfp8", "thc", "omnireduce"), "codecs to model", choices=codec_choices
+    )
+    bandwidth_gbit: float = option(10.0, "prediction: per-worker link bandwidth in Gbit/s")
+    latency_us: float = option(20.0, "prediction: latency per step in microseconds")
+    worlds: tuple[int, ...] = option((8, 64, 256, 1024), "prediction: world sizes")
+    size_mib: float = option(64.0, "prediction: tensor size in MiB")
+    validate: bool = option(True, "check the model on the emulated network (needs root and tc)")
+    validate_worlds: tuple[int, ...] = option((2, 3, 4, 6, 8), "validation: world sizes")
+    validate_rate_mbit: float = option(200.0, "validation: per-worker link in Mbit/s")
+    validate_size_mib: float = option(4.0, "validation: tensor size in MiB")
+    calib_coords: int = option(1 << 20, "coordinates of the one-core calibration")
+
+    def __post_init__(self) -> None:
+        resolve_codecs(self.codecs)
 
 
 @dataclass
@@ -214,8 +218,8 @@ def _measure_worker(
 
 
 def run(o: ModelOptions) -> str:
-    from hopq.bench.launch import run_workers
-    from hopq.bench.network import EmulatedNetwork, unavailable_reason
+    from hopq.cluster.launch import run_workers
+    from hopq.cluster.network import EmulatedNetwork, unavailable_reason
 
     codecs = [c for c in o.codecs if c in available_codecs()]
     cores = torch.get_num_threads() or 1

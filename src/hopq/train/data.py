@@ -7,19 +7,31 @@ in sorted file order, so every worker and every run sees the same bytes.
 from __future__ import annotations
 
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+#: Folders of the standard library left out: its tests and installed packages.
+_SKIP = ("test", "tests", "site-packages", "idle_test")
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def stdlib_files() -> Iterator[Path]:
+    """The standard library's .py files in sorted order, tests and site-packages excluded."""
+    root = stdlib_root()
+    for path in sorted(root.rglob("*.py")):
+        if not any(p in _SKIP for p in path.relative_to(root).parts):
+            yield path
+
 
 def stdlib_source(max_bytes: int = 8 << 20) -> bytes:
     """Concatenated .py files of the standard library (tests and site-packages excluded)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     out = bytearray()
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(p in ("test", "tests", "site-packages", "idle_test") for p in rel):
-            continue
+    for path in stdlib_files():
         try:
             out += path.read_bytes() + b"\n"
         except OSError:
@@ -27,7 +39,7 @@ def stdlib_source(max_bytes: int = 8 << 20) -> bytes:
         if len(out) >= max_bytes:
             break
     if not out:
-        raise RuntimeError(f"no Python sources found under {root}")
+        raise RuntimeError(f"no Python sources found under {stdlib_root()}")
     return bytes(out[:max_bytes])
 
 

@@ -98,7 +98,7 @@ def enter_namespace(name: str) -> None:
 @dataclass
 class EmulatedNetwork:
     """``with EmulatedNetwork(4, rate_mbit=1000) as net:`` then run worker i in
-    ``net.namespaces[i]`` (see :func:`hopq.bench.launch.run_workers`)."""
+    ``net.namespaces[i]`` (see :func:`hopq.cluster.launch.run_workers`)."""
 
     workers: int
     rate_mbit: float

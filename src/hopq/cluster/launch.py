@@ -48,7 +48,7 @@ def _entry(
     torch.set_num_threads(threads)
     try:
         if namespace is not None:  # before Gloo creates its sockets and threads
-            from hopq.bench.network import WORKER_IFACE, enter_namespace
+            from hopq.cluster.network import WORKER_IFACE, enter_namespace
 
             enter_namespace(namespace)
             os.environ["GLOO_SOCKET_IFNAME"] = WORKER_IFACE
@@ -80,7 +80,7 @@ def run_workers(
 ) -> list[Any]:
     """Run ``fn(rank, n, *args)`` in n spawned Gloo ranks (one fresh FileStore);
     return each rank's result. A failing rank's traceback is raised here. With
-    ``namespaces`` (an :class:`~hopq.bench.network.EmulatedNetwork`'s), rank i
+    ``namespaces`` (an :class:`~hopq.cluster.network.EmulatedNetwork`'s), rank i
     runs in namespace i and talks over the shaped links."""
     if namespaces is not None and len(namespaces) < n:
         raise ValueError(f"{n} ranks need {n} namespaces, got {len(namespaces)}")

@@ -1,0 +1,277 @@
+"""The DynamiQ codec: planning, budget sharing and dispatch to the reference or a
+kernel backend (all of which produce the same bits)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, ClassVar
+
+import torch
+
+from hopq.codecs.base import Codec, CodecConfig, HopContext, ReduceOp, StatsExchange, StatsOp
+from hopq.codecs.base import check_payload as _check_payload
+from hopq.codecs.dynamiq import reference
+from hopq.codecs.dynamiq.allocation import allocate, split_budget
+from hopq.codecs.dynamiq.config import Backend, DynamiQConfig, Scales
+from hopq.codecs.dynamiq.layout import DynamiQPlan, Segment, build_plan
+from hopq.codecs.registry import register
+from hopq.kernels import DynamiQKernels, Mode, auto_backend
+from hopq.kernels import backend as kernel_backend
+from hopq.numerics.levels import search_tables
+from hopq.numerics.rows import gather_rows, scatter_rows
+
+#: Warned once per process: DynamiQ on CPU without its kernels runs ~15x slower.
+_warned_reference = False
+
+
+def _kernel_levels_ok(cfg: DynamiQConfig) -> bool:
+    try:
+        for w in cfg.widths:
+            if w in (2, 4, 8):
+                search_tables(w, cfg.eps_for(w))
+    except ValueError:
+        return False
+    return True
+
+
+def resolve_kernels(cfg: DynamiQConfig, device_type: str) -> DynamiQKernels | None:
+    """The kernel module that runs ``cfg``'s segments on this device type, or None
+    for the reference (see :class:`~hopq.codecs.dynamiq.config.Backend`)."""
+    global _warned_reference
+    b = cfg.backend
+    if b is Backend.REFERENCE:
+        return None
+    supported = cfg.scales is Scales.HIERARCHICAL and _kernel_levels_ok(cfg)
+    if b is Backend.AUTO:
+        if not supported:
+            return None
+        found = auto_backend("dynamiq", device_type)
+        if found is None:
+            if device_type == "cpu" and not _warned_reference:
+                _warned_reference = True
+                warnings.warn(
+                    "dynamiq: numba is not installed, so CPU tensors run the PyTorch reference "
+                    "(the same bits, about 15x slower); pip install 'hopq[cpu]' for the fused kernels",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        module: DynamiQKernels = found.load()
+        return module
+    if not supported:
+        raise ValueError(
+            f"dynamiq: backend {b.value!r} needs scales='hierarchical' and level tables "
+            f"the kernels' bucket search handles (eps {[cfg.eps_for(w) for w in cfg.widths]})"
+        )
+    chosen = kernel_backend("dynamiq", b.value)
+    if not chosen.runs_on(device_type, forced=True):
+        where = (
+            "CUDA tensors (or with TRITON_INTERPRET=1)" if b is Backend.TRITON else "CPU tensors"
+        )
+        raise ValueError(f"dynamiq: backend {b.value!r} runs on {where}, got {device_type}")
+    forced: DynamiQKernels = chosen.load()
+    return forced
+
+
+@register(
+    "dynamiq",
+    "DynamiQ: variable bitwidth per super-group, non-uniform levels, hierarchical scales, correlated rounding",
+)
+class DynamiQ(Codec[DynamiQPlan]):
+    """DynamiQ (Dynamic Quantization for multi-hop all-reduce), sections 3-4 and
+    appendices A-B; see :mod:`hopq.codecs.dynamiq`."""
+
+    config_class = DynamiQConfig
+    config: DynamiQConfig
+    layout_preserving: ClassVar[bool] = False
+
+    def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        #: key -> (numel, F) of the keyed calls of the step under way.
+        self._step_stats: dict[int, tuple[int, torch.Tensor]] = {}
+        #: key -> (numel, bits per coordinate) split from the previous step.
+        self._shares: dict[int, tuple[int, float]] = {}
+        #: device type -> kernel module (or None: the reference), resolved once.
+        self._kernel_cache: dict[str, DynamiQKernels | None] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # modules neither pickle nor deep-copy: a copy resolves its kernels again
+        return {**self.__dict__, "_kernel_cache": {}}
+
+    def nonfinite_block(self) -> int:
+        return self.config.supergroup_size  # the mean and the scale carry the poison
+
+    def kernels(self, device: torch.device) -> DynamiQKernels | None:
+        """The kernel module that runs this device's segments, or None for the
+        reference; resolved once per device type (it is asked on every call)."""
+        if device.type not in self._kernel_cache:
+            self._kernel_cache[device.type] = resolve_kernels(self.config, device.type)
+        return self._kernel_cache[device.type]
+
+    def backend_name(self, device: torch.device) -> str:
+        """ "reference", or the kernel backend's name ("cpu", "triton")."""
+        kern = self.kernels(device)
+        return "reference" if kern is None else kern.__name__.rsplit("_", 1)[-1]  # type: ignore[attr-defined]
+
+    # -- planning ----------------------------------------------------------
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> DynamiQPlan:
+        cfg = self.config
+        S = cfg.supergroup_size
+        d = x.numel()
+        kern = self.kernels(x.device)
+        flat = x.reshape(-1).to(torch.float32)
+        local = (kern.supergroup_stats if kern is not None else reference.supergroup_stats)(flat, S)
+        glob = stats.all_reduce(local.to(torch.bfloat16), StatsOp.SUM).float()
+        mu = glob[0] / stats.world_size
+        F64 = glob[1].cpu().double()
+        budget = self._budget_for(stats.key, d)
+        widths = allocate(cfg, F64, d, budget)
+        if stats.key is not None and cfg.share_budget:
+            self._step_stats[stats.key] = (d, F64)
+        return build_plan(cfg, d, widths, stats.n_chunks, mu, budget)
+
+    def _budget_for(self, key: int | None, d: int) -> float:
+        """Bits per coordinate for this call. A keyed call whose key already ran
+        in this step starts the next step: the finished step's statistics are
+        split into per-key shares first (the same float64 arithmetic on the same
+        all-reduced F on every rank, so every rank gets the same shares). A key
+        without a share of its size (the first step, DDP's bucket rebuild) takes
+        the configured budget."""
+        cfg = self.config
+        if key is None or not cfg.share_budget:
+            return cfg.budget
+        if key in self._step_stats:
+            self._shares = split_budget(cfg, self._step_stats)
+            self._step_stats = {}
+        share = self._shares.get(key)
+        return share[1] if share is not None and share[0] == d else cfg.budget
+
+    def prepare(self, plan: DynamiQPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        S = self.config.supergroup_size
+        kern = self.kernels(x.device)
+        if kern is not None and x.dtype == torch.float32:
+            return kern.gather_rows(x, plan.perm, plan.mu, S)
+        return gather_rows(x, plan.perm, plan.mu, S)
+
+    def finish(
+        self, plan: DynamiQPlan, y: torch.Tensor, op: ReduceOp, world_size: int
+    ) -> torch.Tensor:
+        S = self.config.supergroup_size
+        kern = self.kernels(y.device)
+        scatter = kern.scatter_rows if kern is not None else scatter_rows
+        return scatter(y, plan.perm, plan.mu, S, world_size, op is ReduceOp.AVG, plan.numel)
+
+    # -- the four hop operations ---------------------------------------------
+    def _run_segment(
+        self, kern: DynamiQKernels, mode: Mode, sg: Segment, ctx: HopContext, **tensors: Any
+    ) -> None:
+        cfg = self.config
+        kern.run_segment(
+            mode,
+            sg.width,
+            sg.hi - sg.lo,
+            cfg.supergroup_size,
+            cfg.group_size,
+            sg.lo,
+            eps=cfg.eps_for(sg.width),
+            **tensors,
+            **reference.streams(cfg, ctx)._asdict(),
+        )
+
+    def _kernel_encode(
+        self,
+        kern: DynamiQKernels,
+        plan: DynamiQPlan,
+        payload: torch.Tensor | None,
+        local: torch.Tensor,
+        ctx: HopContext,
+    ) -> torch.Tensor:
+        """ENCODE (payload None) or the fused DAR through a kernel module."""
+        segs, lo = plan.chunk_segments(ctx.chunk)
+        S = self.config.supergroup_size
+        out = torch.empty(plan.payload_nbytes[ctx.chunk], dtype=torch.uint8, device=local.device)
+        if payload is not None:
+            _check_payload(
+                payload, plan.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload"
+            )
+        for sg in segs:
+            if sg.width == 0:
+                continue
+            a, b = (sg.lo - lo) * S, (sg.hi - lo) * S
+            self._run_segment(
+                kern,
+                Mode.ENCODE if payload is None else Mode.DAR,
+                sg,
+                ctx,
+                payload=None if payload is None else payload[sg.offset : sg.offset + sg.nbytes],
+                local=local[a:b],
+                out_rows=None,
+                out_payload=out[sg.offset : sg.offset + sg.nbytes],
+            )
+        return out
+
+    def _kernel_decode(
+        self,
+        kern: DynamiQKernels,
+        mode: Mode,
+        plan: DynamiQPlan,
+        payload: torch.Tensor,
+        out: torch.Tensor,
+        ctx: HopContext,
+    ) -> None:
+        segs, lo = plan.chunk_segments(ctx.chunk)
+        _check_payload(
+            payload, plan.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload"
+        )
+        S = self.config.supergroup_size
+        for sg in segs:
+            a, b = (sg.lo - lo) * S, (sg.hi - lo) * S
+            if sg.width == 0:
+                if mode is Mode.DECODE:
+                    out[a:b] = 0
+                continue
+            self._run_segment(
+                kern,
+                mode,
+                sg,
+                ctx,
+                payload=payload[sg.offset : sg.offset + sg.nbytes],
+                local=out[a:b] if mode is Mode.DECODE_ACC else None,
+                out_rows=out[a:b],
+                out_payload=None,
+            )
+
+    def encode(self, plan: DynamiQPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        kern = self.kernels(chunk.device)
+        if kern is None:
+            return reference.encode_chunk(self.config, plan, chunk, ctx)
+        return self._kernel_encode(kern, plan, None, chunk, ctx)
+
+    def decode(
+        self, plan: DynamiQPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None:
+        kern = self.kernels(out.device)
+        if kern is None:
+            reference.decode_chunk(self.config, plan, payload, ctx, out)
+        else:
+            self._kernel_decode(kern, Mode.DECODE, plan, payload, out, ctx)
+
+    def decode_accumulate(
+        self, plan: DynamiQPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        kern = self.kernels(acc.device)
+        if kern is None:
+            super().decode_accumulate(plan, payload, acc, ctx)
+        else:
+            self._kernel_decode(kern, Mode.DECODE_ACC, plan, payload, acc, ctx)
+
+    def decode_accumulate_encode(
+        self, plan: DynamiQPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        kern = self.kernels(local.device)
+        if kern is None:
+            return super().decode_accumulate_encode(plan, payload, local, ctx)
+        return self._kernel_encode(kern, plan, payload, local, ctx)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round}

@@ -1,0 +1,156 @@
+"""Helpers for hopq's frozen, validated option dataclasses (codec configs and the
+jobs' options): field metadata for the command line, enum coercion, checks.
+
+A field declared with :func:`option` carries its help text (and, where it is
+not an enum, its choices) so that ``hopq.cli`` can build ``--help`` from the
+dataclass itself; ``__post_init__`` methods call :func:`coerce_enums` once
+instead of converting each enum field by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import operator
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+
+def option(
+    default: Any,
+    help: str,
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
+    **meta: Any,
+) -> Any:
+    """A dataclass field with a default, a help text and optional choices (a
+    sequence, or a function returning one when the choices are only known at
+    run time, e.g. the registered codecs)."""
+    md = {"help": help, **meta}
+    if choices is not None:
+        md["choices"] = choices if callable(choices) else tuple(choices)
+    if isinstance(default, list | dict | set):
+        raise TypeError("option defaults must be immutable (use a tuple)")
+    return dataclasses.field(default=default, metadata=md)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type hints of a dataclass (cached per class)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def enum_type(hint: Any) -> type[enum.Enum] | None:
+    """The Enum class a field hint names (``E`` or ``E | None``), else None."""
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return hint
+    for arg in typing.get_args(hint):
+        if isinstance(arg, type) and issubclass(arg, enum.Enum):
+            return arg
+    return None
+
+
+def coerce_enums(obj: Any, owner: str) -> None:
+    """Convert every enum-typed field of the frozen dataclass ``obj`` from its value
+    (e.g. the string ``"exact"``) to the member, or raise ValueError naming the
+    field and its choices."""
+    for name, hint in field_types(type(obj)).items():
+        cls = enum_type(hint)
+        value = getattr(obj, name, None)
+        if cls is None or value is None or isinstance(value, cls):
+            continue
+        try:
+            object.__setattr__(obj, name, cls(value))
+        except ValueError:
+            choices = [str(e.value) for e in cls]
+            raise ValueError(f"{owner}: {name} must be one of {choices}, got {value!r}") from None
+
+
+def check_int(name: str, value: Any, *, lo: int | None = None, hi: int | None = None) -> int:
+    """``value`` as an int (bools, floats and strings refused), within [lo, hi]."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    v = operator.index(value)
+    if lo is not None and v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {v}")
+    return v
+
+
+def check_finite(name: str, value: Any, *, positive: bool = False) -> float:
+    """``value`` as a finite float (and > 0 when ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    v = float(value)
+    if not math.isfinite(v) or (positive and not v > 0):
+        raise ValueError(
+            f"{name} must be a finite{' positive' if positive else ''} number, got {v}"
+        )
+    return v
+
+
+def int_tuple(name: str, value: Any) -> tuple[int, ...]:
+    """A tuple of ints from a tuple or list of ints; a string is refused (``"248"``
+    is not the widths 2, 4, 8)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a sequence of integers, got {value!r}")
+    return tuple(check_int(f"{name} entry", v) for v in value)
+
+
+def parse_value(hint: Any, text: str, what: str) -> Any:
+    """A command-line string as a value of the field type ``hint`` (bool, int,
+    float, str, an enum, ``X | None``, ``tuple[int, ...]`` as ``2,4,8``)."""
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if text.lower() in ("none", "null", ""):
+            return None
+        hint = next(a for a in args if a is not type(None))
+        args = typing.get_args(hint)
+    cls = enum_type(hint)
+    if cls is not None:
+        return text  # coerce_enums checks it and names the choices
+    if hint is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{what}: expected true or false, got {text!r}")
+    if typing.get_origin(hint) is tuple:
+        if len(args) != 2 or args[1] is not Ellipsis:  # a fixed tuple: "4:0.3"
+            parts = text.split(":")
+            if len(parts) != len(args):
+                raise ValueError(f"{what}: expected {len(args)} values joined by ':', got {text!r}")
+            return tuple(parse_value(a, p, what) for a, p in zip(args, parts, strict=True))
+        parts = [p for p in text.replace(" ", ",").split(",") if p]
+        return tuple(parse_value(args[0], p, what) for p in parts)
+    try:
+        if hint is int:
+            return int(text)
+        if hint is float:
+            return float(text)
+    except ValueError:
+        raise ValueError(f"{what}: expected {hint.__name__}, got {text!r}") from None
+    return text
+
+
+def parse_codec_option(text: str) -> tuple[str, str, Any]:
+    """``CODEC.NAME=VALUE`` (e.g. ``dynamiq.budget=4``) -> (codec, name, value),
+    the value parsed by the type of the codec's config field."""
+    from hopq.codecs.registry import codec_info
+
+    key, sep, raw = text.partition("=")
+    codec, dot, name = key.partition(".")
+    if not sep or not dot or not codec or not name:
+        raise ValueError(f"codec option {text!r}: expected CODEC.NAME=VALUE, e.g. dynamiq.budget=4")
+    cfg = codec_info(codec).cls.config_class
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    if name not in fields:
+        raise ValueError(f"codec {codec!r} has no option {name!r}; it has {sorted(fields)}")
+    return codec, name, parse_value(field_types(cfg)[name], raw, f"{codec}.{name}")
