@@ -12,9 +12,7 @@ world size (ring and butterfly, appendix B), and the beyond-the-paper variants.
 from __future__ import annotations
 
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from hopq.codecs.dynamiq import DEFAULT_EPS, DynamiQ
 from hopq.codecs.registry import available_codecs, get_codec
 from hopq.comm.topology import TOPOLOGIES, get_schedule
 from hopq.options import option
-from hopq.reporting import machine, markdown_table, pyplot, save_figure
+from hopq.reporting import Progress, machine, markdown_table, pyplot, save_figure
 from hopq.sim import simulate
 from hopq.train.workloads import WORKLOADS
 
@@ -94,43 +92,6 @@ BEYOND: list[tuple[str, dict[str, Any]]] = [
 ]
 
 EPS_GRID = {4: (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0), 8: (0.0, 0.02, 0.05, 0.08, 0.1, 0.15, 0.2)}
-
-
-class _Progress:
-    """A rich progress bar when rich is installed, plain lines otherwise."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.done = 0
-        self.t0 = time.time()
-        try:
-            from rich.progress import Progress
-
-            self._rich: Any = Progress(transient=True)
-            self._rich.start()
-            self._task = self._rich.add_task("vnmse", total=total)
-        except ImportError:
-            self._rich = None
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        if self._rich is not None:
-            self._rich.update(self._task, advance=1, description=what[:60])
-        else:
-            print(f"[{self.done}/{self.total} {time.time() - self.t0:.0f}s] {what}", flush=True)
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-
-
-@contextmanager
-def _progress(total: int) -> Iterator[_Progress]:
-    p = _Progress(total)
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def _fmt(v: float) -> str:
@@ -221,7 +182,8 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
     results: dict[Any, tuple[float, float]] = {}
     rows: list[list[Any]]
 
-    with _progress(sum(v for k, v in counts.items() if k in o.tables)) as prog:
+    total = sum(v for k, v in counts.items() if k in o.tables)
+    with Progress("vnmse", total, every=5, stream=sys.stderr, transient=True) as prog:
 
         def sim(
             key: Any, xs: list[torch.Tensor], codec: Codec | str, topo: str, what: str
@@ -231,7 +193,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                 simulate(xs, inst, topo, seed=o.seed + 1 + k)
             res = simulate(xs, inst, topo, seed=o.seed)
             results[key] = (res.vnmse, res.bits_per_coord)
-            prog.step(what)
+            prog.update(what)
             return results[key]
 
         # 1. super-group norms

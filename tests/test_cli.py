@@ -1,0 +1,100 @@
+"""The command line: options generated from the option dataclasses, validated
+before anything is launched, codec options settable, progress that names what
+runs whether or not output is a terminal."""
+
+import io
+
+import pytest
+
+from hopq import cli
+from hopq.options import parse_codec_option
+from hopq.reporting import Progress
+
+
+def _error(capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2  # a usage error, not a traceback
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["train", "--codecs", "zip"], "invalid choice: 'zip'"),
+        (["train", "--workload", "resnet"], "invalid choice: 'resnet'"),
+        (["train", "--topology", "butterfy"], "invalid choice: 'butterfy'"),
+        (["train", "--steps", "0"], "steps must be >= 1"),
+        (["train", "--steps", "many"], "expected int"),
+        (["train", "--codec-option", "dynamiq.bugdet=4"], "has no option 'bugdet'"),
+        (["train", "--codec-option", "dynamiq.budget=abc"], "expected float"),
+        (["train", "--codec-option", "budget=4"], "CODEC.NAME=VALUE"),
+        (
+            ["train", "--codecs", "bf16", "--codec-option", "dynamiq.budget=4"],
+            "not among the codecs",
+        ),
+        (["train", "--codecs", "dynamiq", "--codec-option", "dynamiq.budget=inf"], "finite"),
+        (["train", "--codecs", "dynamiq", "--codec-option", "dynamiq.widths=3"], "widths"),
+        (["bench", "kernels", "--widths", "3"], "invalid choice"),
+        (["bench", "vnmse", "--tables", "ladder", "nope"], "invalid choice: 'nope'"),
+    ],
+)
+def test_bad_options_are_usage_errors(capsys, argv, words):
+    assert words in _error(capsys, argv)
+
+
+def test_help_names_choices_and_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "{gpt,minilm}" in out and "{ring,butterfly}" in out
+    assert "dynamiq" in out and "(default: auto)" in out
+    assert "--codec-option" in out
+
+
+def test_codec_options_are_parsed_by_field_type():
+    assert parse_codec_option("dynamiq.budget=4") == ("dynamiq", "budget", 4.0)
+    assert parse_codec_option("dynamiq.widths=2,4,8,16") == ("dynamiq", "widths", (2, 4, 8, 16))
+    assert parse_codec_option("dynamiq.eps=4:0.3,8:0.1") == ("dynamiq", "eps", ((4, 0.3), (8, 0.1)))
+    assert parse_codec_option("dynamiq.zero_class=true")[2] is True
+    assert parse_codec_option("mxfp8.mu_init=none")[2] is None
+    assert parse_codec_option("thc.lane_bits=12")[2] == 12
+    from hopq.train.job import TrainOptions
+
+    o = TrainOptions(codecs=("dynamiq",), codec_options=(("dynamiq", "budget", 4.0),))
+    assert o.codec_config("dynamiq") == {"budget": 4.0}
+
+
+def test_codecs_command_lists_every_codec(capsys):
+    import hopq
+
+    assert cli.main(["codecs"]) == 0
+    out = capsys.readouterr().out
+    for name in hopq.available_codecs():
+        assert f"{name}:" in out
+    assert "allocation {heuristic,exact,fixed} = heuristic" in out
+
+
+def test_progress_without_a_terminal_prints_lines_with_the_label():
+    buf = io.StringIO()
+    with Progress("[bf16]", 25, every=10, stream=buf) as p:
+        for i in range(25):
+            p.update(f"loss {i}")
+    lines = buf.getvalue().splitlines()
+    assert lines[0].startswith("[[bf16]] 1/25")  # the first step, then every 10th and the last
+    assert [ln.split()[1] for ln in lines] == ["1/25", "10/25", "20/25", "25/25"]
+    assert "loss 24" in lines[-1]
+
+
+def test_progress_on_a_terminal_keeps_the_label_rich_would_eat():
+    pytest.importorskip("rich")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    buf = Terminal()
+    with Progress("[bf16]", 3, stream=buf) as p:
+        for _ in range(3):
+            p.update("[x] info")
+    assert "[bf16]" in buf.getvalue()  # escaped, not taken as a style tag
