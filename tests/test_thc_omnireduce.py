@@ -34,7 +34,13 @@ def test_thc_unbiased():
 
 
 class _Capture(THC):
-    """THC that records the integer sums it decodes in finish()."""
+    """THC that records this rank's integers (prepare) and the integer sums it
+    decodes (finish)."""
+
+    def prepare(self, plan, x, scratch=False):  # type: ignore[no-untyped-def]
+        work = super().prepare(plan, x, scratch)
+        self.local = work.clone()  # the engine accumulates into work
+        return work
 
     def finish(self, plan, y, op, world_size):  # type: ignore[no-untyped-def]
         self.ints = y.clone()
@@ -46,34 +52,11 @@ def test_thc_integer_sums_are_exact(n, topology):
     xs = [torch.randn(3000) for _ in range(n)]
     codec = _Capture()
     hopq.simulate(xs, codec, topology, seed=7)
-    ints = [c.ints for c in virtual_ranks(codec)]
-    # every rank's own integers, recomputed with the same plan inputs
-    from hopq.comm.engine import _StatsExchange
-    from hopq.comm.topology import get_schedule
-    from hopq.comm.transport import make_inprocess_group
-
-    sched = get_schedule(topology, n)
-    transports = make_inprocess_group(n)
-    local = [None] * n
-
-    import threading
-
-    def work(r: int) -> None:
-        c = THC()
-        c.round = 0
-        stats = _StatsExchange(transports[r], sched.n_chunks, 7, 0)
-        plan = c.plan(xs[r], stats)
-        local[r] = c.prepare(plan, xs[r])
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    total = torch.stack(local).sum(0)
+    ranks = virtual_ranks(codec)
+    total = torch.stack([c.local for c in ranks]).sum(0)
     assert torch.equal(total, torch.round(total))
-    for got in ints:
-        assert torch.equal(got, total)  # lanes added exactly, no decompression
+    for c in ranks:
+        assert torch.equal(c.ints, total)  # lanes added exactly, no decompression
 
 
 def test_thc_lanes():

@@ -10,4 +10,11 @@ class PayloadError(HopqError, ValueError):
 
 
 class TransportError(HopqError, RuntimeError):
-    """A peer did not answer, or a message did not arrive as the schedule says."""
+    """A peer did not answer in time, left, or sent a message that does not belong
+    to the step the schedule says (wrong size, wrong call, an error report)."""
+
+
+class MismatchError(HopqError, ValueError):
+    """The ranks disagree about a call (tensor size, dtype, codec and its
+    configuration or state, topology, op, seed, round, key): raised on every rank
+    before any payload moves, so the group stays usable."""

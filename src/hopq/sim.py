@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from hopq.codecs.base import Codec, ReduceOp
-from hopq.codecs.registry import get_codec
 from hopq.comm import engine
-from hopq.comm.collectives import check_input
+from hopq.comm.agreement import digest
+from hopq.comm.collectives import check_call
 from hopq.comm.topology import get_schedule
-from hopq.comm.transport import make_inprocess_group
+from hopq.comm.transport import SIM_TIMEOUT_S, make_inprocess_group
 from hopq.errors import TransportError
 
 #: A codec instance -> its per-virtual-rank copies, kept across calls so that
@@ -58,6 +58,11 @@ def simulate(
     seed: int = 0,
     op: str | ReduceOp = "sum",
     key: int | None = None,
+    *,
+    gather_codec: str | Codec[Any] | None = None,
+    microshards: int | None = None,
+    pipeline: bool = True,
+    timeout: float = SIM_TIMEOUT_S,
 ) -> SimResult:
     """All-reduce ``tensors[i]`` as the input of virtual rank i.
 
@@ -65,9 +70,10 @@ def simulate(
     state (round counter, adaptive parameters). The per-rank clones are kept with
     the instance, so that repeated calls evolve every virtual rank's own state
     (e.g. the saturation counts each rank measured) exactly as a real run would.
-    ``key`` names the tensor as ``hopq.all_reduce``'s does (a DDP bucket index).
+    ``key`` names the tensor as ``hopq.all_reduce``'s does (a DDP bucket index);
+    ``gather_codec``, ``pipeline`` and ``timeout`` too. ``microshards`` forces the
+    number of messages per chunk and step (default: by size, as a real run).
     """
-    op = ReduceOp.parse(op)
     n = len(tensors)
     if n < 1:
         raise ValueError("simulate needs at least one worker tensor")
@@ -75,13 +81,14 @@ def simulate(
     for t in tensors:
         if t.shape != shape or t.dtype != dtype or t.device != tensors[0].device:
             raise ValueError("all worker tensors must share shape, dtype and device")
-    proto = get_codec(codec)
-    check_input(tensors[0], proto, topology)
+    call = check_call(tensors[0], codec, topology, op, seed, key, timeout, gather_codec)
+    proto, gproto, op = call.codec, call.gather_codec, call.op
     schedule = get_schedule(topology, n)
     transports = make_inprocess_group(n)
     codecs = _RANKS.get(proto, [])
-    if len(codecs) != n or codecs[0].state_dict() != proto.state_dict():
+    if len(codecs) != n or digest(codecs[0].state_dict()) != digest(proto.state_dict()):
         codecs = [proto.clone() for _ in range(n)]
+    gcodecs = None if gproto is None else [gproto.clone() for _ in range(n)]
     results: list[tuple[torch.Tensor, engine.RunStats] | None] = [None] * n
     errors: list[BaseException] = []
 
@@ -92,9 +99,13 @@ def simulate(
                 tensors[r].reshape(-1),
                 schedule,
                 transports[r],
-                seed=seed,
+                seed=call.seed,
                 op=op,
-                key=key,
+                key=call.key,
+                timeout=call.timeout,
+                gather_codec=None if gcodecs is None else gcodecs[r],
+                microshards=microshards,
+                pipeline=pipeline,
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
@@ -113,6 +124,8 @@ def simulate(
         raise next((e for e in errors if not isinstance(e, TransportError)), errors[0])
     done = [r for r in results if r is not None]
     proto.load_state_dict(codecs[0].state_dict())
+    if gproto is not None and gcodecs is not None:
+        gproto.load_state_dict(gcodecs[0].state_dict())
     _RANKS[proto] = codecs
     outputs = [y.view(shape).to(dtype) for y, _ in done]
     stats = [s for _, s in done]

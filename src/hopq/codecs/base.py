@@ -67,7 +67,11 @@ class StatsExchange(Protocol):
 
     rank: int
     world_size: int
+    #: Chunks of the schedule; the plan cuts ``n_chunks * microshards`` chunks,
+    #: nested (see :func:`nested_chunks`): plan chunk ``c * microshards + j`` is
+    #: microshard j of schedule chunk c.
     n_chunks: int
+    microshards: int
     seed: int
     round: int
     #: The caller's name for the tensor, stable across steps (the DDP hook: the
@@ -94,9 +98,11 @@ class LocalStats:
         seed: int = 0,
         round: int = 0,
         key: int | None = None,
+        microshards: int = 1,
     ) -> None:
         self.rank, self.world_size, self.n_chunks = 0, world_size, n_chunks
         self.seed, self.round, self.key = seed, round, key
+        self.microshards = microshards
 
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         return t.clone()
@@ -119,6 +125,7 @@ class HopContext:
 
     seed: int
     round: int
+    #: The plan chunk being coded (an index into ``plan.chunks``).
     chunk: int
     hop: int
     rank: int
@@ -126,6 +133,16 @@ class HopContext:
     depth: int = 0
     peer: int = 0
     peers: int = 1
+    #: The schedule chunk it belongs to, which keys the random streams: with
+    #: microshards, plan chunk c * u + j belongs to schedule chunk c, and every
+    #: microshard draws from its schedule chunk's streams at its own element
+    #: indices, so the bits do not depend on the number of microshards.
+    #: None: the same as ``chunk``.
+    stream: int | None = None
+
+    @property
+    def stream_chunk(self) -> int:
+        return self.chunk if self.stream is None else self.stream
 
 
 @dataclass
@@ -149,6 +166,20 @@ class Plan:
     def chunk_numel(self, c: int) -> int:
         start, end = self.chunks[c]
         return end - start
+
+
+def nested_chunks(
+    numel: int, n_chunks: int, microshards: int = 1, align: int = 1
+) -> tuple[tuple[int, int], ...]:
+    """:func:`even_chunks` of [0, numel) into ``n_chunks``, each cut again into
+    ``microshards`` even pieces (boundaries multiples of ``align``): the schedule
+    chunks' boundaries do not depend on the number of microshards."""
+    if microshards == 1:
+        return even_chunks(numel, n_chunks, align)
+    out: list[tuple[int, int]] = []
+    for s, e in even_chunks(numel, n_chunks, align):
+        out += [(s + a, s + b) for a, b in even_chunks(e - s, microshards, align)]
+    return tuple(out)
 
 
 def even_chunks(numel: int, n_chunks: int, align: int = 1) -> tuple[tuple[int, int], ...]:
@@ -208,6 +239,13 @@ class Codec(ABC, Generic[P]):
     #: Rounds its adaptive state needs to settle from its initial value (OmniReduce's
     #: k): benchmarks that measure one round on fixed gradients run these first.
     warmup_rounds: ClassVar[int] = 0
+    #: Whether payload sizes are known only after encoding: ``plan.payload_nbytes``
+    #: are then bounds, and the engine carries each payload's real size.
+    variable_size: ClassVar[bool] = False
+    #: Whether it can code the all-gather stage of another codec's all-reduce:
+    #: it then plans from chunk sizes alone (:meth:`plan_gather`), with no
+    #: statistics and no transform of the vector.
+    gather_stage: ClassVar[bool] = False
 
     def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
         if config is None:
@@ -268,6 +306,14 @@ class Codec(ABC, Generic[P]):
         codec only promises a statistical bound (stochastic codecs)."""
         return None
 
+    def plan_gather(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> P:
+        """A plan for coding the final sums of ``chunks`` in the all-gather stage of
+        another codec's all-reduce (codecs with ``gather_stage``)."""
+        raise ValueError(
+            f"codec {self.name!r} cannot code a gather stage: it needs statistics or a "
+            "transform of its own input"
+        )
+
     # -- state across rounds ----------------------------------------------
     def end_round(self, plan: P) -> None:
         """Called once after every round on every rank; adaptive codecs update state here."""
@@ -278,6 +324,11 @@ class Codec(ABC, Generic[P]):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round = int(state["round"])
+
+    def agreed_state(self) -> Any:
+        """The part of the state every rank must hold identically (compared before
+        every call); rank-local counters (e.g. saturations this rank saw) are left out."""
+        return self.state_dict()
 
     def clone(self) -> Codec[P]:
         """An independent copy with the same config and state (one per virtual rank)."""

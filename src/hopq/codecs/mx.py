@@ -34,7 +34,7 @@ from hopq.codecs.base import (
     StatsExchange,
     StatsOp,
     check_payload,
-    even_chunks,
+    nested_chunks,
 )
 from hopq.codecs.registry import register
 from hopq.numerics import fp_formats as fpf
@@ -129,7 +129,7 @@ class MXCodec(Codec[MXPlan]):
             if cfg.scale is ScaleFormat.E8M0
             else fpf.round_up_bf16(scale).float()
         )
-        chunks = even_chunks(nb * B, stats.n_chunks, align=B)
+        chunks = nested_chunks(nb * B, stats.n_chunks, stats.microshards, align=B)
         return MXPlan(
             numel=d,
             work_numel=nb * B,
@@ -182,6 +182,10 @@ class MXCodec(Codec[MXPlan]):
             "encoded": self.encoded,
             "last_overflow_ratio": self.last_overflow_ratio,
         }
+
+    def agreed_state(self) -> Any:
+        # the saturation counts are this rank's own until the next plan sums them
+        return {"round": self.round, "mu": self.mu}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round = int(state["round"])

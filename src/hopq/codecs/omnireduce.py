@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from hopq.codecs.base import CodecConfig, Plan, ReduceOp, StatsExchange, StatsOp, even_chunks
+from hopq.codecs.base import CodecConfig, Plan, ReduceOp, StatsExchange, StatsOp, nested_chunks
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import WireCodec, working_copy
 from hopq.numerics.blocks import pad_to_blocks
@@ -95,7 +95,7 @@ class OmniReduce(WireCodec[OmniPlan]):
         self.last_union = size
         last = blocks.numel() and int(blocks[-1]) == nb - 1
         work = size * B - ((nb * B - d) if last else 0)
-        chunks = even_chunks(work, stats.n_chunks)
+        chunks = nested_chunks(work, stats.n_chunks, stats.microshards)
         return OmniPlan(
             d, work, chunks, tuple(2 * (e - s) for s, e in chunks), blocks=blocks, union=size, k=k
         )

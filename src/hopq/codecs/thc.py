@@ -37,7 +37,7 @@ from hopq.codecs.base import (
     StatsExchange,
     StatsOp,
     check_payload,
-    even_chunks,
+    nested_chunks,
 )
 from hopq.codecs.registry import register
 from hopq.numerics.bitpack import pack_bits, sign_extend, unpack_bits
@@ -162,7 +162,8 @@ class THC(Codec[THCPlan]):
         rot = self._rotate(x.reshape(-1).to(torch.float32), H, stats.seed, stats.round, work)
         local_max = rot.abs().amax().reshape(1) if work else torch.zeros(1, device=x.device)
         M = float(stats.all_reduce(local_max, StatsOp.MAX).item())
-        chunks = even_chunks(work, stats.n_chunks, align=2)  # 12-bit lanes pack in pairs
+        # 12-bit lanes pack in pairs
+        chunks = nested_chunks(work, stats.n_chunks, stats.microshards, align=2)
         self.overflows = 0
         return THCPlan(
             numel=d,
@@ -244,6 +245,9 @@ class THC(Codec[THCPlan]):
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round, "overflows": self.overflows}
+
+    def agreed_state(self) -> Any:
+        return {"round": self.round}  # overflows are what this rank saw
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round = int(state["round"])

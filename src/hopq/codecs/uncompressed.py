@@ -20,7 +20,7 @@ from hopq.codecs.base import (
     ReduceOp,
     StatsExchange,
     check_payload,
-    even_chunks,
+    nested_chunks,
     view_as_dtype,
 )
 from hopq.codecs.registry import register
@@ -61,10 +61,15 @@ class Uncompressed(WireCodec[Plan]):
     """Send each chunk as ``wire_dtype``; no statistics exchange."""
 
     layout_preserving = True
+    gather_stage = True
+
+    def plan_gather(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> Plan:
+        size = torch.empty((), dtype=self.wire_dtype).element_size()
+        return Plan(work_numel, work_numel, chunks, tuple((e - s) * size for s, e in chunks))
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan:
         d = x.numel()
-        chunks = even_chunks(d, stats.n_chunks)
+        chunks = nested_chunks(d, stats.n_chunks, stats.microshards)
         size = torch.empty((), dtype=self.wire_dtype).element_size()
         return Plan(d, d, chunks, tuple((e - s) * size for s, e in chunks))
 

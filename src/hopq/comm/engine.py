@@ -1,33 +1,76 @@
 """The engine: runs any schedule with any codec on one rank.
 
-Per chunk, a rank plays one role per phase, read off the schedule:
+A call goes through four phases:
 
-* leaf: it sends the chunk before receiving any of it -> ``encode``;
-* inner node: it receives partial sums from its children, then sends ->
-  ``decode_accumulate`` for all children but the last, the fused
-  ``decode_accumulate_encode`` for the last one;
-* sink (the chunk's owner): like an inner node, but the fused hop's output is
-  the final payload, which it decodes itself, so that every rank ends with the
-  same bytes decoded the same way;
-* gather: every payload received in the all-gather is decoded (and forwarded
-  when the schedule says so, unchanged).
+1. **Agreement** (:mod:`hopq.comm.agreement`): all ranks check that they make the
+   same call; any difference raises :class:`~hopq.MismatchError` on every rank
+   before anything else is sent.
+2. **Plan**: the codec's statistics exchange (an all-gather reduced in rank
+   order) and its plan, identical on every rank. The plan cuts the working
+   vector into ``n_chunks * u`` parts: *microshard* j of schedule chunk c is
+   part ``c * u + j``.
+3. **Hops**: per chunk, a rank plays one role per phase, read off the schedule:
 
-Messages to the same peer in one step are concatenated into one buffer; the
-receiver splits it with the payload sizes of the plan.
+   * leaf: it sends the chunk before receiving any of it -> ``encode``;
+   * inner node: it receives partial sums from its children, then sends ->
+     ``decode_accumulate`` for all children but the last, the fused
+     ``decode_accumulate_encode`` for the last one;
+   * sink (the chunk's owner): like an inner node, but the fused hop's output is
+     the final payload, which it decodes itself, so that every rank ends with
+     the same bytes decoded the same way;
+   * gather: every payload received in the all-gather is decoded (and forwarded
+     unchanged when the schedule says so).
+
+   With a separate gather-stage codec (``gather_codec``), the sink accumulates
+   its last child without recompressing and encodes the final sum with the
+   gather codec instead.
+4. **Finish**: the codec undoes its transform.
+
+**Pipelining.** Every step moves its u microshards as separate messages. On Gloo
+and in the simulator, the receives of the next step are posted while this one
+runs, a microshard's next-step message is encoded and sent as soon as it is
+processed, and the codec works on one microshard while the others travel. With
+``pipeline=False`` the same messages run one after another (each waited before
+the next is coded). Both give the same bits, and the bits do not depend on u:
+the plan's schedule chunks are the same for every u, and microshards draw from
+their schedule chunk's random streams (``HopContext.stream``).
+
+Messages are framed (:mod:`hopq.comm.framing`): a receiver checks every header
+(call, step, sizes) and never reads bytes it did not receive; a rank whose
+codec fails tells the peers it still owes messages, so they raise at once
+instead of waiting for the timeout.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import torch
 
-from hopq.codecs.base import Codec, HopContext, ReduceOp, StatsOp
-from hopq.comm.topology import Phase, Schedule
-from hopq.comm.transport import Transport
+from hopq.codecs.base import Codec, HopContext, Plan, ReduceOp, StatsOp
+from hopq.comm import agreement, framing
+from hopq.comm.framing import Deadline, Where
+from hopq.comm.topology import Phase, Schedule, Transfer
+from hopq.comm.transport import Handle, Transport, all_gather
+
+#: hopq's own timeout for a call, in seconds: a few minutes, not Gloo's 30.
+DEFAULT_TIMEOUT_S = 300.0
+#: Coordinates per microshard: a schedule chunk of d/n coordinates moves as
+#: ceil(d / n / MICROSHARD_COORDS) messages (at most MAX_MICROSHARDS).
+MICROSHARD_COORDS = 1 << 20
+MAX_MICROSHARDS = 8
+
+
+def auto_microshards(numel: int, n_chunks: int, world_size: int) -> int:
+    """Microshards per schedule chunk for a call of ``numel`` coordinates."""
+    if world_size == 1 or n_chunks == 0:
+        return 1
+    per = numel / n_chunks
+    return int(max(1, min(MAX_MICROSHARDS, -(-per // MICROSHARD_COORDS))))
 
 
 @dataclass
@@ -41,20 +84,29 @@ class RunStats:
     payload_bytes: int = 0
     #: Bytes of the statistics exchange, counted as if it ran as a ring all-reduce.
     stats_bytes: float = 0.0
+    #: Framing and agreement bytes (transport overhead, not in bits per coordinate).
+    frame_bytes: int = 0
     #: Longest chain of compressions any contribution went through.
     hops_per_chunk: int = 0
     phases: tuple[str, ...] = field(default=("reduce", "gather"))
-    #: Wall-clock seconds of the whole call on this rank (stats exchange, codec, transfers).
+    #: Wall-clock seconds of the whole call on this rank (agreement, statistics,
+    #: codec, transfers).
     seconds: float = 0.0
-    #: Of those, seconds spent waiting in the transport (statistics exchange included);
-    #: the rest is the codec's own work (compression overhead).
+    #: Of those, seconds spent waiting on the transport (the agreement and the
+    #: statistics exchange included); the rest is the codec's own work.
     comm_seconds: float = 0.0
+    #: Microshards per schedule chunk.
+    microshards: int = 1
     #: [start, end) ranges of the working vector whose final sum this rank owns.
     owned: tuple[tuple[int, int], ...] = ()
 
     @property
     def bytes_sent(self) -> float:
         return self.payload_bytes + self.stats_bytes
+
+    @property
+    def codec_seconds(self) -> float:
+        return self.seconds - self.comm_seconds
 
     @property
     def bits_per_coord(self) -> float:
@@ -69,31 +121,48 @@ def bits_per_coordinate(bytes_sent: float, world_size: int, numel: int) -> float
 
 
 class _StatsExchange:
-    """The codec's view of the statistics exchange: all-gather, then a reduction
-    in rank order (bit-identical on every rank and in the simulator)."""
+    """The codec's view of the statistics exchange: a framed all-gather, then a
+    reduction in rank order (bit-identical on every rank and in the simulator)."""
 
     def __init__(
-        self, transport: Transport, n_chunks: int, seed: int, round: int, key: int | None = None
+        self,
+        transport: Transport,
+        n_chunks: int,
+        microshards: int,
+        seed: int,
+        round: int,
+        key: int | None,
+        deadline: Deadline,
+        where: Where,
     ) -> None:
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.n_chunks = n_chunks
+        self.microshards = microshards
         self.seed = seed
         self.round = round
         self.key = key
+        self.deadline = deadline
+        self.where = where
+        self.calls = 0
         self.bytes = 0.0
+        self.frame_bytes = 0
         self.seconds = 0.0
 
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         n = self.world_size
-        if t.numel() == 0:  # same shape on every rank: nothing to exchange
+        op = StatsOp(op)
+        if t.numel() == 0 or n == 1:  # same shape on every rank: nothing to exchange
             return t.clone()
         self.bytes += 2 * (n - 1) / n * t.numel() * t.element_size()
+        rounds = max(1, (n - 1).bit_length())
+        self.frame_bytes += rounds * framing.header_nbytes(1)
+        self.calls += 1
+        here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
         t0 = time.perf_counter()
-        parts = self.transport.all_gather(t)
+        parts = all_gather(self.transport, t, self.deadline, here)
         self.seconds += time.perf_counter() - t0
-        op = StatsOp(op)
         acc = parts[0].clone()
         for p in parts[1:]:
             if op is StatsOp.SUM:
@@ -128,6 +197,214 @@ def _last_reduce_recv(schedule: Schedule, rank: int) -> dict[int, int]:
     return last
 
 
+class _Call:
+    """One rank's state during the hops of one call."""
+
+    def __init__(
+        self,
+        codec: Codec[Any],
+        gcodec: Codec[Any],
+        plan: Plan,
+        gplan: Plan,
+        work: torch.Tensor,
+        schedule: Schedule,
+        transport: Transport,
+        seed: int,
+        u: int,
+        deadline: Deadline,
+        what: str,
+        call: int,
+        info: RunStats,
+    ) -> None:
+        self.codec, self.gcodec, self.plan, self.gplan = codec, gcodec, plan, gplan
+        self.same = gcodec is codec
+        self.work, self.schedule, self.transport = work, schedule, transport
+        self.u, self.deadline, self.what, self.call, self.info = u, deadline, what, call, info
+        self.rank, self.n = transport.rank, transport.world_size
+        self.device = work.device
+        classes = _peer_classes(schedule, self.rank)
+        self.ctxs = [
+            HopContext(
+                seed,
+                codec.round,
+                c * u + j,
+                (self.rank - schedule.owner[c]) % self.n,
+                self.rank,
+                self.n,
+                *classes[c],
+                stream=c,
+            )
+            for c in range(schedule.n_chunks)
+            for j in range(u)
+        ]
+        self.last_recv = _last_reduce_recv(schedule, self.rank)
+        self.outgoing: dict[int, torch.Tensor] = {}  # REDUCE payloads produced by a fused hop
+        self.final: dict[int, torch.Tensor] = {}  # final (gather) payloads this rank holds
+        self.pending_by_part: dict[int, list[Handle]] = {}  # sends that read work memory
+        #: every posted send (with its message, kept alive until waited)
+        self.sends: list[tuple[Handle, Where, list[torch.Tensor]]] = []
+        self.posted: set[tuple[int, int, int]] = set()  # (step, microshard, peer) sent
+        self.recvs: dict[tuple[int, int], list[Any]] = {}
+
+    # -- sizes -----------------------------------------------------------------
+    def part(self, c: int, j: int) -> int:
+        return c * self.u + j
+
+    def bound(self, t: Transfer, j: int) -> list[int]:
+        p = self.gplan if t.phase is Phase.GATHER else self.plan
+        return [p.payload_nbytes[self.part(c, j)] for c in t.chunks]
+
+    def exact(self, t: Transfer) -> bool:
+        return not (self.gcodec if t.phase is Phase.GATHER else self.codec).variable_size
+
+    def where(self, s: int, j: int, phase: Phase) -> Where:
+        return Where(self.what, self.call, s, j, phase.value)
+
+    def view(self, m: int) -> torch.Tensor:
+        return self.plan.chunk_view(self.work, m)
+
+    def writable(self, m: int) -> torch.Tensor:
+        """Part m of the working vector, after any send that reads it has left."""
+        for h in self.pending_by_part.pop(m, []):
+            self._wait(h, Where(self.what, self.call, -1, 0, "send"))
+        return self.view(m)
+
+    def _wait(self, h: Handle, where: Where) -> None:
+        t0 = time.perf_counter()
+        try:
+            h.wait(self.deadline, where)
+        finally:
+            self.info.comm_seconds += time.perf_counter() - t0
+
+    # -- receives ----------------------------------------------------------------
+    def post_recvs(self, s: int, only: int | None = None) -> None:
+        for j in range(self.u) if only is None else (only,):
+            if (s, j) in self.recvs:
+                continue
+            entries = []
+            for t in self.schedule.recvs(self.rank, s):
+                bounds = self.bound(t, j)
+                total = sum(bounds)
+                bufs = [
+                    self.transport.buffer(nb, self.device)
+                    for nb in framing.expect(len(t.chunks), total)
+                ]
+                _, handles = self.transport.post([], [(t.src, b) for b in bufs])
+                entries.append((t, bufs, handles, bounds, total))
+            self.recvs[(s, j)] = entries
+
+    def process_recvs(self, s: int, j: int) -> None:
+        for t, bufs, handles, bounds, total in self.recvs.pop((s, j)):
+            where = self.where(s, j, t.phase)
+            for h in handles:
+                self._wait(h, where)
+            head, body = framing.unpack(bufs, len(t.chunks), total)
+            lengths = framing.check(head, where, t.src, self.rank, bounds, self.exact(t))
+            offset = 0
+            for c, size in zip(t.chunks, lengths, strict=True):
+                payload = body[offset : offset + size]
+                offset += size
+                self.process_payload(c, j, s, t.phase, payload)
+
+    def process_payload(self, c: int, j: int, s: int, phase: Phase, payload: torch.Tensor) -> None:
+        m = self.part(c, j)
+        ctx = self.ctxs[m]
+        if phase is Phase.GATHER:
+            self.finalize(m, payload)
+            return
+        local = self.writable(m)
+        owner = self.schedule.owner[c] == self.rank
+        if self.last_recv[c] != s:
+            self.codec.decode_accumulate(self.plan, payload, local, ctx)
+        elif owner and not self.same:
+            self.codec.decode_accumulate(self.plan, payload, local, ctx)
+            self.finalize(m, self.gcodec.encode(self.gplan, local, ctx))
+        else:
+            out = self.codec.decode_accumulate_encode(self.plan, payload, local, ctx)
+            if owner:
+                self.finalize(m, out)
+            else:
+                self.outgoing[m] = out
+
+    def finalize(self, m: int, payload: torch.Tensor) -> None:
+        self.final[m] = payload
+        self.gcodec.decode(self.gplan, payload, self.ctxs[m], self.writable(m))
+
+    # -- sends -------------------------------------------------------------------
+    def build_and_post(self, s: int, j: int) -> None:
+        """Encode and post this rank's messages of step s, microshard j."""
+        for t in self.schedule.sends(self.rank, s):
+            if (s, j, t.dst) in self.posted:
+                continue
+            where = self.where(s, j, t.phase)
+            bounds = self.bound(t, j)
+            payloads, reads = [], []
+            for c in t.chunks:
+                m = self.part(c, j)
+                if t.phase is Phase.GATHER:
+                    p = self.final[m]
+                else:
+                    p = (
+                        self.outgoing.pop(m)
+                        if m in self.outgoing
+                        else (
+                            self.codec.encode(self.plan, self.view(m), self.ctxs[m])  # leaf
+                        )
+                    )
+                    reads.append(m)  # the payload may be a view of the chunk (fp32)
+                payloads.append(p)
+            lengths = [int(p.numel()) for p in payloads]
+            exact = self.exact(t)
+            for i, (nb, b) in enumerate(zip(lengths, bounds, strict=True)):
+                if nb > b or (exact and nb != b):
+                    raise _SenderFault(
+                        f"rank {self.rank}: codec {self.codec.name!r} produced {nb} bytes for "
+                        f"part {i} of {where.describe()}, the plan says {b}"
+                    )
+            body = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
+            header = framing.frame(where, lengths)
+            msg = framing.pack(header, body, sum(bounds))
+            handles, _ = self.transport.post([(t.dst, p) for p in msg], [])
+            self.posted.add((s, j, t.dst))
+            self.info.payload_bytes += int(body.numel())
+            self.info.frame_bytes += int(header.numel())
+            for h in handles:
+                self.sends.append((h, where, msg))
+                for m in reads:
+                    self.pending_by_part.setdefault(m, []).append(h)
+
+    def fail_remaining(self, steps: list[int], why: str) -> None:
+        """Tell every peer this rank still owes a message that it failed."""
+        owed = []
+        for s in steps:
+            for j in range(self.u):
+                for t in self.schedule.sends(self.rank, s):
+                    if (s, j, t.dst) in self.posted:
+                        continue
+                    self.posted.add((s, j, t.dst))
+                    where = self.where(s, j, t.phase)
+                    header = framing.frame(where, [0] * len(t.chunks), framing.SENDER_FAILED)
+                    msg = framing.pack(header, None, sum(self.bound(t, j)))
+                    handles, _ = self.transport.post([(t.dst, p) for p in msg], [])
+                    owed += [(h, where) for h in handles]
+        grace = Deadline(min(5.0, max(0.1, self.deadline.remaining())))
+        for h, where in owed:
+            try:
+                h.wait(grace, where)
+            except Exception:  # noqa: BLE001 - best effort: the peer may be gone too
+                break
+
+    def wait_sends(self) -> None:
+        for h, where, _ in self.sends:
+            self._wait(h, where)
+        self.sends.clear()
+        self.pending_by_part.clear()
+
+
+class _SenderFault(RuntimeError):
+    """A codec produced a payload of a size its plan does not allow."""
+
+
 def run(
     codec: Codec[Any],
     x: torch.Tensor,
@@ -139,110 +416,162 @@ def run(
     gather: bool = True,
     scratch: bool = False,
     key: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    gather_codec: Codec[Any] | None = None,
+    microshards: int | None = None,
+    pipeline: bool = True,
+    what: str | None = None,
+    on_plan: Callable[[Plan], None] | None = None,
 ) -> tuple[torch.Tensor, RunStats]:
     """One compressed all-reduce (or, with ``gather=False``, reduce-scatter) of the
     flat tensor ``x`` on this rank. Returns the float32 result in ``x``'s layout
     (for reduce-scatter, valid only on the chunks this rank owns) and the stats.
-    With ``scratch=True`` the codec may work in ``x``'s memory (and return it).
-    ``key`` names the tensor across steps (see ``StatsExchange.key``)."""
+
+    ``scratch``: the codec may work in ``x``'s memory (and return it). ``key``
+    names the tensor across steps (``StatsExchange.key``). ``timeout``: seconds
+    the whole call may take before a missing peer raises TransportError.
+    ``gather_codec``: the codec of the all-gather stage (default: ``codec``).
+    ``microshards``: messages per schedule chunk and step (default: by size).
+    ``pipeline``: overlap codec work with transfers (the same bits either way).
+    """
     t_start = time.perf_counter()
     rank, n = transport.rank, transport.world_size
     if schedule.world_size != n:
         raise ValueError(f"schedule is for {schedule.world_size} ranks, the group has {n}")
-    device = x.device
-    stats = _StatsExchange(transport, schedule.n_chunks, seed, codec.round, key)
-    plan = codec.plan(x, stats)
-    if len(plan.chunks) != schedule.n_chunks:
-        raise RuntimeError(
-            f"{codec.name} planned {len(plan.chunks)} chunks, the schedule has {schedule.n_chunks}"
-        )
-    work = codec.prepare(plan, x, scratch)
+    gcodec = codec if gather_codec is None else gather_codec
+    if gcodec is not codec and not gcodec.gather_stage:
+        gcodec.plan_gather(0, ())  # raises its reason
+    kind = "all_reduce" if gather else "reduce_scatter"
+    call = transport.next_call()
+    label = what or f"{kind}({codec.name}, {schedule.topology}, key={key})"
+    deadline = Deadline(timeout)
     info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
-
-    classes = _peer_classes(schedule, rank)
-
-    def ctx(c: int) -> HopContext:
-        depth, peer, peers = classes[c]
-        return HopContext(
-            seed, codec.round, c, (rank - schedule.owner[c]) % n, rank, n, depth, peer, peers
+    u = (
+        microshards
+        if microshards is not None
+        else auto_microshards(x.numel(), schedule.n_chunks, n)
+    )
+    # 1. agreement
+    t0 = time.perf_counter()
+    mine = agreement.fingerprint(
+        call=call, x=x, codec=codec, gather_codec=gcodec, topology=schedule.topology,
+        op=ReduceOp(op).value, seed=seed, key=key, kind=kind, microshards=u,
+    )  # fmt: skip
+    agreement.agree(
+        transport,
+        mine,
+        deadline,
+        Where(label, call, -1000, 0, "agreement"),
+        {
+            "numel": str(x.numel()),
+            "dtype": str(x.dtype),
+            "device": x.device.type,
+            "codec": codec.name,
+            "config": repr(codec.config),
+            "gather codec": gcodec.name,
+            "topology": schedule.topology,
+            "op": ReduceOp(op).value,
+            "seed": str(seed),
+            "round": str(codec.round),
+            "key": str(key),
+            "kind": kind,
+        },
+    )
+    if n > 1:
+        info.frame_bytes += max(1, (n - 1).bit_length()) * (
+            framing.header_nbytes(1) + 8 * len(agreement.FIELDS)
         )
-
-    last_recv = _last_reduce_recv(schedule, rank)
+    info.comm_seconds += time.perf_counter() - t0
+    # 2. plan
+    info.microshards = u
+    stats = _StatsExchange(
+        transport, schedule.n_chunks, u, seed, codec.round, key, deadline,
+        Where(label, call, -1, 0, "statistics"),
+    )  # fmt: skip
+    plan = codec.plan(x, stats)
+    if len(plan.chunks) != schedule.n_chunks * u:
+        raise RuntimeError(
+            f"{codec.name} planned {len(plan.chunks)} chunks, the schedule needs "
+            f"{schedule.n_chunks} x {u} microshards"
+        )
+    gplan = plan if gcodec is codec else gcodec.plan_gather(plan.work_numel, plan.chunks)
+    if on_plan is not None:
+        on_plan(plan)
+    work = codec.prepare(plan, x, scratch)
+    st = _Call(codec, gcodec, plan, gplan, work, schedule, transport, seed, u, deadline, label, call, info)  # fmt: skip
     active = [
         i
-        for i, st in enumerate(schedule.steps)
-        if gather or any(t.phase is Phase.REDUCE for t in st)
+        for i, step in enumerate(schedule.steps)
+        if gather or any(t.phase is Phase.REDUCE for t in step)
     ]
-    transport.reserve(
-        sum(
-            (plan.payload_nbytes[c] + 63) // 64 * 64
-            for i in active
-            for t in schedule.steps[i]
-            if t.dst == rank
-            for c in t.chunks
-        ),
-        device,
-    )
-    outgoing: dict[int, torch.Tensor] = {}  # REDUCE payloads produced by a fused hop
-    final: dict[int, torch.Tensor] = {}  # final (gather) payloads this rank holds
-
-    def finalize(c: int, payload: torch.Tensor) -> None:
-        final[c] = payload
-        codec.decode(plan, payload, ctx(c), plan.chunk_view(work, c))
-
-    for c in schedule.owned_chunks(rank):
-        if c not in last_recv:  # a sink with no children (world size 1)
-            finalize(c, codec.encode(plan, plan.chunk_view(work, c), ctx(c)))
-
-    for s in active:
-        step = schedule.steps[s]
-        mine_out = [t for t in step if t.src == rank]
-        mine_in = [t for t in step if t.dst == rank]
-        sends = []
-        for t in mine_out:
-            parts = []
-            for c in t.chunks:
-                if t.phase is Phase.GATHER:
-                    parts.append(final[c])
-                elif c in outgoing:
-                    parts.append(outgoing.pop(c))
-                else:  # leaf
-                    parts.append(codec.encode(plan, plan.chunk_view(work, c), ctx(c)))
-            msg = parts[0] if len(parts) == 1 else torch.cat(parts)
-            info.payload_bytes += msg.numel()
-            sends.append((t.dst, msg))
-        recvs = [(t.src, sum(plan.payload_nbytes[c] for c in t.chunks)) for t in mine_in]
-        t_comm = time.perf_counter()
-        received = transport.exchange(sends, recvs, device)
-        info.comm_seconds += time.perf_counter() - t_comm
-        for t, buf in zip(mine_in, received, strict=True):
-            offset = 0
-            for c in t.chunks:
-                size = plan.payload_nbytes[c]
-                payload = buf[offset : offset + size]
-                offset += size
-                if t.phase is Phase.GATHER:
-                    finalize(c, payload)
-                elif last_recv[c] == s:
-                    out = codec.decode_accumulate_encode(
-                        plan, payload, plan.chunk_view(work, c), ctx(c)
-                    )
-                    if schedule.owner[c] == rank:
-                        finalize(c, out)
-                    else:
-                        outgoing[c] = out
-                else:
-                    codec.decode_accumulate(plan, payload, plan.chunk_view(work, c), ctx(c))
-    if outgoing:
+    transport.reserve(_recv_bytes(st, active), work.device)
+    # 3. hops
+    try:
+        for c in schedule.owned_chunks(rank):
+            if c not in st.last_recv:  # a sink with no children (world size 1)
+                for j in range(u):
+                    m = st.part(c, j)
+                    st.finalize(m, gcodec.encode(gplan, st.view(m), st.ctxs[m]))
+        _hops(st, active, pipeline and transport.prepost)
+    except BaseException as e:
+        if not isinstance(e, KeyboardInterrupt):
+            st.fail_remaining(active, str(e))
+        raise
+    st.wait_sends()
+    if st.outgoing:
         raise RuntimeError(
-            f"schedule left partial sums unsent on rank {rank}: chunks {sorted(outgoing)}"
+            f"schedule left partial sums unsent on rank {rank}: parts {sorted(st.outgoing)}"
         )
     info.stats_bytes = stats.bytes
+    info.frame_bytes += stats.frame_bytes
     info.comm_seconds += stats.seconds
-    info.owned = tuple(plan.chunks[c] for c in schedule.owned_chunks(rank))
+    info.owned = tuple(
+        plan.chunks[st.part(c, j)] for c in schedule.owned_chunks(rank) for j in range(u)
+    )
     if not gather:
         info.phases = ("reduce",)
+    # 4. finish
     y = codec.finish(plan, work, op, n)
     codec.end_round(plan)
+    if gcodec is not codec:
+        gcodec.end_round(gplan)
     info.seconds = time.perf_counter() - t_start
     return y, info
+
+
+def _recv_bytes(st: _Call, active: list[int]) -> int:
+    total = 0
+    for s in active:
+        for t in st.schedule.recvs(st.rank, s):
+            for j in range(st.u):
+                for nb in framing.expect(len(t.chunks), sum(st.bound(t, j))):
+                    total += (nb + 63) // 64 * 64
+    return total
+
+
+def _hops(st: _Call, active: list[int], pipelined: bool) -> None:
+    """Run the steps. Pipelined: the next step's receives are posted ahead, every
+    message of a step is sent before any of its receives is processed, and a
+    microshard's next-step message leaves as soon as that microshard is done.
+    Serial: post, wait and process each (step, microshard) in turn."""
+    u = st.u
+    if not pipelined:
+        for s in active:
+            for j in range(u):
+                st.post_recvs(s, j)
+                st.build_and_post(s, j)
+                st.process_recvs(s, j)
+                st.wait_sends()
+        return
+    if active:
+        st.post_recvs(active[0])
+    for idx, s in enumerate(active):
+        nxt = active[idx + 1] if idx + 1 < len(active) else None
+        if nxt is not None:
+            st.post_recvs(nxt)
+        for j in range(u):
+            st.build_and_post(s, j)
+        for j in range(u):
+            st.process_recvs(s, j)
+            if nxt is not None:
+                st.build_and_post(nxt, j)  # its parts are ready: send it now

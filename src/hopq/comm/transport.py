@@ -1,62 +1,136 @@
 """Transports: how a rank's messages reach its peers.
 
-Two implementations of one small interface:
+Two implementations of one small interface (post operations, then wait on them
+within a deadline):
 
 * :class:`DistTransport` over a real ``torch.distributed`` process group:
-  point-to-point ops (``batch_isend_irecv``; Gloo for CPU tensors, NCCL for
-  CUDA tensors), every send and receive of a step posted, then waited on.
+  point-to-point ``isend``/``irecv`` (Gloo for CPU tensors; on NCCL a step's
+  operations are posted as one ``batch_isend_irecv`` group, which NCCL needs).
 * :class:`InProcessTransport` for the simulator: n virtual ranks, one thread
   each, exchanging tensors through queues.
 
-``all_gather`` carries the small statistics exchange; the reduction is done by
-the caller in rank order, so it is bit-identical on every rank and between a
-real run and the simulator (a backend's own all_reduce fixes no order).
+Every wait has a deadline (hopq's own timeout); a peer that does not answer in
+time, or whose connection closes, raises :class:`~hopq.TransportError` naming
+the peer and where in the call this rank was.
+
+:func:`all_gather` (the statistics exchange and the agreement before a call)
+runs over the same point-to-point operations (Bruck's algorithm: ceil(log2 n)
+rounds), so its failures name a peer too, and its result is assembled in rank
+order: bit-identical on every rank and in the simulator.
 """
 
 from __future__ import annotations
 
+import datetime
 import queue
 import threading
 from abc import ABC, abstractmethod
 
 import torch
 
+from hopq.comm import framing
+from hopq.comm.framing import Deadline, Where
 from hopq.errors import TransportError
 
-#: Seconds an in-process rank waits for a peer before declaring it lost.
-#: Generous: a simulated hop at n = 64 on 2 cores can take seconds.
+#: Seconds an in-process rank waits for a peer by default. Generous: a simulated
+#: hop at n = 64 on 2 cores can take seconds.
 SIM_TIMEOUT_S = 600.0
+
+
+class Handle(ABC):
+    """A posted send or receive."""
+
+    peer: int
+    kind: str  # "send" or "recv"
+
+    @abstractmethod
+    def wait(self, deadline: Deadline, where: Where) -> None: ...
 
 
 class Transport(ABC):
     rank: int
     world_size: int
+    #: Whether receives may be posted long before the matching sends (Gloo and
+    #: the simulator: yes; NCCL runs a step's operations as one group).
+    prepost: bool = True
 
-    def reserve(self, nbytes: int, device: torch.device) -> None:  # noqa: B027 (optional hook)
-        """Announce that the coming call receives ``nbytes`` in all; transports that
-        keep a receive arena size it here and reuse it (fresh multi-megabyte
-        buffers per step cost page faults comparable to the transfer itself)."""
+    def __init__(self) -> None:
+        self._arena: torch.Tensor | None = None
+        self._offset = 0
+        #: Calls made on this transport (every rank counts the same; agreed).
+        self.calls = 0
+
+    def next_call(self) -> int:
+        self.calls += 1
+        return self.calls
+
+    def reserve(self, nbytes: int, device: torch.device) -> None:
+        """Announce that the coming call receives ``nbytes`` in all; the receive
+        arena is sized here and reused across calls (fresh multi-megabyte buffers
+        per step cost page faults comparable to the transfer itself). Stale bytes
+        in it are never read: every message's header says what arrived."""
+        if self._arena is None or self._arena.device != device or self._arena.numel() < nbytes:
+            self._arena = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self._offset = 0
+
+    def buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A receive buffer: from the arena while it lasts, 64-byte aligned so that
+        payload views of any dtype line up."""
+        arena = self._arena
+        if arena is not None and arena.device == device and self._offset + nbytes <= arena.numel():
+            buf = arena[self._offset : self._offset + nbytes]
+            self._offset += (nbytes + 63) // 64 * 64
+            return buf
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     @abstractmethod
-    def exchange(
-        self,
-        sends: list[tuple[int, torch.Tensor]],
-        recvs: list[tuple[int, int]],
-        device: torch.device,
-    ) -> list[torch.Tensor]:
-        """Send each (peer, uint8 tensor); receive each (peer, nbytes); return the
-        received tensors in the order of ``recvs``. Zero-byte messages are skipped
-        on both sides (sizes are known to both from the plan)."""
+    def post(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> tuple[list[Handle], list[Handle]]:
+        """Post sends of (peer, bytes) and receives into (peer, buffer); return their
+        handles. Messages between two ranks match in posting order."""
 
-    @abstractmethod
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``t`` (same shape and dtype on all ranks), in rank order."""
+
+class _DistHandle(Handle):
+    def __init__(self, work: object, peer: int, kind: str, rank: int) -> None:
+        self.work, self.peer, self.kind, self.rank = work, peer, kind, rank
+
+    def wait(self, deadline: Deadline, where: Where) -> None:
+        if self.work is None:
+            return
+        left = deadline.remaining()
+        try:
+            if left <= 0:
+                raise RuntimeError("Timed out before waiting")
+            self.work.wait(timeout=datetime.timedelta(seconds=left))  # type: ignore[attr-defined]
+        except RuntimeError as e:
+            raise _transport_error(str(e), self.rank, self.peer, self.kind, deadline, where) from e
+        self.work = None
+
+
+def _transport_error(
+    msg: str, rank: int, peer: int, kind: str, deadline: Deadline, where: Where
+) -> TransportError:
+    direction = "to" if kind == "send" else "from"
+    if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
+        return TransportError(
+            f"rank {rank}: no answer {direction} rank {peer} within hopq's timeout of "
+            f"{deadline.timeout_s:g} s, in {where.describe()}"
+        )
+    if "closed" in msg.lower() or "reset" in msg.lower() or "broken pipe" in msg.lower():
+        return TransportError(
+            f"rank {rank}: lost rank {peer} (its connection closed) in {where.describe()}"
+        )
+    return TransportError(
+        f"rank {rank}: {kind} {direction} rank {peer} failed in {where.describe()}: {msg}"
+    )
 
 
 class DistTransport(Transport):
     """Point-to-point over a torch.distributed process group."""
 
     def __init__(self, group: torch.distributed.ProcessGroup | None = None) -> None:
+        super().__init__()
         import torch.distributed as dist
 
         if not dist.is_available() or not dist.is_initialized():
@@ -72,56 +146,35 @@ class DistTransport(Transport):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-        self._arena: torch.Tensor | None = None
-        self._offset = 0
+        self.backend = str(dist.get_backend(self.group)).lower()
+        self.prepost = self.backend != "nccl"
 
-    def reserve(self, nbytes: int, device: torch.device) -> None:
-        if self._arena is None or self._arena.device != device or self._arena.numel() < nbytes:
-            self._arena = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        self._offset = 0
-
-    def _buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        arena = self._arena
-        if arena is not None and arena.device == device and self._offset + nbytes <= arena.numel():
-            buf = arena[self._offset : self._offset + nbytes]
-            # keep slices 64-byte aligned so that payload views of any dtype line up
-            self._offset += (nbytes + 63) // 64 * 64
-            return buf
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-    def exchange(
-        self,
-        sends: list[tuple[int, torch.Tensor]],
-        recvs: list[tuple[int, int]],
-        device: torch.device,
-    ) -> list[torch.Tensor]:
+    def post(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> tuple[list[Handle], list[Handle]]:
         dist = self._dist
-        out = [self._buffer(nbytes, device) for _, nbytes in recvs]
-        # One batch per step, sends first (NCCL needs a step's ops grouped).
-        # Measured on Gloo with 4 ranks on 2 cores: every ordering and grouping
-        # costs the same ~1.7-3 ms per step there; the cost is scheduling latency.
-        ops = [
-            dist.P2POp(dist.isend, t, self._global[peer], self.group)
-            for peer, t in sends
-            if t.numel()
+        if not self.prepost:  # NCCL: one group per step, sends first
+            ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for p, t in sends]
+            ops += [dist.P2POp(dist.irecv, b, self._global[p], self.group) for p, b in recvs]
+            works = dist.batch_isend_irecv(ops) if ops else []
+            handles: list[Handle] = [
+                _DistHandle(w, p, k, self.rank)
+                for w, (p, k) in zip(
+                    works,
+                    [(p, "send") for p, _ in sends] + [(p, "recv") for p, _ in recvs],
+                    strict=True,
+                )
+            ]
+            return handles[: len(sends)], handles[len(sends) :]
+        out_s: list[Handle] = [
+            _DistHandle(dist.isend(t, self._global[p], group=self.group), p, "send", self.rank)
+            for p, t in sends
         ]
-        ops += [
-            dist.P2POp(dist.irecv, b, self._global[peer], self.group)
-            for (peer, nbytes), b in zip(recvs, out, strict=True)
-            if nbytes
+        out_r: list[Handle] = [
+            _DistHandle(dist.irecv(b, self._global[p], group=self.group), p, "recv", self.rank)
+            for p, b in recvs
         ]
-        if not ops:
-            return out
-        works = dist.batch_isend_irecv(ops)
-        for work in works:
-            if work is not None:
-                work.wait()
-        return out
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self._dist.all_gather(out, t.contiguous(), group=self.group)
-        return out
+        return out_s, out_r
 
 
 class _Hub:
@@ -129,74 +182,105 @@ class _Hub:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.boxes = {(s, d): queue.Queue() for s in range(world_size) for d in range(world_size)}  # type: dict[tuple[int, int], queue.Queue[torch.Tensor]]
-        self.slots: list[torch.Tensor | None] = [None] * world_size
-        self.barrier = threading.Barrier(world_size, timeout=SIM_TIMEOUT_S)
+        self.boxes: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
+            (s, d): queue.Queue() for s in range(world_size) for d in range(world_size)
+        }
         self.failed = threading.Event()
 
     def abort(self) -> None:
         self.failed.set()
-        self.barrier.abort()
+
+
+class _SimHandle(Handle):
+    def __init__(self, hub: _Hub, rank: int, peer: int, buf: torch.Tensor | None) -> None:
+        self.hub, self.rank, self.peer, self.buf = hub, rank, peer, buf
+        self.kind = "send" if buf is None else "recv"
+
+    def wait(self, deadline: Deadline, where: Where) -> None:
+        if self.buf is None:
+            return
+        box = self.hub.boxes[(self.peer, self.rank)]
+        while True:
+            if self.hub.failed.is_set():
+                raise TransportError(f"rank {self.rank}: another simulated rank failed")
+            left = deadline.remaining()
+            if left <= 0:
+                raise TransportError(
+                    f"rank {self.rank}: no answer from rank {self.peer} within hopq's timeout "
+                    f"of {deadline.timeout_s:g} s, in {where.describe()}"
+                )
+            try:
+                msg = box.get(timeout=min(0.5, left))
+                break
+            except queue.Empty:
+                continue
+        if msg.numel() > self.buf.numel():  # Gloo would abort here; senders never do this
+            raise TransportError(
+                f"rank {self.rank}: message from rank {self.peer} has {msg.numel()} bytes, "
+                f"more than the {self.buf.numel()} posted, in {where.describe()}"
+            )
+        self.buf[: msg.numel()].copy_(msg)
+        self.buf = None
 
 
 class InProcessTransport(Transport):
     """One virtual rank of an in-process group (see :func:`make_inprocess_group`)."""
 
     def __init__(self, hub: _Hub, rank: int) -> None:
+        super().__init__()
         self.hub = hub
         self.rank = rank
         self.world_size = hub.world_size
 
-    def exchange(
-        self,
-        sends: list[tuple[int, torch.Tensor]],
-        recvs: list[tuple[int, int]],
-        device: torch.device,
-    ) -> list[torch.Tensor]:
-        for peer, t in sends:
-            if t.numel():
-                self.hub.boxes[(self.rank, peer)].put(t.clone())
-        out = []
-        for peer, nbytes in recvs:
-            if not nbytes:
-                out.append(torch.empty(0, dtype=torch.uint8, device=device))
-                continue
-            out.append(self._get(peer, nbytes))
-        return out
-
-    def _get(self, peer: int, nbytes: int) -> torch.Tensor:
-        box = self.hub.boxes[(peer, self.rank)]
-        waited = 0.0
-        while True:
-            if self.hub.failed.is_set():
-                raise TransportError(f"rank {self.rank}: another simulated rank failed")
-            try:
-                t = box.get(timeout=0.5)
-                break
-            except queue.Empty:
-                waited += 0.5
-                if waited >= SIM_TIMEOUT_S:
-                    raise TransportError(
-                        f"rank {self.rank}: no message from rank {peer} after {SIM_TIMEOUT_S} s"
-                    ) from None
-        if t.numel() != nbytes:
-            raise TransportError(
-                f"rank {self.rank}: message from rank {peer} has {t.numel()} bytes, expected {nbytes}"
-            )
-        return t
-
-    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        try:
-            self.hub.slots[self.rank] = t.clone()
-            self.hub.barrier.wait()
-            out = [s.clone() for s in self.hub.slots if s is not None]
-            self.hub.barrier.wait()
-        except threading.BrokenBarrierError:
-            raise TransportError(f"rank {self.rank}: another simulated rank failed") from None
-        return out
+    def post(
+        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+    ) -> tuple[list[Handle], list[Handle]]:
+        out_s: list[Handle] = []
+        for p, t in sends:
+            self.hub.boxes[(self.rank, p)].put(t.clone())
+            out_s.append(_SimHandle(self.hub, self.rank, p, None))
+        out_r: list[Handle] = [_SimHandle(self.hub, self.rank, p, b) for p, b in recvs]
+        return out_s, out_r
 
 
 def make_inprocess_group(world_size: int) -> list[InProcessTransport]:
     """Transports for ``world_size`` virtual ranks sharing one hub."""
     hub = _Hub(world_size)
     return [InProcessTransport(hub, r) for r in range(world_size)]
+
+
+def all_gather(
+    transport: Transport, t: torch.Tensor, deadline: Deadline, where: Where
+) -> list[torch.Tensor]:
+    """Every rank's ``t`` (the same number of bytes on every rank), in rank order.
+    Bruck's algorithm: in round k each rank sends the blocks it holds (at most
+    2^k) to rank - 2^k and receives as many from rank + 2^k; ceil(log2 n) rounds.
+    Each message is framed (the header's step is the round)."""
+    n, r = transport.world_size, transport.rank
+    block = t.contiguous().reshape(-1).view(torch.uint8)
+    size = block.numel()
+    held = [block]  # blocks of ranks r, r+1, ... in that order
+    dist_ = 1
+    rnd = 0
+    while dist_ < n:
+        count = min(dist_, n - dist_)
+        to, frm = (r - dist_) % n, (r + dist_) % n
+        here = Where(where.what, where.call, where.step, rnd, where.phase)
+        body = torch.cat(held[:count]) if count > 1 else held[0]
+        bound = count * size
+        header = framing.frame(here, [bound])
+        parts = framing.pack(header, body, bound)
+        bufs = [transport.buffer(nb, t.device) for nb in framing.expect(1, bound)]
+        sends, recvs = transport.post([(to, p) for p in parts], [(frm, b) for b in bufs])
+        for h in recvs:
+            h.wait(deadline, here)
+        head, got = framing.unpack(bufs, 1, bound)
+        framing.check(head, here, frm, r, [bound], exact=True)
+        for h in sends:
+            h.wait(deadline, here)
+        got = got[:bound].clone()
+        held += [got[i * size : (i + 1) * size] for i in range(count)]
+        dist_ *= 2
+        rnd += 1
+    ordered = [held[(q - r) % n] for q in range(n)]
+    return [b.view(t.dtype).view(t.shape) for b in ordered]

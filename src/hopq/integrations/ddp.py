@@ -11,7 +11,9 @@ import torch.distributed as dist
 from hopq.codecs.base import Codec
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import all_reduce
-from hopq.comm.engine import RunStats
+from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
+from hopq.comm.topology import get_schedule
+from hopq.options import check_finite, check_int
 
 
 class HookState:
@@ -25,16 +27,24 @@ class HookState:
 
     def __init__(
         self,
-        codec: "str | Codec" = "bf16",
+        codec: "str | Codec[Any]" = "bf16",
         topology: str = "ring",
         process_group: "dist.ProcessGroup | None" = None,
         seed: int = 0,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        gather_codec: "str | Codec[Any] | None" = None,
         **codec_config: Any,
     ) -> None:
         self.codec = get_codec(codec, **codec_config)
+        get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology
         self.process_group = process_group
-        self.seed = seed
+        self.seed = check_int("seed", seed, lo=0)
+        self.timeout = check_finite("timeout", timeout, positive=True)
+        self.gather_codec = None if gather_codec is None else get_codec(gather_codec)
+        if self.gather_codec is not None and not self.gather_codec.gather_stage:
+            self.gather_codec.plan_gather(0, ())  # raises why it cannot
         #: Stats of every bucket of the last step, appended by the hook.
         self.calls: list[RunStats] = []
         #: When set, the hook also runs an exact float64 all-reduce of each bucket
@@ -84,8 +94,9 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     # the bucket index names the bucket from step to step (DynamiQ shares the
     # step's bit budget across buckets by it)
     info = all_reduce(
-        buf, state.codec, state.topology, "avg", state.process_group, state.seed, bucket.index()
-    )
+        buf, state.codec, state.topology, "avg", state.process_group, state.seed, bucket.index(),
+        timeout=state.timeout, gather_codec=state.gather_codec,
+    )  # fmt: skip
     if exact is not None:
         state.err_sq += float((buf.to(torch.float64) - exact).square().sum())
         state.ref_sq += float(exact.square().sum())

@@ -128,7 +128,7 @@ class DynamiQ(Codec[DynamiQPlan]):
         widths = allocate(cfg, F64, d, budget)
         if stats.key is not None and cfg.share_budget:
             self._step_stats[stats.key] = (d, F64)
-        return build_plan(cfg, d, widths, stats.n_chunks, mu, budget)
+        return build_plan(cfg, d, widths, stats.n_chunks, mu, budget, stats.microshards)
 
     def _budget_for(self, key: int | None, d: int) -> float:
         """Bits per coordinate for this call. A keyed call whose key already ran

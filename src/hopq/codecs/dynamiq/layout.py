@@ -72,6 +72,18 @@ def split_chunks(sg_bytes: list[int], n_chunks: int) -> list[tuple[int, int]]:
     return [(bounds[i], bounds[i + 1]) for i in range(n_chunks)]
 
 
+def nested_split(sg_bytes: list[int], n_chunks: int, microshards: int) -> list[tuple[int, int]]:
+    """:func:`split_chunks` into ``n_chunks``, each cut again into ``microshards``
+    runs of near-equal bytes: schedule chunks do not depend on the microshards."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in split_chunks(sg_bytes, n_chunks):
+        if microshards == 1:
+            out.append((lo, hi))
+            continue
+        out += [(lo + a, lo + b) for a, b in split_chunks(sg_bytes[lo:hi], microshards)]
+    return out
+
+
 def build_plan(
     cfg: DynamiQConfig,
     d: int,
@@ -79,8 +91,10 @@ def build_plan(
     n_chunks: int,
     mu: torch.Tensor,
     budget: float,
+    microshards: int = 1,
 ) -> DynamiQPlan:
-    """The plan of ``d`` coordinates whose super-groups got ``widths`` (original order)."""
+    """The plan of ``d`` coordinates whose super-groups got ``widths`` (original
+    order), cut into ``n_chunks`` schedule chunks of ``microshards`` parts each."""
     S = cfg.supergroup_size
     m = len(widths)
     order = sorted(range(m), key=lambda j: widths[j])  # stable: by width, then position
@@ -88,7 +102,7 @@ def build_plan(
     perm = torch.tensor(order, dtype=torch.int64, device=mu.device)
     cost = {w: cfg.sg_bits(w) // 8 for w in set(sorted_widths)}
     sg_bytes = [cost[w] for w in sorted_widths]
-    chunks_sg = split_chunks(sg_bytes, n_chunks)
+    chunks_sg = nested_split(sg_bytes, n_chunks, microshards)
     segments = []
     for lo, hi in chunks_sg:
         segs = []

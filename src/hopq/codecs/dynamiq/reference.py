@@ -58,13 +58,14 @@ def streams(cfg: DynamiQConfig, ctx: HopContext) -> Streams:
         n, me, cls = ctx.peers, ctx.peer, ctx.depth + 1
     if cfg.rounding is Rounding.INDEPENDENT:
         n, me = 1, 0
+    c = ctx.stream_chunk
     return Streams(
-        gamma_key=stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_GAMMA << 16 | ctx.hop),
-        perm_key=stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_PERM << 16 | cls),
+        gamma_key=stream_key(ctx.seed, ctx.round, c, TAG_GAMMA << 16 | ctx.hop),
+        perm_key=stream_key(ctx.seed, ctx.round, c, TAG_PERM << 16 | cls),
         peers=n,
         peer=me,
         units=_units(n),
-        scale_key=stream_key(ctx.seed, ctx.round, ctx.chunk, TAG_SCALE << 16 | ctx.hop),
+        scale_key=stream_key(ctx.seed, ctx.round, c, TAG_SCALE << 16 | ctx.hop),
     )
 
 

@@ -1,0 +1,182 @@
+"""Agreement before bytes move: every call starts by checking that all ranks make
+the same call.
+
+Each rank all-gathers a fixed-size fingerprint of its call (so the exchange
+itself cannot go wrong when the calls differ): the call's number on this group,
+the tensor's size, dtype and device type, the codecs of both stages with their
+full configuration and their agreed adaptive state, the topology, the op, the
+seed, the round and the key. Every rank then compares all fingerprints and, on
+any difference, raises :class:`~hopq.MismatchError` naming the field and the
+ranks, before any payload or statistic is sent: every rank raises the same
+error, and the group stays usable.
+
+Configurations and states are compared by a 63-bit digest (tensors in a state by
+a position-weighted integer checksum of their bits, computed with torch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from hopq.comm.framing import Deadline, Where
+from hopq.comm.transport import Transport, all_gather
+from hopq.errors import MismatchError
+
+#: Fields of the fingerprint, in order; values are int64.
+FIELDS = (
+    "call",
+    "numel",
+    "dtype",
+    "device",
+    "codec",
+    "config",
+    "state",
+    "gather codec",
+    "topology",
+    "op",
+    "seed",
+    "round",
+    "key",
+    "kind",
+    "microshards",
+)
+#: Readable names for the digests of small vocabularies.
+_NONE_KEY = -(1 << 62)
+
+
+def digest(value: Any) -> int:
+    """A stable 63-bit digest of a value built from dicts, sequences, scalars,
+    strings, enums and tensors (the same on every rank and in every process)."""
+    h = hashlib.blake2b(digest_size=8)
+    _feed(h, value)
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
+def _feed(h: Any, v: Any) -> None:
+    if isinstance(v, torch.Tensor):
+        h.update(f"T{v.dtype}{tuple(v.shape)}:{tensor_checksum(v)};".encode())
+    elif isinstance(v, dict):
+        h.update(b"{")
+        for k in sorted(v, key=repr):
+            _feed(h, k)
+            _feed(h, v[k])
+        h.update(b"}")
+    elif isinstance(v, list | tuple):
+        h.update(b"[")
+        for x in v:
+            _feed(h, x)
+        h.update(b"]")
+    else:
+        h.update(f"{type(v).__name__}:{v!r};".encode())
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """A position-weighted checksum of a tensor's bits (wrapping int64 arithmetic):
+    any change of any element changes it with overwhelming probability."""
+    flat = t.detach().reshape(-1).contiguous().cpu()
+    if flat.numel() == 0:
+        return 0
+    size = flat.element_size()
+    if size == 8:
+        words = flat.view(torch.int64)
+    elif size == 4:
+        words = flat.view(torch.int32).to(torch.int64)
+    elif size == 2:
+        words = flat.view(torch.int16).to(torch.int64)
+    else:
+        words = flat.view(torch.uint8).to(torch.int64)
+    weights = torch.arange(1, words.numel() + 1, dtype=torch.int64) * 0x9E3779B1 | 1
+    return int((words * weights).sum()) ^ words.numel()
+
+
+def _name_digest(s: str) -> int:
+    return digest(s)
+
+
+def fingerprint(
+    *,
+    call: int,
+    x: torch.Tensor,
+    codec: Any,
+    gather_codec: Any,
+    topology: str,
+    op: str,
+    seed: int,
+    key: int | None,
+    kind: str,
+    microshards: int,
+) -> list[int]:
+    """This rank's fingerprint of the call (one int64 per :data:`FIELDS`)."""
+
+    def codec_parts(c: Any) -> tuple[int, int]:
+        return digest(c.name), digest(repr(c.config))
+
+    name, config = codec_parts(codec)
+    gname, gconfig = codec_parts(gather_codec) if gather_codec is not codec else (0, 0)
+    return [
+        call,
+        x.numel(),
+        _name_digest(str(x.dtype)),
+        _name_digest(x.device.type),
+        name,
+        config,
+        digest(codec.agreed_state()),
+        digest((gname, gconfig, digest(gather_codec.agreed_state()) if gname else 0)),
+        _name_digest(topology),
+        _name_digest(op),
+        seed,
+        codec.round,
+        _NONE_KEY if key is None else key,
+        _name_digest(kind),
+        microshards,
+    ]
+
+
+def agree(
+    transport: Transport,
+    mine: list[int],
+    deadline: Deadline,
+    where: Where,
+    describe: dict[str, str],
+) -> None:
+    """All-gather the fingerprints; raise MismatchError on every rank if they differ.
+    ``describe`` gives this rank's readable value of each field (for the message)."""
+    if transport.world_size == 1:
+        return
+    t = torch.tensor(mine, dtype=torch.int64)
+    prints = [p.tolist() for p in all_gather(transport, t, deadline, where)]
+    diffs = []
+    for i, field in enumerate(FIELDS):
+        values = [p[i] for p in prints]
+        if len(set(values)) > 1:
+            groups: dict[int, list[int]] = {}
+            for rank, v in enumerate(values):
+                groups.setdefault(v, []).append(rank)
+            split = " vs ".join(
+                "ranks " + ",".join(map(str, g)) if len(g) > 1 else f"rank {g[0]}"
+                for g in groups.values()
+            )
+            shown = _show(field, values)
+            diffs.append(f"{field} ({split}{shown})")
+    if diffs:
+        raise MismatchError(
+            f"rank {transport.rank}: the ranks disagree about {where.what} (call "
+            f"{where.call}): {'; '.join(diffs)}. This rank has {describe_line(describe, diffs)}. "
+            "No payload was sent; the group is still usable."
+        )
+
+
+def _show(field: str, values: list[int]) -> str:
+    if field in ("call", "numel", "seed", "round", "microshards"):
+        return ": " + ", ".join(map(str, values))
+    if field == "key":
+        return ": " + ", ".join("None" if v == _NONE_KEY else str(v) for v in values)
+    return ""
+
+
+def describe_line(describe: dict[str, str], diffs: list[str]) -> str:
+    fields = [d.split(" (", 1)[0] for d in diffs]
+    return ", ".join(f"{f} = {describe[f]}" for f in fields if f in describe) or "the values above"
