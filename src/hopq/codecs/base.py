@@ -209,9 +209,10 @@ def view_as_dtype(payload: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def check_payload(payload: torch.Tensor, expected: int, what: str = "payload") -> None:
     """Raise PayloadError unless ``payload`` is a 1-D uint8 tensor of ``expected`` bytes."""
-    if payload.dtype != torch.uint8 or payload.dim() != 1:
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
         raise PayloadError(
-            f"{what} must be a 1-D uint8 tensor, got {payload.dtype} {tuple(payload.shape)}"
+            f"{what} must be a contiguous 1-D uint8 tensor, got {payload.dtype} "
+            f"{tuple(payload.shape)} with strides {payload.stride()}"
         )
     if payload.numel() != expected:
         raise PayloadError(f"{what} has {payload.numel()} bytes, the plan says {expected}")

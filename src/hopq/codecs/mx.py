@@ -43,6 +43,9 @@ from hopq.numerics.blocks import pad_to_blocks
 from hopq.options import check_finite, check_int, coerce_enums, option
 
 
+_FLOAT_MAX = float(torch.finfo(torch.float32).max)
+
+
 class ScaleFormat(str, Enum):
     BF16 = "bf16"  # the DynamiQ paper's setting
     E8M0 = "e8m0"  # the OCP standard's power of two
@@ -117,18 +120,16 @@ class MXCodec(Codec[MXPlan]):
             self.mu *= 2.0 if self.last_overflow_ratio > cfg.overflow_threshold else cfg.shrink
         self.overflow = self.encoded = 0
         blocks = pad_to_blocks(x, B)
-        local_max = (
-            fpf.round_up_bf16(blocks.abs().amax(1))
-            if nb
-            else blocks.new_zeros(0, dtype=torch.bfloat16)
-        )
+        amax = blocks.abs().amax(1)
+        # rounded up to bfloat16, saturating rather than overflowing (finite in,
+        # finite out); a NaN or Inf block keeps its poison
+        local_max = fpf.round_up_bf16(amax, saturate=True)
         gm = stats.all_reduce(local_max, StatsOp.MAX).float()
-        scale = gm * self.mu
-        scale = (
-            fpf.round_up_pow2(scale)
-            if cfg.scale is ScaleFormat.E8M0
-            else fpf.round_up_bf16(scale).float()
-        )
+        raw = gm * self.mu
+        if cfg.scale is ScaleFormat.E8M0:
+            scale = fpf.keep_finite(fpf.round_up_pow2(raw), gm, fpf.POW2_MAX)
+        else:
+            scale = fpf.keep_finite(fpf.round_up_bf16(raw).float(), gm, fpf.BF16_MAX)
         chunks = nested_chunks(nb * B, stats.n_chunks, stats.microshards, align=B)
         return MXPlan(
             numel=d,
@@ -168,7 +169,10 @@ class MXCodec(Codec[MXPlan]):
         fmt, n = self.element, out.numel()
         codes = payload if fmt.bits == 8 else unpack_bits(payload, fmt.bits, n)
         s = self._block_scale(plan, ctx.chunk, n)
-        out.copy_(fpf.decode(codes, fmt) * s / fmt.max)
+        v = fpf.decode(codes, fmt)
+        # v * s / FMAX, or v * (s / FMAX) where v * s would overflow float32
+        safe = s <= _FLOAT_MAX / fmt.max
+        out.copy_(torch.where(safe, v * s / fmt.max, v * (s / fmt.max)))
 
     def finish(self, plan: MXPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         y = y[: plan.numel]

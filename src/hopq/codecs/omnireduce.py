@@ -82,9 +82,9 @@ class OmniReduce(WireCodec[OmniPlan]):
         k = max(1, min(nb, round(self.k))) if nb else 0
         mask = torch.zeros(nb, dtype=torch.uint8, device=x.device)
         if k:
-            # NaN counts as the largest, so a non-finite block is always sent
-            key = torch.nan_to_num(norms, nan=float("inf"))
-            mask[torch.topk(key, k, sorted=False).indices] = 1
+            mask[torch.topk(torch.nan_to_num(norms, nan=float("inf")), k, sorted=False).indices] = 1
+        # a block holding a NaN or Inf is always sent, beyond k (never hidden as zeros)
+        mask[~torch.isfinite(norms)] = 1
         union = stats.all_reduce(mask, StatsOp.MAX).bool()
         blocks = torch.nonzero(union).flatten()
         size = int(blocks.numel())

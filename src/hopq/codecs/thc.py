@@ -42,6 +42,7 @@ from hopq.codecs.base import (
 from hopq.codecs.registry import register
 from hopq.numerics.bitpack import pack_bits, sign_extend, unpack_bits
 from hopq.numerics.blocks import n_blocks, pad_to_blocks
+from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
 from hopq.options import check_int, option
 
@@ -49,6 +50,9 @@ from hopq.options import check_int, option
 SIGN_STREAM, ROUND_STREAM = 0xFFFF0, 0xFFFF1
 #: Lane widths; integer sums are accumulated in float32, exact up to 2^24.
 LANES = (8, 12, 16, 24)
+#: Above this magnitude (rotated), the transform runs in float64.
+WIDE = 2.0**100
+_FLOAT_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,8 @@ class THCPlan(Plan):
     world_size: int
     #: This rank's rotated vector: rank-local (not agreed), consumed by prepare().
     rotated: torch.Tensor
+    #: Whether finish() works in float64 (sums near float32's limit).
+    wide: bool
 
 
 @register(
@@ -159,8 +165,19 @@ class THC(Codec[THCPlan]):
         H = min(cfg.hadamard_block, 1 << max(0, (max(d, 1) // 16).bit_length() - 1))
         work = n_blocks(d, H) * H
         lanes = cfg.lanes_for(stats.world_size)
-        rot = self._rotate(x.reshape(-1).to(torch.float32), H, stats.seed, stats.round, work)
-        local_max = rot.abs().amax().reshape(1) if work else torch.zeros(1, device=x.device)
+        flat = x.reshape(-1).to(torch.float32)
+        # Rotated coordinates reach sqrt(H) times the largest entry: near float32's
+        # limit this rank rotates in float64 (its own choice: only its integers
+        # leave it), so finite input never overflows.
+        big = float(flat.abs().max()) if d else 0.0
+        if math.isfinite(big) and big * math.sqrt(H) >= WIDE:
+            flat = flat.double()
+        rot = self._rotate(flat, H, stats.seed, stats.round, work)
+        local_max = (
+            rot.abs().amax().double().reshape(1)
+            if work
+            else torch.zeros(1, dtype=torch.float64, device=x.device)
+        )
         M = float(stats.all_reduce(local_max, StatsOp.MAX).item())
         # 12-bit lanes pack in pairs
         chunks = nested_chunks(work, stats.n_chunks, stats.microshards, align=2)
@@ -179,6 +196,8 @@ class THC(Codec[THCPlan]):
             rank=stats.rank,
             world_size=stats.world_size,
             rotated=rot,
+            # the inverse transform of the sums in float64 too (agreed: from M)
+            wide=math.isfinite(M) and M * stats.world_size * math.sqrt(H) >= WIDE,
         )
 
     def prepare(self, plan: THCPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
@@ -191,7 +210,7 @@ class THC(Codec[THCPlan]):
             v.numel(), stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank), device=v.device
         )
         lo = torch.floor(v)
-        q = lo + (u < v - lo).to(torch.float32)
+        q = (lo + (u < v - lo).to(v.dtype)).to(torch.float32)
         L = self.config.levels
         return q.clamp_(-L, L)
 
@@ -238,10 +257,15 @@ class THC(Codec[THCPlan]):
         if not plan.work_numel:
             return y
         H = plan.block
-        rot = fwht((y * plan.step).view(-1, H))  # the transform is its own inverse
+        vals = y.double() * plan.step if plan.wide else y * plan.step
+        rot = fwht(vals.view(-1, H))  # the transform is its own inverse
         rot = rot.t().reshape(-1)  # undo the interleave
         out = (rot * self._signs(plan.work_numel, plan.seed, plan.round, y.device))[: plan.numel]
-        return out.div_(world_size) if op is ReduceOp.AVG else out
+        if op is ReduceOp.AVG:
+            out = out.div_(world_size)
+        if plan.wide:  # an estimate beyond float32's range saturates (finite in, finite out)
+            out = keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round, "overflows": self.overflows}

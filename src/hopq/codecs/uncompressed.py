@@ -8,7 +8,8 @@ dtype.
 
 from __future__ import annotations
 
-from typing import ClassVar
+import warnings
+from typing import Any, ClassVar
 
 import torch
 
@@ -24,6 +25,7 @@ from hopq.codecs.base import (
     view_as_dtype,
 )
 from hopq.codecs.registry import register
+from hopq.numerics.fp_formats import keep_finite
 
 
 def working_copy(x: torch.Tensor, scratch: bool) -> torch.Tensor:
@@ -37,16 +39,42 @@ def working_copy(x: torch.Tensor, scratch: bool) -> torch.Tensor:
 
 class WireCodec(Codec[P]):
     """Chunks travel as ``wire_dtype`` (rounded to nearest), accumulation in
-    float32; subclasses decide what the working vector holds."""
+    float32; subclasses decide what the working vector holds.
+
+    A finite partial sum beyond the wire dtype's range (fp16: 65504; bf16:
+    3.39e38) saturates at its largest finite value instead of becoming Inf
+    (finite in, finite out), is counted in ``saturated`` and warned about once;
+    NaN and Inf inputs travel as they are."""
 
     wire_dtype: ClassVar[torch.dtype]
+
+    def __init__(self, config: Any = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        #: Entries this rank saturated (rank-local).
+        self.saturated = 0
+        self._warned = False
 
     def _wire(self, plan: P, payload: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         check_payload(payload, plan.payload_nbytes[ctx.chunk])
         return view_as_dtype(payload, self.wire_dtype)
 
     def encode(self, plan: P, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
-        return chunk.to(self.wire_dtype, copy=True).view(torch.uint8)
+        y = chunk.to(self.wire_dtype, copy=True)
+        if self.wire_dtype != torch.float32 and bool(torch.isinf(y).any()):
+            fixed = keep_finite(y.float(), chunk, float(torch.finfo(self.wire_dtype).max))
+            over = int((torch.isinf(y) & torch.isfinite(chunk)).sum())
+            if over:
+                self.saturated += over
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(
+                        f"{self.name}: {over} partial sums exceed the range of "
+                        f"{self.wire_dtype} and saturate at its largest value",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
+                y = fixed.to(self.wire_dtype)
+        return y.view(torch.uint8)
 
     def decode_accumulate(
         self, plan: P, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext

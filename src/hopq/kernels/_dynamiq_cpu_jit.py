@@ -20,6 +20,7 @@ ENCODE, DECODE, DECODE_ACC = int(Mode.ENCODE), int(Mode.DECODE), int(Mode.DECODE
 MASK = np.uint64(0xFFFFFFFF)
 U16, U15, U8 = np.uint64(16), np.uint64(15), np.uint64(8)
 ABS = np.int32(0x7FFFFFFF)
+BIG = np.float32(2.0**120)  # hopq.codecs.dynamiq.reference.BIG_SCALE
 
 
 @njit(inline="always")
@@ -101,7 +102,9 @@ def impl(
             M = scf[0]
             cb = codes_at + r * code_bytes
             for gi in range(ng):
-                sf = np.float32(inb[2 * k + r * ng + gi]) * M / f255
+                rg = np.float32(inb[2 * k + r * ng + gi])
+                # reference.group_scales: no overflow for huge M
+                sf = rg * M / f255 if M < BIG else rg * (M / f255)
                 for t in range(s):
                     j = gi * s + t
                     c = (np.int32(inb[cb + (j >> per_log)]) >> ((j & (per - 1)) * w)) & mask
@@ -132,6 +135,8 @@ def impl(
         if mi > 0x7F800000:  # a NaN: torch's amax returns the canonical one
             mi = np.int32(0x7FC00000)
         mb = (np.int64(mi) + 0xFFFF) >> 16  # round_up_bf16
+        if mb == 0x7F80 and mi < 0x7F800000:  # finite in, finite out: the largest bf16
+            mb = 0x7F7F
         sc[0] = np.int32((mb & 0xFFFF) << 16)
         Mf = scf[0]
         outb[2 * r] = np.uint8(mb & 0xFF)
@@ -228,6 +233,8 @@ def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):
     for i in range(k * S):
         # bf16 rounded up with probability (low 16 bits) / 2^16, on the bits
         up = (np.int64(xi[i]) + np.int64(ubuf[i] * np.float32(65536.0))) >> 16
+        if (up & 0x7FFF) == 0x7F80 and (xi[i] & ABS) < 0x7F800000:  # saturate, as the reference
+            up -= 1
         outb[2 * i] = np.uint8(up & 0xFF)
         outb[2 * i + 1] = np.uint8((up >> 8) & 0xFF)
 

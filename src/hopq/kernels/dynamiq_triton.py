@@ -91,7 +91,8 @@ if triton is not None:
         b1 = tl.load(inb + 2 * r + 1).to(tl.int32)
         M = ((b0 | (b1 << 8)) << 16).to(tl.float32, bitcast=True)
         rg = tl.load(inb + 2 * k + r * NG + gidx).to(tl.float32)
-        sf = tl.div_rn(rg * M, 255.0)
+        # reference.group_scales: no overflow for huge M
+        sf = tl.where(M < 1.329227995784916e36, tl.div_rn(rg * M, 255.0), rg * tl.div_rn(M, 255.0))
         byte = tl.load(inb + 2 * k + k * NG + r * CODE_BYTES + j // PER).to(tl.int32)
         c = (byte >> ((j % PER) * W)) & ((1 << W) - 1)
         mag = tl.load(tab + (c & (TOP - 1))) * sf[:, None]
@@ -144,6 +145,7 @@ if triton is not None:
         mi = tl.max(gmi, axis=0)
         mi = tl.where(mi > 0x7F800000, 0x7FC00000, mi)  # a NaN: amax's canonical one
         mb = (mi.to(tl.int64) + 0xFFFF) >> 16  # round_up_bf16
+        mb = tl.where((mb == 0x7F80) & (mi < 0x7F800000), 0x7F7F, mb)  # finite in, finite out
         Mf = ((mb & 0xFFFF) << 16).to(tl.int32).to(tl.float32, bitcast=True)
         tl.store(outb + 2 * r, (mb & 0xFF).to(tl.uint8))
         tl.store(outb + 2 * r + 1, ((mb >> 8) & 0xFF).to(tl.uint8))
@@ -204,7 +206,9 @@ if triton is not None:
                 n, me, units, nu, CORR,
             )  # fmt: skip
             # bf16 rounded up with probability (low 16 bits) / 2**16, on the bits
-            up = (x.to(tl.int32, bitcast=True).to(tl.int64) + (u * 65536.0).to(tl.int64)) >> 16
+            xb = x.to(tl.int32, bitcast=True)
+            up = (xb.to(tl.int64) + (u * 65536.0).to(tl.int64)) >> 16
+            up = tl.where(((up & 0x7FFF) == 0x7F80) & ((xb & 0x7FFFFFFF) < 0x7F800000), up - 1, up)
             tl.store(outb + 2 * i, (up & 0xFF).to(tl.uint8), mask=ok)
             tl.store(outb + 2 * i + 1, ((up >> 8) & 0xFF).to(tl.uint8), mask=ok)
 

@@ -98,10 +98,15 @@ def decode(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     return torch.where(c >= top, -mag, mag)
 
 
-def round_up_bf16(m: torch.Tensor) -> torch.Tensor:
-    """float32 >= 0 -> the smallest bfloat16 >= it (NaN and Inf preserved)."""
+def round_up_bf16(m: torch.Tensor, saturate: bool = False) -> torch.Tensor:
+    """float32 >= 0 -> the smallest bfloat16 >= it (NaN and Inf preserved). With
+    ``saturate``, a finite value above the largest bfloat16 gives that largest
+    value instead of Inf (finite in, finite out)."""
     bits = m.contiguous().view(torch.int32).to(torch.int64)
-    return ((bits + 0xFFFF) >> 16).to(torch.int16).view(torch.bfloat16)
+    up = (bits + 0xFFFF) >> 16
+    if saturate:
+        up = torch.where((up == 0x7F80) & (bits < 0x7F800000), 0x7F7F, up)
+    return up.to(torch.int16).view(torch.bfloat16)
 
 
 def round_up_pow2(m: torch.Tensor) -> torch.Tensor:
@@ -110,3 +115,19 @@ def round_up_pow2(m: torch.Tensor) -> torch.Tensor:
     p = torch.ldexp(torch.ones_like(m), exp.to(torch.int32))  # 2^exp > m >= 2^(exp-1)
     out = torch.where(mant == 0.5, m, p)
     return torch.where(torch.isfinite(m) & (m > 0), out, m)
+
+
+#: The largest finite bfloat16 (and the largest power of two in float32, the
+#: largest E8M0 scale).
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+POW2_MAX = 2.0**127
+
+
+def keep_finite(rounded: torch.Tensor, original: torch.Tensor, limit: float) -> torch.Tensor:
+    """``rounded`` with the entries that rounding (or scaling) pushed to infinity
+    from a finite ``original`` saturated at +-``limit``: finite in, finite out;
+    NaN and Inf inputs stay as they are."""
+    over = torch.isinf(rounded) & torch.isfinite(original)
+    if not bool(over.any()):
+        return rounded
+    return torch.where(over, torch.copysign(torch.tensor(limit, dtype=rounded.dtype), rounded), rounded)

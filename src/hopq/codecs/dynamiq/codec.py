@@ -73,6 +73,20 @@ def resolve_kernels(cfg: DynamiQConfig, device_type: str) -> DynamiQKernels | No
     return forced
 
 
+_FLOAT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def saturate_finite_rows(out: torch.Tensor, mu: torch.Tensor, S: int) -> torch.Tensor:
+    """Adding the means back can push an estimate just past float32's limit when the
+    true sum lies just below it: such entries saturate. A super-group with a NaN
+    or Inf input has a non-finite mean, and keeps its poison."""
+    inf = torch.isinf(out)
+    if not bool(inf.any()):
+        return out
+    rows = torch.isfinite(mu).repeat_interleave(S)[: out.numel()]
+    return torch.where(inf & rows, out.clamp(-_FLOAT_MAX, _FLOAT_MAX), out)
+
+
 @register(
     "dynamiq",
     "DynamiQ: variable bitwidth per super-group, non-uniform levels, hierarchical scales, correlated rounding",
@@ -159,7 +173,8 @@ class DynamiQ(Codec[DynamiQPlan]):
         S = self.config.supergroup_size
         kern = self.kernels(y.device)
         scatter = kern.scatter_rows if kern is not None else scatter_rows
-        return scatter(y, plan.perm, plan.mu, S, world_size, op is ReduceOp.AVG, plan.numel)
+        out = scatter(y, plan.perm, plan.mu, S, world_size, op is ReduceOp.AVG, plan.numel)
+        return saturate_finite_rows(out, plan.mu, S)
 
     # -- the four hop operations ---------------------------------------------
     def _run_segment(
@@ -274,4 +289,19 @@ class DynamiQ(Codec[DynamiQPlan]):
         return self._kernel_encode(kern, plan, payload, local, ctx)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"round": self.round}
+        """The round counter and the budget sharing's state (the shares split from
+        the last finished step, and the statistics of the step under way), so that
+        a resumed run continues bit for bit."""
+        return {
+            "round": self.round,
+            "shares": {k: [n, b] for k, (n, b) in self._shares.items()},
+            "step_stats": {k: (n, F.clone()) for k, (n, F) in self._step_stats.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self._shares = {int(k): (int(n), float(b)) for k, (n, b) in state.get("shares", {}).items()}
+        self._step_stats = {
+            int(k): (int(n), torch.as_tensor(F, dtype=torch.float64).clone())
+            for k, (n, F) in state.get("step_stats", {}).items()
+        }

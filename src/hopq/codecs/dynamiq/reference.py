@@ -121,13 +121,17 @@ def encode_rows(
         bits = rows.contiguous().view(torch.int32).to(torch.int64)
         r16 = (u * 65536.0).to(torch.int64)  # the 16 random bits below bf16's mantissa
         # sign-magnitude: rounds |x| up with probability (its low 16 bits) / 2^16
-        up = ((bits + r16) >> 16).to(torch.int16)
+        up = (bits + r16) >> 16
+        # a finite entry within a bf16 ulp of float32's limit would round up to Inf:
+        # it saturates at the largest bfloat16 instead (finite in, finite out)
+        up = torch.where(((up & 0x7FFF) == 0x7F80) & ((bits & 0x7FFFFFFF) < 0x7F800000), up - 1, up)
+        up = up.to(torch.int16)
         return [_bf16_bytes(up.view(torch.bfloat16))]
     G = rows.view(k, S // s, s)
     gmax = G.abs().amax(-1)
     parts = []
     if cfg.scales is Scales.HIERARCHICAL:
-        M_bf = round_up_bf16(gmax.amax(-1))
+        M_bf = round_up_bf16(gmax.amax(-1), saturate=True)
         Mf = M_bf.float()[:, None]
         g = torch.nan_to_num(
             torch.where(Mf > 0, gmax / Mf * 255.0, 0.0), nan=0.0, posinf=0.0, neginf=0.0
@@ -149,6 +153,17 @@ def encode_rows(
     return parts
 
 
+#: Super-group scales from here up multiply the group fraction by M / 255 rather
+#: than dividing rG * M by 255, which would overflow float32 (255 * 2^120 > 2^127).
+BIG_SCALE = 2.0**120
+
+
+def group_scales(rG: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """A group's scale from its uint8 fraction rG of the super-group scale M:
+    rG * M / 255, computed so that it never overflows (the kernels do the same)."""
+    return torch.where(M < BIG_SCALE, rG * M / 255.0, rG * (M / 255.0))
+
+
 def decode_rows(cfg: DynamiQConfig, seg_bytes: torch.Tensor, w: int, k: int) -> torch.Tensor:
     """The [k, S] float32 values a segment's bytes encode."""
     S, s = cfg.supergroup_size, cfg.group_size
@@ -160,7 +175,7 @@ def decode_rows(cfg: DynamiQConfig, seg_bytes: torch.Tensor, w: int, k: int) -> 
     if cfg.scales is Scales.HIERARCHICAL:
         M = seg_bytes[: 2 * k].clone().view(torch.bfloat16).float()
         rG = seg_bytes[2 * k : 2 * k + k * ng].float().view(k, ng)
-        sf = rG * M[:, None] / 255.0
+        sf = group_scales(rG, M[:, None])
         codes_at = 2 * k + k * ng
     else:
         sf = seg_bytes[: 2 * k * ng].clone().view(torch.bfloat16).float().view(k, ng)
