@@ -127,3 +127,60 @@ def ddp_train(rank: int, n: int, codecs: list[str | None], steps: int) -> dict[s
         if state is not None:
             out[f"{codec}/calls"] = state.codec.round
     return out
+
+
+class ShortPayloads(hopq.get_codec("bf16").__class__):  # type: ignore[misc]
+    """bf16 whose encode on rank 0 drops (or adds) a byte: a codec bug that the
+    sender's size check must catch before anything mis-sized leaves."""
+
+    extra = -1
+
+    def encode(self, plan, chunk, ctx):  # type: ignore[no-untyped-def]
+        out = super().encode(plan, chunk, ctx)
+        if ctx.rank == 0:
+            return out[:-1] if self.extra < 0 else torch.cat([out, out[:1]])
+        return out
+
+
+def wrong_sizes(rank: int, n: int) -> dict[str, Any]:
+    """A codec that lies about sizes on rank 0, then a framed message with a short
+    body sent by hand: every rank raises, nothing aborts, no stale bytes are read."""
+    import time
+
+    from hopq.comm import framing
+    from hopq.comm.framing import Deadline, Where
+    from hopq.comm.transport import DistTransport
+
+    out: dict[str, Any] = {}
+    for extra in (-1, 1):
+        codec = ShortPayloads()
+        codec.extra = extra
+        x = make_input("float", rank, 4000)
+        try:
+            hopq.all_reduce(x, codec=codec, timeout=20.0)
+            out[f"liar{extra}"] = "returned"
+        except Exception as e:  # noqa: BLE001
+            out[f"liar{extra}"] = type(e).__name__
+            out[f"liar{extra}/msg"] = str(e)
+    # a hand-made short message: rank 0 says 10 bytes where rank 1 expects 20
+    t = DistTransport()
+    where = Where("hand-made", 99, 0)
+    if rank == 0:
+        header = framing.frame(where, [10])
+        msg = framing.pack(header, torch.ones(10, dtype=torch.uint8), 20)
+        s, _ = t.post([(1, p) for p in msg], [])
+        for h in s:
+            h.wait(Deadline(20), where)
+    elif rank == 1:
+        bufs = [torch.full((nb,), 7, dtype=torch.uint8) for nb in framing.expect(1, 20)]
+        _, r = t.post([], [(0, b) for b in bufs])
+        for h in r:
+            h.wait(Deadline(20), where)
+        head, _body = framing.unpack(bufs, 1, 20)
+        try:
+            framing.check(head, where, 0, 1, [20], exact=True)
+            out["short"] = "accepted"
+        except hopq.TransportError as e:
+            out["short"] = str(e)
+    time.sleep(0.2)
+    return out

@@ -2,7 +2,7 @@
 
 from hopq.codecs import Codec, available_codecs, get_codec
 from hopq.comm import RunStats, all_reduce, reduce_scatter
-from hopq.errors import HopqError, PayloadError, TransportError
+from hopq.errors import CodecError, HopqError, MismatchError, PayloadError, TransportError
 from hopq.integrations import HookState, ddp_hook
 from hopq.sim import SimResult, simulate
 
@@ -10,8 +10,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Codec",
+    "CodecError",
     "HookState",
     "HopqError",
+    "MismatchError",
     "PayloadError",
     "RunStats",
     "SimResult",

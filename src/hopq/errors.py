@@ -18,3 +18,9 @@ class MismatchError(HopqError, ValueError):
     """The ranks disagree about a call (tensor size, dtype, codec and its
     configuration or state, topology, op, seed, round, key): raised on every rank
     before any payload moves, so the group stays usable."""
+
+
+class CodecError(HopqError, RuntimeError):
+    """A codec broke its contract (e.g. it produced a payload of a size its plan
+    does not allow): raised on the rank where it happened; its peers get a
+    TransportError saying which rank failed."""

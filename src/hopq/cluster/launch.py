@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +39,20 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+@dataclass
+class RankOutcome:
+    """How one spawned rank ended."""
+
+    rank: int
+    #: The process's exit code (negative: killed by that signal; None: still
+    #: running when the launcher gave up and killed it).
+    exitcode: int | None
+    #: What the worker function returned (None if it did not return).
+    result: Any = None
+    #: The traceback of the exception it raised, if any.
+    error: str | None = None
+
+
 def _entry(
     fn: Callable[..., Any],
     rank: int,
@@ -44,6 +61,8 @@ def _entry(
     threads: int,
     namespace: str | None,
     args: tuple[Any, ...],
+    pg_timeout: float,
+    clean_exit: bool,
 ) -> None:
     torch.set_num_threads(threads)
     try:
@@ -58,16 +77,85 @@ def _entry(
             store=store,
             rank=rank,
             world_size=n,
-            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         out = fn(rank, n, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        if clean_exit:
+            dist.barrier()
+            dist.destroy_process_group()
         torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
     except BaseException:
         with open(os.path.join(tmp, f"err{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
-        raise
+        if clean_exit:
+            raise
+    if not clean_exit:  # the group may be broken (fault tests): leave at once
+        sys.stdout.flush()
+        os._exit(0)
+
+
+def spawn(
+    n: int,
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout: float = 3600,
+    threads: int = 1,
+    namespaces: list[str] | None = None,
+    pg_timeout: float = PG_TIMEOUT_S,
+    clean_exit: bool = True,
+) -> list[RankOutcome]:
+    """Run ``fn(rank, n, *args)`` in n spawned Gloo ranks (one fresh FileStore) and
+    report how each ended, whatever happened (the fault tests kill ranks on
+    purpose). ``timeout``: seconds to wait for all ranks before killing the rest.
+    ``clean_exit=False``: ranks leave right after their function returns or
+    raises, without the final barrier (for groups a fault has broken)."""
+    if namespaces is not None and len(namespaces) < n:
+        raise ValueError(f"{n} ranks need {n} namespaces, got {len(namespaces)}")
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="hopq-") as tmp:
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(
+                    fn,
+                    r,
+                    n,
+                    tmp,
+                    threads,
+                    namespaces[r] if namespaces else None,
+                    args,
+                    pg_timeout,
+                    clean_exit,
+                ),
+            )  # fmt: skip
+            for r in range(n)
+        ]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + timeout
+        try:
+            for p in procs:
+                p.join(max(0.0, end - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        outcomes = []
+        for r, p in enumerate(procs):
+            code = p.exitcode
+            if code == -9 and time.monotonic() >= end:
+                code = None  # killed by us: it hung
+            out = RankOutcome(r, code)
+            err = os.path.join(tmp, f"err{r}.txt")
+            if os.path.exists(err):
+                with open(err) as f:
+                    out.error = f.read()
+            res = os.path.join(tmp, f"out{r}.pt")
+            if os.path.exists(res):
+                out.result = torch.load(res, weights_only=False)
+            outcomes.append(out)
+        return outcomes
 
 
 def run_workers(
@@ -82,34 +170,14 @@ def run_workers(
     return each rank's result. A failing rank's traceback is raised here. With
     ``namespaces`` (an :class:`~hopq.cluster.network.EmulatedNetwork`'s), rank i
     runs in namespace i and talks over the shaped links."""
-    if namespaces is not None and len(namespaces) < n:
-        raise ValueError(f"{n} ranks need {n} namespaces, got {len(namespaces)}")
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="hopq-") as tmp:
-        procs = [
-            ctx.Process(
-                target=_entry,
-                args=(fn, r, n, tmp, threads, namespaces[r] if namespaces else None, args),
-            )
-            for r in range(n)
-        ]
-        for p in procs:
-            p.start()
-        try:
-            for p in procs:
-                p.join(timeout)
-        finally:
-            alive = [p for p in procs if p.is_alive()]
-            for p in alive:
-                p.kill()
-        errors = []
-        for r in range(n):
-            path = os.path.join(tmp, f"err{r}.txt")
-            if os.path.exists(path):
-                with open(path) as f:
-                    errors.append(f"rank {r}:\n{f.read()}")
-        if errors or alive:
-            raise RuntimeError(
-                "\n".join(errors) or f"{len(alive)} ranks did not finish in {timeout} s"
-            )
-        return [torch.load(os.path.join(tmp, f"out{r}.pt"), weights_only=False) for r in range(n)]
+    outcomes = spawn(n, fn, *args, timeout=timeout, threads=threads, namespaces=namespaces)
+    errors = [f"rank {o.rank}:\n{o.error}" for o in outcomes if o.error]
+    hung = [o for o in outcomes if o.exitcode is None]
+    dead = [o for o in outcomes if o.exitcode not in (0, None) and not o.error]
+    if errors or hung or dead:
+        raise RuntimeError(
+            "\n".join(errors)
+            or (f"{len(hung)} ranks did not finish in {timeout} s" if hung else "")
+            or f"ranks {[o.rank for o in dead]} died with exit codes {[o.exitcode for o in dead]}"
+        )
+    return [o.result for o in outcomes]

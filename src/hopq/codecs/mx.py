@@ -42,7 +42,6 @@ from hopq.numerics.bitpack import pack_bits, packed_nbytes, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
 from hopq.options import check_finite, check_int, coerce_enums, option
 
-
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 
 

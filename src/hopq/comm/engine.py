@@ -56,6 +56,7 @@ from hopq.comm import agreement, framing
 from hopq.comm.framing import Deadline, Where
 from hopq.comm.topology import Phase, Schedule, Transfer
 from hopq.comm.transport import Handle, Transport, all_gather
+from hopq.errors import CodecError
 
 #: hopq's own timeout for a call, in seconds: a few minutes, not Gloo's 30.
 DEFAULT_TIMEOUT_S = 300.0
@@ -245,6 +246,7 @@ class _Call:
         self.sends: list[tuple[Handle, Where, list[torch.Tensor]]] = []
         self.posted: set[tuple[int, int, int]] = set()  # (step, microshard, peer) sent
         self.recvs: dict[tuple[int, int], list[Any]] = {}
+        self.received: set[tuple[int, int]] = set()  # (step, microshard) processed
 
     # -- sizes -----------------------------------------------------------------
     def part(self, c: int, j: int) -> int:
@@ -289,11 +291,13 @@ class _Call:
                     self.transport.buffer(nb, self.device)
                     for nb in framing.expect(len(t.chunks), total)
                 ]
-                _, handles = self.transport.post([], [(t.src, b) for b in bufs])
+                where = self.where(s, j, t.phase)
+                _, handles = self.transport.post([], [(t.src, b) for b in bufs], where)
                 entries.append((t, bufs, handles, bounds, total))
             self.recvs[(s, j)] = entries
 
     def process_recvs(self, s: int, j: int) -> None:
+        self.received.add((s, j))
         for t, bufs, handles, bounds, total in self.recvs.pop((s, j)):
             where = self.where(s, j, t.phase)
             for h in handles:
@@ -357,14 +361,14 @@ class _Call:
             exact = self.exact(t)
             for i, (nb, b) in enumerate(zip(lengths, bounds, strict=True)):
                 if nb > b or (exact and nb != b):
-                    raise _SenderFault(
+                    raise CodecError(
                         f"rank {self.rank}: codec {self.codec.name!r} produced {nb} bytes for "
                         f"part {i} of {where.describe()}, the plan says {b}"
                     )
             body = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
             header = framing.frame(where, lengths)
             msg = framing.pack(header, body, sum(bounds))
-            handles, _ = self.transport.post([(t.dst, p) for p in msg], [])
+            handles, _ = self.transport.post([(t.dst, p) for p in msg], [], where)
             self.posted.add((s, j, t.dst))
             self.info.payload_bytes += int(body.numel())
             self.info.frame_bytes += int(header.numel())
@@ -373,9 +377,9 @@ class _Call:
                 for m in reads:
                     self.pending_by_part.setdefault(m, []).append(h)
 
-    def fail_remaining(self, steps: list[int], why: str) -> None:
-        """Tell every peer this rank still owes a message that it failed."""
-        owed = []
+    def fail_remaining(self, steps: list[int]) -> None:
+        """After a failure on this rank: tell every peer this rank still owes a
+        message that it failed (a header with no payload), without waiting."""
         for s in steps:
             for j in range(self.u):
                 for t in self.schedule.sends(self.rank, s):
@@ -385,24 +389,40 @@ class _Call:
                     where = self.where(s, j, t.phase)
                     header = framing.frame(where, [0] * len(t.chunks), framing.SENDER_FAILED)
                     msg = framing.pack(header, None, sum(self.bound(t, j)))
-                    handles, _ = self.transport.post([(t.dst, p) for p in msg], [])
-                    owed += [(h, where) for h in handles]
-        grace = Deadline(min(5.0, max(0.1, self.deadline.remaining())))
-        for h, where in owed:
-            try:
+                    try:
+                        handles, _ = self.transport.post([(t.dst, p) for p in msg], [], where)
+                    except Exception:  # noqa: BLE001 - best effort: that peer is gone
+                        continue
+                    self.sends += [(h, where, msg) for h in handles]
+
+    def drain(self, steps: list[int]) -> None:
+        """After a failure: receive (and drop) every message the peers still send in
+        this call (their data or their own failure notices), so that no stale
+        message or posted receive is left to confuse the next call. Every rank
+        posts all it still sends and receives before it waits on any of it, so
+        the failing ranks cannot wait on each other."""
+        grace = Deadline(max(0.1, min(10.0, self.deadline.remaining())))
+        try:
+            for s in steps:
+                for j in range(self.u):
+                    if (s, j) not in self.received:
+                        self.post_recvs(s, j)
+            for (s, j), entries in sorted(self.recvs.items()):
+                for t, _bufs, handles, _b, _n in entries:
+                    for h in handles:
+                        h.wait(grace, self.where(s, j, t.phase))
+            for h, where, _ in self.sends:
                 h.wait(grace, where)
-            except Exception:  # noqa: BLE001 - best effort: the peer may be gone too
-                break
+        except Exception:  # noqa: BLE001 - a peer is gone: the group is broken anyway
+            pass
+        self.recvs.clear()
+        self.sends.clear()
 
     def wait_sends(self) -> None:
         for h, where, _ in self.sends:
             self._wait(h, where)
         self.sends.clear()
         self.pending_by_part.clear()
-
-
-class _SenderFault(RuntimeError):
-    """A codec produced a payload of a size its plan does not allow."""
 
 
 def run(
@@ -515,7 +535,8 @@ def run(
         _hops(st, active, pipeline and transport.prepost)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            st.fail_remaining(active, str(e))
+            st.fail_remaining(active)
+            st.drain(active)
         raise
     st.wait_sends()
     if st.outgoing:

@@ -85,10 +85,14 @@ class Transport(ABC):
 
     @abstractmethod
     def post(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+        self,
+        sends: list[tuple[int, torch.Tensor]],
+        recvs: list[tuple[int, torch.Tensor]],
+        where: Where | None = None,
     ) -> tuple[list[Handle], list[Handle]]:
         """Post sends of (peer, bytes) and receives into (peer, buffer); return their
-        handles. Messages between two ranks match in posting order."""
+        handles. Messages between two ranks match in posting order. ``where``
+        names the step for error messages."""
 
 
 class _DistHandle(Handle):
@@ -150,7 +154,10 @@ class DistTransport(Transport):
         self.prepost = self.backend != "nccl"
 
     def post(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+        self,
+        sends: list[tuple[int, torch.Tensor]],
+        recvs: list[tuple[int, torch.Tensor]],
+        where: Where | None = None,
     ) -> tuple[list[Handle], list[Handle]]:
         dist = self._dist
         if not self.prepost:  # NCCL: one group per step, sends first
@@ -166,14 +173,20 @@ class DistTransport(Transport):
                 )
             ]
             return handles[: len(sends)], handles[len(sends) :]
-        out_s: list[Handle] = [
-            _DistHandle(dist.isend(t, self._global[p], group=self.group), p, "send", self.rank)
-            for p, t in sends
-        ]
-        out_r: list[Handle] = [
-            _DistHandle(dist.irecv(b, self._global[p], group=self.group), p, "recv", self.rank)
-            for p, b in recvs
-        ]
+        out_s: list[Handle] = []
+        out_r: list[Handle] = []
+        for kind, items, op, out in (
+            ("send", sends, dist.isend, out_s),
+            ("recv", recvs, dist.irecv, out_r),
+        ):
+            for p, t in items:
+                try:
+                    work = op(t, self._global[p], group=self.group)
+                except RuntimeError as e:  # a pair already closed fails at posting
+                    raise _transport_error(
+                        str(e), self.rank, p, kind, Deadline(1.0), where or Where("a call", 0, 0)
+                    ) from e
+                out.append(_DistHandle(work, p, kind, self.rank))
         return out_s, out_r
 
 
@@ -233,7 +246,10 @@ class InProcessTransport(Transport):
         self.world_size = hub.world_size
 
     def post(
-        self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]
+        self,
+        sends: list[tuple[int, torch.Tensor]],
+        recvs: list[tuple[int, torch.Tensor]],
+        where: Where | None = None,
     ) -> tuple[list[Handle], list[Handle]]:
         out_s: list[Handle] = []
         for p, t in sends:
@@ -271,7 +287,7 @@ def all_gather(
         header = framing.frame(here, [bound])
         parts = framing.pack(header, body, bound)
         bufs = [transport.buffer(nb, t.device) for nb in framing.expect(1, bound)]
-        sends, recvs = transport.post([(to, p) for p in parts], [(frm, b) for b in bufs])
+        sends, recvs = transport.post([(to, p) for p in parts], [(frm, b) for b in bufs], here)
         for h in recvs:
             h.wait(deadline, here)
         head, got = framing.unpack(bufs, 1, bound)

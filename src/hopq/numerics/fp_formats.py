@@ -130,4 +130,6 @@ def keep_finite(rounded: torch.Tensor, original: torch.Tensor, limit: float) -> 
     over = torch.isinf(rounded) & torch.isfinite(original)
     if not bool(over.any()):
         return rounded
-    return torch.where(over, torch.copysign(torch.tensor(limit, dtype=rounded.dtype), rounded), rounded)
+    return torch.where(
+        over, torch.copysign(torch.tensor(limit, dtype=rounded.dtype), rounded), rounded
+    )

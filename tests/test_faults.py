@@ -1,0 +1,61 @@
+"""Faults on real Gloo groups (DESIGN: agreement before bytes move, hopq's own
+timeouts, a transport that checks every size). Generated from the codec
+registry; ``hopq bench faults`` runs the same code for docs/reliability.md."""
+
+import pytest
+import torch
+
+import hopq
+from hopq.bench import faults
+from hopq.cluster.launch import run_workers
+from tests.workers import wrong_sizes
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_every_mismatch_raises_on_every_rank_and_the_group_recovers(n):
+    o = faults.FaultOptions(worlds=(n,), deaths=())
+    per_rank = faults.run_mismatches(o, n)
+    kinds_seen = set()
+    for rows in per_rank:
+        for codec, topo, kind, what, _ in rows:
+            if kind == "recovery":
+                xs = [faults._input(q, o.size) for q in range(n)]
+                want = hopq.simulate(xs, codec, topo, seed=1).outputs[0]
+                assert torch.equal(what, want), (codec, topo)
+            else:
+                assert what == "MismatchError", (codec, topo, kind, what)
+                kinds_seen.add(kind)
+    assert kinds_seen == set(faults.MISMATCHES)  # every kind applied to some codec
+    # every codec with options or adaptive state got those mismatches too
+    configs = {(c, t) for rows in per_rank for c, t, k, *_ in rows if k == "config"}
+    assert {c for c, _ in configs} >= {"dynamiq", "mxfp8", "thc", "omnireduce"}
+
+
+DEATH_CASES = [(kind, 3, topo) for kind in faults.DEATHS for topo in ("ring", "butterfly")] + [
+    ("dies mid-step", 2, "ring"),
+    ("never calls", 2, "butterfly"),
+    ("dies after its first send", 4, "ring"),
+    ("dies in the statistics exchange", 4, "butterfly"),
+]
+
+
+@pytest.mark.parametrize("kind, n, topo", DEATH_CASES)
+def test_a_dead_or_silent_rank_makes_every_survivor_raise_in_time(kind, n, topo):
+    o = faults.FaultOptions(timeout=3.0)
+    codec = "dynamiq" if kind == "dies in the statistics exchange" else "bf16"
+    r = faults.run_death(o, kind, n, topo, codec)
+    verdict = faults.survivor_verdicts(r, o.timeout)
+    assert verdict == {"TransportError in time": n - 1}, (verdict, [x.error for x in r.outcomes])
+    for out in r.outcomes:
+        if out.rank != r.victim:
+            assert "rank" in out.result[2]  # the message names a peer
+
+
+def test_wrong_sizes_are_caught_without_stale_bytes_or_aborts():
+    res = run_workers(3, wrong_sizes)
+    for extra in (-1, 1):
+        # the lying rank refuses to send; the others learn it from the header
+        assert res[0][f"liar{extra}"] == "CodecError", res[0].get(f"liar{extra}/msg")
+        for r in (1, 2):
+            assert res[r][f"liar{extra}"] == "TransportError"
+    assert "has 10 bytes, the plan says 20" in res[1]["short"]
