@@ -1,12 +1,15 @@
 # The two commands of the README: `make train` (the main job) and `make test`.
 # Both create .venv on first use; torch is pinned by constraints-dev.txt so
-# that pip takes the CPU build and never resolves a CUDA one.
+# that pip takes the CPU build and never resolves a CUDA one. `make test` also
+# builds .venv-torch (torch and hopq only, no extras) and runs every codec there.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TVENV ?= .venv-torch
+TSTAMP := $(TVENV)/.installed
 
-.PHONY: setup train test
+.PHONY: setup train test test-torch-only
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-dev.txt
@@ -14,10 +17,18 @@ $(STAMP): pyproject.toml constraints-dev.txt
 	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench,cpu,triton]"
 	touch $@
 
+$(TSTAMP): pyproject.toml constraints-dev.txt
+	$(PY) -m venv $(TVENV)
+	$(TVENV)/bin/pip install -q -c constraints-dev.txt -e .
+	touch $@
+
 train: setup
 	$(BIN)/hopq train $(ARGS)
 
-test: setup
+test-torch-only: $(TSTAMP)
+	$(TVENV)/bin/python tests/torch_only.py
+
+test: setup test-torch-only
 	$(BIN)/ruff check src tests
 	$(BIN)/ruff format --check src tests
 	$(BIN)/mypy src

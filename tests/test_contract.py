@@ -114,3 +114,120 @@ def test_codec_state_roundtrip_and_clone():
     d.load_state_dict(c.state_dict())
     assert d.round == 2
     assert ReduceOp.parse("avg") is ReduceOp.AVG
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_pipelined_equals_serial_for_any_microshards(codec, topology, n):
+    """Microshards and pipelining change how messages move, never the bits."""
+    xs = _inputs(n, 6007, seed=n)
+    ref = hopq.simulate(xs, codec, topology, seed=4, microshards=1, pipeline=False).outputs
+    for u in (2, 3):
+        for pipeline in (True, False):
+            got = hopq.simulate(xs, codec, topology, seed=4, microshards=u, pipeline=pipeline)
+            assert got.identical and got.stats[0].microshards == u
+            for a, b in zip(ref, got.outputs, strict=True):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (u, pipeline)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_finite_in_finite_out(codec):
+    """No codec turns finite input into NaN or Inf while the sums stay finite in
+    float32: one huge entry (either sign) among ordinary ones, up to 3.3e38."""
+    for mag in (1e5, 1e30, 1e36, 1e37, 3.3e38):
+        xs = _inputs(4, 3000, seed=1)
+        xs[1][100] = mag
+        xs[2][2500] = -mag
+        for topo in ("ring", "butterfly"):
+            r = hopq.simulate(xs, codec, topo, seed=2)
+            assert all(torch.isfinite(o).all() for o in r.outputs), (mag, topo)
+
+
+def test_omnireduce_never_hides_nonfinite_blocks():
+    """More non-finite blocks than its k: every one of them still travels."""
+    xs = _inputs(3, 64 * 256, seed=3)
+    for b in range(0, 64, 2):  # half the blocks, beyond the default k of a quarter
+        xs[b % 3][b * 256 + 7] = float("nan") if b % 4 else float("inf")
+    r = hopq.simulate(xs, hopq.get_codec("omnireduce", budget=4), "ring")
+    for b in range(0, 64, 2):
+        assert not torch.isfinite(r.outputs[0][b * 256 + 7])
+
+
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # garbage sums saturate THC's lanes
+def test_decoders_reject_or_survive_corrupt_payloads(codec):
+    """Fuzzed payloads (random bytes, truncated, extended, wrong dtype, strided):
+    every decode either works or raises PayloadError; nothing else escapes."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    c = hopq.get_codec(codec)
+    x = _inputs(1, 2000, seed=5)[0]
+    plan = c.plan(x, LocalStats(n_chunks=2, world_size=2))
+    work = c.prepare(plan, x)
+    ctx = HopContext(0, 0, 0, 1, 0, 2)
+    good = c.encode(plan, plan.chunk_view(work, 0).clone(), ctx)
+    n = plan.chunk_numel(0)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        st.sampled_from(["random", "truncate", "extend", "flip", "dtype", "strided"]),
+        st.integers(0, 2**31),
+    )
+    def fuzz(mode, seed):
+        g = torch.Generator().manual_seed(seed)
+        p = good.clone()
+        if mode == "random":
+            p = torch.randint(0, 256, p.shape, generator=g, dtype=torch.int64).to(torch.uint8)
+        elif mode == "truncate":
+            p = p[: int(torch.randint(0, max(1, p.numel()), (1,), generator=g))]
+        elif mode == "extend":
+            p = torch.cat([p, torch.zeros(1 + seed % 9, dtype=torch.uint8)])
+        elif mode == "flip" and p.numel():
+            i = int(torch.randint(0, p.numel(), (1,), generator=g))
+            p[i] ^= 1 << (seed % 8)
+        elif mode == "dtype":
+            p = p.to(torch.int32)
+        elif mode == "strided":
+            p = torch.stack([p, p], 1).reshape(-1)[::2]
+        for op in ("decode", "decode_accumulate", "decode_accumulate_encode"):
+            out = torch.zeros(n)
+            try:
+                if op == "decode":
+                    c.decode(plan, p, ctx, out)
+                elif op == "decode_accumulate":
+                    c.decode_accumulate(plan, p, out, ctx)
+                else:
+                    c.decode_accumulate_encode(plan, p, out, ctx)
+            except PayloadError:
+                pass
+
+    fuzz()
+
+
+def test_bad_configurations_fail_at_construction():
+    """The validation gaps found by fault testing: each is a clear error up front."""
+    from hopq.codecs.dynamiq import DynamiQ
+
+    for bad, err in (
+        ({"budget": float("inf")}, ValueError),
+        ({"supergroup_size": 2**24}, ValueError),
+        ({"widths": "248"}, TypeError),
+        ({"eps": ((8, 50.0),)}, ValueError),
+        ({"eps": "0.3"}, TypeError),
+    ):
+        with pytest.raises(err):
+            DynamiQ(**bad)
+    with pytest.raises(ValueError, match="mu_init"):
+        hopq.get_codec("mxfp8", mu_init=float("inf"))
+    with pytest.raises(TypeError, match="seed"):
+        hopq.simulate(_inputs(2, 8), "bf16", seed=1.5)
+    with pytest.raises(TypeError, match="key"):
+        hopq.simulate(_inputs(2, 8), "bf16", key="bucket")
+    with pytest.raises(ValueError, match="timeout"):
+        hopq.simulate(_inputs(2, 8), "bf16", timeout=0)
+    with pytest.raises(ValueError, match="unknown topology"):
+        hopq.HookState(codec="bf16", topology="butterfy")
+    with pytest.raises(ValueError, match="gather stage"):
+        hopq.simulate(_inputs(2, 8), "bf16", gather_codec="dynamiq")

@@ -59,3 +59,11 @@ def test_wrong_sizes_are_caught_without_stale_bytes_or_aborts():
         for r in (1, 2):
             assert res[r][f"liar{extra}"] == "TransportError"
     assert "has 10 bytes, the plan says 20" in res[1]["short"]
+
+
+def test_the_readme_example_exits_cleanly_under_torchrun():
+    """Every rank of every launch exits 0 (hopq bench exits --runs 30 for the docs)."""
+    from hopq.bench import exits
+
+    text = exits.run(exits.ExitOptions(runs=2, nproc=3))
+    assert "**2 exited 0**, 0 failed" in text, text

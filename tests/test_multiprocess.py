@@ -7,7 +7,7 @@ import torch
 import hopq
 from hopq.cluster.launch import run_workers as run_ranks
 from hopq.comm.topology import TOPOLOGIES, get_schedule
-from tests.workers import KEYED, SIZES, ddp_train, grid, keyed_input, make_input
+from tests.workers import KEYED, SIZES, ddp_train, grid, keyed_input, make_input, resume
 
 CODECS = hopq.available_codecs()
 
@@ -81,8 +81,29 @@ def test_grid(n):
         order = get_schedule(topo, n).owner
         assert torch.equal(torch.cat([shards[o] for o in order]), full)
         assert all(shards[r].numel() == 0 for r in range(n) if r not in order)
+    for codec in CODECS:
+        block = hopq.get_codec(codec).nonfinite_block()
+        for r in range(n):  # NaN and Inf where they were, on every rank
+            y = res[r][("nonfinite", codec)]
+            assert not torch.isfinite(y[300]) and not torch.isfinite(y[700]), codec
+            far = [i for i in range(y.numel()) if i // block not in (300 // block, 700 // block)]
+            assert torch.isfinite(y[far]).all(), codec
+        for topo in TOPOLOGIES:  # many microshards, pipelined: the simulator's bits
+            xs = [make_input("float", r, 20011) for r in range(n)]
+            sim = hopq.simulate(xs, codec, topo, seed=6)
+            assert torch.equal(_bits(sim.outputs[0]), _bits(res[0][("micro", codec, topo)]))
+            if n > 1:
+                assert res[0][("micro_u", codec, topo)] > 1
     assert res[0]["refused"] == ["torch.int64", "torch.complex64", "torch.bool"]
     assert torch.equal(res[0]["after_refusal"], torch.full((10,), float(sum(range(1, n + 1)))))
+
+
+def test_resume_is_bit_exact_for_every_codec():
+    """A codec that loads a rank's state_dict continues exactly where it stopped
+    (keyed calls included: DynamiQ's budget shares travel in its state)."""
+    res = run_ranks(3, resume, CODECS)
+    for r in range(3):
+        assert all(res[r].values()), {k: v for k, v in res[r].items() if not v}
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -72,6 +72,29 @@ def grid(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
                 info = hopq.all_reduce(x, codec=codec, topology=topo, seed=5, key=key)
                 out[("keyed", topo, step, key)] = x
                 out[("keyed_bytes", topo, step, key)] = info.bytes_sent
+    # NaN and Inf keep their place on every real rank
+    for codec in codecs:
+        x = make_input("float", rank, 4 * 256)
+        if rank == n - 1:
+            x[300] = float("nan")
+            x[700] = float("inf")
+        hopq.all_reduce(x, codec=codec, topology="butterfly", seed=3)
+        out[("nonfinite", codec)] = x
+    # microshards and pipelining in real runs: many small microshards, the same
+    # bits as the simulator's single-message plan
+    from hopq.comm import engine
+
+    saved = engine.MICROSHARD_COORDS
+    engine.MICROSHARD_COORDS = 1500
+    try:
+        for codec in codecs:
+            for topo in TOPOLOGIES:
+                x = make_input("float", rank, 20011)
+                info = hopq.all_reduce(x, codec=codec, topology=topo, seed=6)
+                out[("micro", codec, topo)] = x
+                out[("micro_u", codec, topo)] = info.microshards
+    finally:
+        engine.MICROSHARD_COORDS = saved
     # bad dtypes are refused before anything is sent: the group stays usable
     refused = []
     for bad in (
@@ -87,6 +110,38 @@ def grid(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
     x = torch.full((10,), float(rank + 1))
     hopq.all_reduce(x, codec="fp32")
     out["after_refusal"] = x
+    return out
+
+
+def resume(rank: int, n: int, codecs: list[str]) -> dict[str, Any]:
+    """Per codec: four keyed calls straight through, and the same four calls by a
+    fresh codec that loaded this rank's state after the second: equal bit for bit."""
+    import copy
+
+    out: dict[str, Any] = {}
+    for name in codecs:
+        for topo in TOPOLOGIES:
+            straight = hopq.get_codec(name)
+            ys, saved = [], None
+            for step in range(4):
+                if step == 2:
+                    saved = copy.deepcopy(straight.state_dict())
+                for key, size, scale in KEYED:
+                    x = keyed_input(rank, step, size, scale)
+                    hopq.all_reduce(x, codec=straight, topology=topo, seed=8, key=key)
+                    ys.append(x)
+            resumed = hopq.get_codec(name)
+            resumed.load_state_dict(saved)
+            zs = []
+            for step in range(2, 4):
+                for key, size, scale in KEYED:
+                    x = keyed_input(rank, step, size, scale)
+                    hopq.all_reduce(x, codec=resumed, topology=topo, seed=8, key=key)
+                    zs.append(x)
+            out[(name, topo)] = all(
+                torch.equal(a.view(torch.int32), b.view(torch.int32))
+                for a, b in zip(ys[2 * len(KEYED) :], zs, strict=True)
+            )
     return out
 
 

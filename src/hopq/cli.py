@@ -141,6 +141,8 @@ def parser() -> tuple[
     """The parser, and per command: its sub-parser, option class and runner."""
     from hopq.bench.allreduce import Options as AllreduceOptions
     from hopq.bench.cost_model import ModelOptions
+    from hopq.bench.exits import ExitOptions
+    from hopq.bench.faults import FaultOptions
     from hopq.bench.kernels import KernelOptions
     from hopq.bench.vnmse import VnmseOptions
     from hopq.train.job import TrainOptions
@@ -172,6 +174,10 @@ def parser() -> tuple[
          "compression error of every codec on real gradients"),
         ("model", ModelOptions, "hopq.bench.cost_model",
          "alpha-beta-gamma cost model: calibrate, predict, validate"),
+        ("faults", FaultOptions, "hopq.bench.faults",
+         "mismatched calls and dying ranks on real Gloo groups: the outcome table"),
+        ("exits", ExitOptions, "hopq.bench.exits",
+         "the README's example under torchrun, again and again: every run must exit 0"),
     ):  # fmt: skip
         bp = bsub.add_parser(name, help=what, description=what)
         add_options(bp, cls)
