@@ -44,6 +44,9 @@ class Options:
     rate_mbit: float = option(
         0.0, "per-worker link of an emulated network in Mbit/s; 0: plain loopback"
     )
+    agreement_cost: bool = option(
+        False, "instead: time every codec with and without the agreement, interleaved"
+    )
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.min_bytes < 4 or self.max_bytes < self.min_bytes:
@@ -92,6 +95,56 @@ def _step_latency(rank: int, n: int) -> float:
     return statistics.median(_time(step, 100))
 
 
+def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, bool], float]:
+    """Median time per (method, size) with the agreement on and off; the two are
+    timed in alternation, so that drift on a shared machine hits both alike."""
+    from hopq.comm import engine
+
+    out: dict[tuple[str, int, bool], float] = {}
+    methods = [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
+    codecs = {m: get_codec(m.split("/")[0]) for m in methods}
+    for size in _sizes(o):
+        x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+        for m in methods:
+            fn = functools.partial(all_reduce, x, codecs[m], m.split("/")[1])
+            fn()
+            first = _time(fn, 1)[0]
+            iters = max(5, min(100, int(o.budget_s / max(first, 1e-6))))
+            times: dict[bool, list[float]] = {True: [], False: []}
+            try:
+                for _ in range(iters):
+                    for on in (True, False):
+                        engine.AGREEMENT = on
+                        times[on] += _time(fn, 1)
+            finally:
+                engine.AGREEMENT = True
+            for on in (True, False):
+                out[(m, size, on)] = statistics.median(times[on])
+    return out
+
+
+def _agreement_report(o: Options) -> str:
+    n = o.world_size
+    res = run_workers(n, _agreement_worker, o)[0]
+    rows = []
+    for size in _sizes(o):
+        for c in o.resolved_codecs():
+            for t in o.topologies:
+                m = f"{c}/{t}"
+                on, off = res[(m, size, True)], res[(m, size, False)]
+                rows.append(
+                    [human_bytes(size), m, f"{off * 1e3:.2f}", f"{on * 1e3:.2f}",
+                     f"{(on - off) * 1e3:+.2f}", f"{(on / off - 1) * 100:+.0f}%"]
+                )  # fmt: skip
+    return (
+        f"{n} Gloo ranks on one machine ({machine()}), over loopback; median of "
+        "alternating runs with and without the agreement.\n\n"
+        + markdown_table(
+            ["size", "method", "without (ms)", "with (ms)", "agreement (ms)", "share"], rows
+        )
+    )
+
+
 def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
     out: dict[tuple[str, int], float] = {}
     if n > 1:
@@ -115,6 +168,8 @@ def run(o: Options) -> str:
     """Run the benchmark; return the report (markdown)."""
     from hopq.cluster.network import EmulatedNetwork, unavailable_reason
 
+    if o.agreement_cost:
+        return _agreement_report(o)
     n = o.world_size
     where = "loopback"
     if o.rate_mbit > 0:

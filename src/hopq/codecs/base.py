@@ -247,6 +247,10 @@ class Codec(ABC, Generic[P]):
     #: it then plans from chunk sizes alone (:meth:`plan_gather`), with no
     #: statistics and no transform of the vector.
     gather_stage: ClassVar[bool] = False
+    #: Bytes of the first statistics its plan exchanges, when they do not depend
+    #: on the input's size: they then travel with the call's agreement (one
+    #: round of messages fewer). None: they travel on their own.
+    first_stats_nbytes: ClassVar[int | None] = None
 
     def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
         if config is None:

@@ -87,6 +87,8 @@ class MXCodec(Codec[MXPlan]):
     #: mu moves by a factor 2^(-1/1000) per quiet round: it settles over thousands of
     #: training rounds, which a one-round benchmark does not emulate (it measures mu = n).
     warmup_rounds: ClassVar[int] = 0
+    #: Its first statistics: last round's saturation counts, two float64.
+    first_stats_nbytes: ClassVar[int | None] = 16
 
     def __init__(self, config: MXConfig | None = None, **overrides: Any) -> None:
         super().__init__(config, **overrides)

@@ -138,6 +138,8 @@ class THC(Codec[THCPlan]):
     config_class = THCConfig
     config: THCConfig
     layout_preserving: ClassVar[bool] = False
+    #: Its only statistic, the global maximum: one float64.
+    first_stats_nbytes: ClassVar[int | None] = 8
 
     def __init__(self, config: THCConfig | None = None, **overrides: Any) -> None:
         super().__init__(config, **overrides)

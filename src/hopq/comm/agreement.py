@@ -135,19 +135,39 @@ def fingerprint(
     ]
 
 
+#: Bytes of a codec's first statistics that may ride along with the fingerprint
+#: (a codec whose first statistics have a fixed size, ``Codec.first_stats_nbytes``,
+#: saves a round of messages). Every rank's message has this room, used or not,
+#: so that messages of ranks that disagree still have equal sizes.
+FOLD_BYTES = 64
+
+
 def agree(
     transport: Transport,
     mine: list[int],
     deadline: Deadline,
     where: Where,
     describe: dict[str, str],
-) -> None:
+    extra: torch.Tensor | None = None,
+) -> list[torch.Tensor] | None:
     """All-gather the fingerprints; raise MismatchError on every rank if they differ.
-    ``describe`` gives this rank's readable value of each field (for the message)."""
-    if transport.world_size == 1:
-        return
-    t = torch.tensor(mine, dtype=torch.int64)
-    prints = [p.tolist() for p in all_gather(transport, t, deadline, where)]
+    ``describe`` gives this rank's readable value of each field (for the message).
+    ``extra`` (at most FOLD_BYTES bytes) rides along; every rank's is returned,
+    in rank order, once the fingerprints agree."""
+    k = len(FIELDS)
+    block = torch.zeros(8 * (k + 1) + FOLD_BYTES, dtype=torch.uint8)
+    block[: 8 * k] = torch.tensor(mine, dtype=torch.int64).view(torch.uint8)
+    raw = None if extra is None else extra.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+    if raw is not None:
+        if raw.numel() > FOLD_BYTES:
+            raise ValueError(
+                f"at most {FOLD_BYTES} bytes ride with the agreement, got {raw.numel()}"
+            )
+        block[8 * k : 8 * k + 8] = torch.tensor([raw.numel()], dtype=torch.int64).view(torch.uint8)
+        block[8 * k + 8 : 8 * k + 8 + raw.numel()] = raw
+    alone = transport.world_size == 1
+    blocks = [block] if alone else all_gather(transport, block, deadline, where)
+    prints = [b[: 8 * k].clone().view(torch.int64).tolist() for b in blocks]
     diffs = []
     for i, field in enumerate(FIELDS):
         values = [p[i] for p in prints]
@@ -167,6 +187,18 @@ def agree(
             f"{where.call}): {'; '.join(diffs)}. This rank has {describe_line(describe, diffs)}. "
             "No payload was sent; the group is still usable."
         )
+    if raw is None:
+        return None
+    out = []
+    for b in blocks:
+        n = int(b[8 * k : 8 * k + 8].clone().view(torch.int64))
+        if n != raw.numel():
+            raise MismatchError(
+                f"rank {transport.rank}: the ranks' first statistics differ in size in "
+                f"{where.what} (call {where.call})"
+            )
+        out.append(b[8 * k + 8 : 8 * k + 8 + n].clone())
+    return out
 
 
 def _show(field: str, values: list[int]) -> str:

@@ -64,6 +64,9 @@ DEFAULT_TIMEOUT_S = 300.0
 #: ceil(d / n / MICROSHARD_COORDS) messages (at most MAX_MICROSHARDS).
 MICROSHARD_COORDS = 1 << 20
 MAX_MICROSHARDS = 8
+#: Whether calls start with the agreement. Only ``hopq bench allreduce
+#: --agreement-cost`` turns it off, to measure what it costs; never in use.
+AGREEMENT = True
 
 
 def auto_microshards(numel: int, n_chunks: int, world_size: int) -> int:
@@ -121,9 +124,41 @@ def bits_per_coordinate(bytes_sent: float, world_size: int, numel: int) -> float
     return 8 * bytes_sent / denom if denom else float("nan")
 
 
+class _Agreement:
+    """The call's agreement, run once: on its own, or carrying the codec's first
+    statistics when they have the fixed size the codec declares
+    (``first_stats_nbytes``), which saves that exchange its own round."""
+
+    def __init__(
+        self, transport: Transport, mine: list[int], deadline: Deadline, where: Where,
+        describe: dict[str, str], fold: int | None,
+    ) -> None:  # fmt: skip
+        self.transport, self.mine, self.deadline = transport, mine, deadline
+        self.where, self.describe, self.fold = where, describe, fold
+        self.done = not AGREEMENT or transport.world_size == 1
+        self.seconds = 0.0
+        self.bytes = 0
+
+    def run(self, extra: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+        self.done = True
+        t0 = time.perf_counter()
+        try:
+            out = agreement.agree(
+                self.transport, self.mine, self.deadline, self.where, self.describe, extra
+            )
+        finally:
+            self.seconds += time.perf_counter() - t0
+        n = self.transport.world_size
+        self.bytes += max(1, (n - 1).bit_length()) * (
+            framing.header_nbytes(1) + 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
+        )
+        return out
+
+
 class _StatsExchange:
     """The codec's view of the statistics exchange: a framed all-gather, then a
-    reduction in rank order (bit-identical on every rank and in the simulator)."""
+    reduction in rank order (bit-identical on every rank and in the simulator).
+    Its first exchange may ride with the call's agreement (:class:`_Agreement`)."""
 
     def __init__(
         self,
@@ -135,6 +170,7 @@ class _StatsExchange:
         key: int | None,
         deadline: Deadline,
         where: Where,
+        agreement: _Agreement,
     ) -> None:
         self.transport = transport
         self.rank = transport.rank
@@ -146,6 +182,7 @@ class _StatsExchange:
         self.key = key
         self.deadline = deadline
         self.where = where
+        self.agreement = agreement
         self.calls = 0
         self.bytes = 0.0
         self.frame_bytes = 0
@@ -154,16 +191,32 @@ class _StatsExchange:
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         n = self.world_size
         op = StatsOp(op)
-        if t.numel() == 0 or n == 1:  # same shape on every rank: nothing to exchange
-            return t.clone()
-        self.bytes += 2 * (n - 1) / n * t.numel() * t.element_size()
-        rounds = max(1, (n - 1).bit_length())
-        self.frame_bytes += rounds * framing.header_nbytes(1)
-        self.calls += 1
-        here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
-        t0 = time.perf_counter()
-        parts = all_gather(self.transport, t, self.deadline, here)
-        self.seconds += time.perf_counter() - t0
+        nbytes = t.numel() * t.element_size()
+        pending = not self.agreement.done
+        if pending and self.agreement.fold is not None and self.calls == 0 and n > 1:
+            if nbytes != self.agreement.fold:
+                raise CodecError(
+                    f"the codec declared {self.agreement.fold} bytes of first statistics, "
+                    f"its plan exchanged {nbytes}"
+                )
+            self.calls += 1
+            self.bytes += 2 * (n - 1) / n * nbytes
+            extras = self.agreement.run(t)
+            assert extras is not None
+            parts = [e.view(t.dtype).view(t.shape).to(t.device) for e in extras]
+        else:
+            if pending:
+                self.agreement.run()
+            if t.numel() == 0 or n == 1:  # same shape on every rank: nothing to exchange
+                return t.clone()
+            self.bytes += 2 * (n - 1) / n * nbytes
+            rounds = max(1, (n - 1).bit_length())
+            self.frame_bytes += rounds * framing.header_nbytes(1)
+            self.calls += 1
+            here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
+            t0 = time.perf_counter()
+            parts = all_gather(self.transport, t, self.deadline, here)
+            self.seconds += time.perf_counter() - t0
         acc = parts[0].clone()
         for p in parts[1:]:
             if op is StatsOp.SUM:
@@ -471,44 +524,40 @@ def run(
         if microshards is not None
         else auto_microshards(x.numel(), schedule.n_chunks, n)
     )
-    # 1. agreement
-    t0 = time.perf_counter()
+    # 1. agreement (it may ride with the codec's first statistics)
     mine = agreement.fingerprint(
         call=call, x=x, codec=codec, gather_codec=gcodec, topology=schedule.topology,
         op=ReduceOp(op).value, seed=seed, key=key, kind=kind, microshards=u,
     )  # fmt: skip
-    agreement.agree(
-        transport,
-        mine,
-        deadline,
-        Where(label, call, -1000, 0, "agreement"),
-        {
-            "numel": str(x.numel()),
-            "dtype": str(x.dtype),
-            "device": x.device.type,
-            "codec": codec.name,
-            "config": repr(codec.config),
-            "gather codec": gcodec.name,
-            "topology": schedule.topology,
-            "op": ReduceOp(op).value,
-            "seed": str(seed),
-            "round": str(codec.round),
-            "key": str(key),
-            "kind": kind,
-        },
-    )
-    if n > 1:
-        info.frame_bytes += max(1, (n - 1).bit_length()) * (
-            framing.header_nbytes(1) + 8 * len(agreement.FIELDS)
-        )
-    info.comm_seconds += time.perf_counter() - t0
+    describe = {
+        "numel": str(x.numel()),
+        "dtype": str(x.dtype),
+        "device": x.device.type,
+        "codec": codec.name,
+        "config": repr(codec.config),
+        "gather codec": gcodec.name,
+        "topology": schedule.topology,
+        "op": ReduceOp(op).value,
+        "seed": str(seed),
+        "round": str(codec.round),
+        "key": str(key),
+        "kind": kind,
+        "microshards": str(u),
+    }
+    fold = codec.first_stats_nbytes
+    agreed = _Agreement(
+        transport, mine, deadline, Where(label, call, -1000, 0, "agreement"), describe,
+        fold if fold is not None and fold <= agreement.FOLD_BYTES else None,
+    )  # fmt: skip
     # 2. plan
     info.microshards = u
     stats = _StatsExchange(
         transport, schedule.n_chunks, u, seed, codec.round, key, deadline,
-        Where(label, call, -1, 0, "statistics"),
+        Where(label, call, -1, 0, "statistics"), agreed,
     )  # fmt: skip
     plan = codec.plan(x, stats)
+    if not agreed.done:  # a codec without statistics: the agreement on its own
+        agreed.run()
     if len(plan.chunks) != schedule.n_chunks * u:
         raise RuntimeError(
             f"{codec.name} planned {len(plan.chunks)} chunks, the schedule needs "
@@ -544,8 +593,8 @@ def run(
             f"schedule left partial sums unsent on rank {rank}: parts {sorted(st.outgoing)}"
         )
     info.stats_bytes = stats.bytes
-    info.frame_bytes += stats.frame_bytes
-    info.comm_seconds += stats.seconds
+    info.frame_bytes += stats.frame_bytes + agreed.bytes
+    info.comm_seconds += stats.seconds + agreed.seconds
     info.owned = tuple(
         plan.chunks[st.part(c, j)] for c in schedule.owned_chunks(rank) for j in range(u)
     )
