@@ -7,7 +7,16 @@ import torch
 import hopq
 from hopq.cluster.launch import run_workers as run_ranks
 from hopq.comm.topology import TOPOLOGIES, get_schedule
-from tests.workers import KEYED, SIZES, ddp_train, grid, keyed_input, make_input, resume
+from tests.workers import (
+    KEYED,
+    SIZES,
+    ddp_failure,
+    ddp_train,
+    grid,
+    keyed_input,
+    make_input,
+    resume,
+)
 
 CODECS = hopq.available_codecs()
 
@@ -129,3 +138,23 @@ def test_ddp_hook_matches_plain_ddp(n):
     # to that order (measured 0.19-0.22 of the update), far from diverging
     assert (dq - plain).norm().item() <= 0.35 * update
     assert res[0]["fp32/calls"] > steps  # several buckets per step went through the hook
+
+
+def test_overlapped_hook_equals_synchronous_hook():
+    """The communication thread changes when the work runs, not what it computes:
+    the same parameters bit for bit, the buckets in the same order."""
+    codecs = ["bf16", "dynamiq", "thc", "mxfp8"]
+    over = run_ranks(2, ddp_train, codecs, 4, True)
+    sync = run_ranks(2, ddp_train, codecs, 4, False)
+    for r in range(2):
+        for c in codecs:
+            assert torch.equal(over[r][c], sync[r][c]), c
+            assert over[r][f"{c}/order"] == sync[r][f"{c}/order"], c
+            assert len(over[r][f"{c}/order"]) > 1
+
+
+def test_overlapped_hook_errors_reach_backward():
+    res = run_ranks(2, ddp_failure)
+    for r in range(2):
+        assert res[r]["raised"] is not None, res[r]
+    assert "CodecError: rank 0: codec 'bf16' produced" in res[0]["msg"], res[0]

@@ -156,7 +156,9 @@ class TinyNet(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def ddp_train(rank: int, n: int, codecs: list[str | None], steps: int) -> dict[str, Any]:
+def ddp_train(
+    rank: int, n: int, codecs: list[str | None], steps: int, overlap: bool = True
+) -> dict[str, Any]:
     """Train TinyNet with plain DDP (None) or the hopq hook for each codec."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -168,7 +170,9 @@ def ddp_train(rank: int, n: int, codecs: list[str | None], steps: int) -> dict[s
         ddp = DDP(model, bucket_cap_mb=0.01)
         state = None
         if codec is not None:
-            state = hopq.HookState(codec=codec, topology="butterfly" if n == 3 else "ring")
+            state = hopq.HookState(
+                codec=codec, topology="butterfly" if n == 3 else "ring", overlap=overlap
+            )
             ddp.register_comm_hook(state, hopq.ddp_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
         g = torch.Generator().manual_seed(rank)
@@ -181,7 +185,25 @@ def ddp_train(rank: int, n: int, codecs: list[str | None], steps: int) -> dict[s
         out[str(codec)] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         if state is not None:
             out[f"{codec}/calls"] = state.codec.round
+            out[f"{codec}/order"] = [c.numel for c in state.pop_stats()]
     return out
+
+
+def ddp_failure(rank: int, n: int) -> dict[str, Any]:
+    """The overlapped hook with a codec that breaks its size contract on rank 0:
+    the error reaches backward() on every rank, nothing hangs."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    ddp = DDP(TinyNet(), bucket_cap_mb=0.01)
+    state = hopq.HookState(codec=ShortPayloads(), timeout=20.0)
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    x = torch.randn(8, 16)
+    try:
+        ddp(x).square().mean().backward()
+        return {"raised": None}
+    except Exception as e:  # noqa: BLE001
+        return {"raised": type(e).__name__, "msg": str(e)}
 
 
 class ShortPayloads(hopq.get_codec("bf16").__class__):  # type: ignore[misc]

@@ -3,7 +3,7 @@
 from hopq.codecs import Codec, available_codecs, get_codec
 from hopq.comm import RunStats, all_reduce, reduce_scatter
 from hopq.errors import CodecError, HopqError, MismatchError, PayloadError, TransportError
-from hopq.integrations import HookState, ddp_hook
+from hopq.integrations import HookState, StepMetrics, ddp_hook
 from hopq.sim import SimResult, simulate
 
 __version__ = "0.1.0"
@@ -12,6 +12,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "HookState",
+    "StepMetrics",
     "HopqError",
     "MismatchError",
     "PayloadError",

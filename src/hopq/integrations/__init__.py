@@ -1,5 +1,5 @@
 """Framework integrations."""
 
-from hopq.integrations.ddp import HookState, ddp_hook
+from hopq.integrations.ddp import HookState, StepMetrics, ddp_hook
 
-__all__ = ["HookState", "ddp_hook"]
+__all__ = ["HookState", "StepMetrics", "ddp_hook"]

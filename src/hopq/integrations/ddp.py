@@ -1,8 +1,24 @@
-"""DDP communication hook: ``model.register_comm_hook(state, hopq.ddp_hook)``."""
+"""DDP communication hook: ``model.register_comm_hook(state, hopq.ddp_hook)``.
+
+The hook overlaps like DDP's own all-reduce: it hands the bucket to the state's
+communication thread and returns a pending future, so a bucket's compressed
+all-reduce runs while autograd computes the gradients of earlier layers. One
+thread per state runs the buckets one after another, in the order DDP hands
+them over, which is the same on every rank; the codec kernels release the GIL
+(numba ``nogil``, torch ops), so codec work and compute use different cores. On
+CUDA the thread works on a side stream that first waits for the bucket's
+gradients, and the future carries that stream's completion to DDP.
+``HookState(overlap=False)`` runs each bucket inside the hook instead; both
+paths give the same bits.
+"""
 
 # No "from __future__ import annotations": DDP compares the hook's annotations
 # with dist.GradBucket and Future[Tensor] as objects.
+import threading
 import time
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,9 +27,31 @@ import torch.distributed as dist
 from hopq.codecs.base import Codec
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import all_reduce
-from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
+from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats, bits_per_coordinate
 from hopq.comm.topology import get_schedule
 from hopq.options import check_finite, check_int
+
+#: Records kept when nobody pops them (``state.calls`` must not grow forever).
+MAX_KEPT_CALLS = 4096
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One training step's communication, summed over its buckets."""
+
+    buckets: int
+    numel: int
+    #: Bytes this rank sent (payload and statistics).
+    bytes_sent: float
+    bits_per_coordinate: float
+    #: Seconds the communication thread (or the hook) worked on the buckets.
+    seconds: float
+    #: Of those, seconds spent waiting on the network.
+    comm_seconds: float
+
+    @property
+    def codec_seconds(self) -> float:
+        return self.seconds - self.comm_seconds
 
 
 class HookState:
@@ -23,6 +61,8 @@ class HookState:
     first call, so the state can be built before ``init_process_group``. One
     codec instance lives here for the whole training, so adaptive codecs keep
     their state and the round counter (part of the RNG key) advances.
+    ``overlap`` (default True): run the buckets on a communication thread while
+    the backward pass goes on (see the module's docstring).
     """
 
     def __init__(
@@ -34,6 +74,7 @@ class HookState:
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         gather_codec: "str | Codec[Any] | None" = None,
+        overlap: bool = True,
         **codec_config: Any,
     ) -> None:
         self.codec = get_codec(codec, **codec_config)
@@ -45,8 +86,13 @@ class HookState:
         self.gather_codec = None if gather_codec is None else get_codec(gather_codec)
         if self.gather_codec is not None and not self.gather_codec.gather_stage:
             self.gather_codec.plan_gather(0, ())  # raises why it cannot
-        #: Stats of every bucket of the last step, appended by the hook.
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {overlap!r}")
+        self.overlap = overlap
+        #: Stats of every bucket since the last pop (the most recent
+        #: MAX_KEPT_CALLS when nobody pops them).
         self.calls: list[RunStats] = []
+        self._dropped = 0
         #: When set, the hook also runs an exact float64 all-reduce of each bucket
         #: and accumulates the compressed result's error against it (vNMSE).
         self.measure_error = False
@@ -54,18 +100,54 @@ class HookState:
         self.ref_sq = 0.0
         #: Seconds spent on those exact all-reduces (to leave out of step timings).
         self.exact_seconds = 0.0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._stream: Any = None
+
+    # -- records ------------------------------------------------------------
+    def _record(self, info: RunStats) -> None:
+        with self._lock:
+            self.calls.append(info)
+            if len(self.calls) > MAX_KEPT_CALLS:
+                drop = len(self.calls) - MAX_KEPT_CALLS
+                del self.calls[:drop]
+                self._dropped += drop
+                if self._dropped == drop:
+                    warnings.warn(
+                        f"hopq: HookState keeps the last {MAX_KEPT_CALLS} bucket records; "
+                        "call state.pop_stats() or state.step_metrics() once per step",
+                        stacklevel=2,
+                    )
 
     def pop_stats(self) -> list[RunStats]:
         """The stats of every call since the last pop (e.g. one training step)."""
-        out, self.calls = self.calls, []
+        with self._lock:
+            out, self.calls = self.calls, []
         return out
+
+    def step_metrics(self) -> StepMetrics:
+        """The calls since the last pop summed into one record (and popped):
+        call it once per training step, e.g. to log bits per coordinate."""
+        calls = self.pop_stats()
+        numel = sum(c.numel for c in calls)
+        sent = sum(c.bytes_sent for c in calls)
+        n = calls[0].world_size if calls else 1
+        return StepMetrics(
+            len(calls),
+            numel,
+            sent,
+            bits_per_coordinate(sent, n, numel) if numel else float("nan"),
+            sum(c.seconds for c in calls),
+            sum(c.comm_seconds for c in calls),
+        )
 
     def pop_error(self) -> tuple[float, float]:
         """(vNMSE over the buckets measured since the last pop, seconds of exact
         all-reduces); NaN when nothing was measured."""
-        v = self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
-        out = (v, self.exact_seconds)
-        self.err_sq = self.ref_sq = self.exact_seconds = 0.0
+        with self._lock:
+            v = self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
+            out = (v, self.exact_seconds)
+            self.err_sq = self.ref_sq = self.exact_seconds = 0.0
         return out
 
     def state_dict(self) -> dict[str, Any]:
@@ -75,34 +157,108 @@ class HookState:
         self.codec.load_state_dict(state["codec"])
         self.seed = int(state["seed"])
 
+    # -- the communication thread ---------------------------------------------
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            # one worker: buckets run in submission order, the same on every rank
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="hopq-comm")
+        return self._pool
 
-def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average the bucket's gradients over the group with hopq's compressed all-reduce.
+    def close(self) -> None:
+        """Finish the queued buckets and stop the communication thread (it is
+        also stopped at interpreter exit); the state stays usable."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
-    The hops run to completion inside the hook (Gloo's point-to-point works have
-    no futures), and a completed future is returned; on CUDA the work is queued
-    on the current stream, which DDP waits on.
-    """
-    buf = bucket.buffer()
+    def __getstate__(self) -> dict[str, Any]:
+        d = self.__dict__.copy()
+        d["_lock"] = d["_pool"] = d["_stream"] = None
+        return d
+
+    def __setstate__(self, d: dict[str, Any]) -> None:
+        self.__dict__.update(d)
+        self._lock = threading.Lock()
+
+
+def _reduce(state: HookState, buf: torch.Tensor, index: int) -> None:
+    """One bucket's all-reduce (and, when asked, its exact reference)."""
     exact = None
     if state.measure_error:
         t0 = time.perf_counter()
         exact = buf.detach().to(torch.float64)
         dist.all_reduce(exact, group=state.process_group)
         exact /= dist.get_world_size(state.process_group)
-        state.exact_seconds += time.perf_counter() - t0
+        with state._lock:
+            state.exact_seconds += time.perf_counter() - t0
     # the bucket index names the bucket from step to step (DynamiQ shares the
     # step's bit budget across buckets by it)
     info = all_reduce(
-        buf, state.codec, state.topology, "avg", state.process_group, state.seed, bucket.index(),
+        buf, state.codec, state.topology, "avg", state.process_group, state.seed, index,
         timeout=state.timeout, gather_codec=state.gather_codec,
     )  # fmt: skip
     if exact is not None:
-        state.err_sq += float((buf.to(torch.float64) - exact).square().sum())
-        state.ref_sq += float(exact.square().sum())
-    state.calls.append(info)
+        err = float((buf.to(torch.float64) - exact).square().sum())
+        ref = float(exact.square().sum())
+        with state._lock:
+            state.err_sq += err
+            state.ref_sq += ref
+    state._record(info)
+
+
+def _run(
+    state: HookState,
+    buf: torch.Tensor,
+    index: int,
+    fut: "torch.futures.Future[torch.Tensor]",
+    ready: Any,
+) -> None:
+    """On the communication thread: reduce, then complete (or fail) the future."""
+    try:
+        if ready is None:
+            _reduce(state, buf, index)
+            fut.set_result(buf)
+            return
+        if state._stream is None:
+            state._stream = torch.cuda.Stream(device=buf.device)
+        stream = state._stream
+        stream.wait_event(ready)  # the bucket's gradients are written
+        with torch.cuda.stream(stream):
+            buf.record_stream(stream)
+            _reduce(state, buf, index)
+            fut.set_result(buf)  # the future records this stream's work
+    except BaseException as e:  # noqa: BLE001 - every failure reaches the training step
+        fut.set_exception(e)
+
+
+def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average the bucket's gradients over the group with hopq's compressed all-reduce.
+
+    Returns a pending future (``state.overlap``, the default) that the
+    communication thread completes, or a completed one. An error inside the
+    all-reduce is raised by DDP in the training step's backward pass.
+    """
+    buf = bucket.buffer()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buf.device] if buf.is_cuda else None
     )
-    fut.set_result(buf)
-    return fut
+    if not state.overlap:
+        _reduce(state, buf, bucket.index())
+        fut.set_result(buf)
+        return fut
+    ready = None
+    if buf.is_cuda:
+        ready = torch.cuda.Event()
+        ready.record()  # on the stream that wrote the bucket
+    state._executor().submit(_run, state, buf, bucket.index(), fut, ready)
+    # DDP reads the future's value in C++, where an exception set from Python
+    # would arrive as "Unable to cast ... to Tensor"; a callback that raises
+    # marks the chained future as failed with the error's own words
+    return fut.then(_unwrap)
+
+
+def _unwrap(fut: "torch.futures.Future[torch.Tensor]") -> torch.Tensor:
+    try:
+        return fut.value()
+    except Exception as e:
+        raise RuntimeError(f"hopq.ddp_hook: {type(e).__name__}: {e}") from e
