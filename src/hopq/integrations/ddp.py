@@ -228,7 +228,7 @@ def _run(
             _reduce(state, buf, index)
             fut.set_result(buf)  # the future records this stream's work
     except BaseException as e:  # noqa: BLE001 - every failure reaches the training step
-        fut.set_exception(e)
+        fut.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
 
 
 def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
