@@ -11,9 +11,11 @@ from hopq.train import job as train
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     o = train.TrainOptions(
-        codecs=("bf16", "dynamiq"),
+        codecs=("torch:ddp", "torch:fp16", "torch:powersgd", "bf16", "dynamiq"),
         world_size=2,
         steps=6,
+        powersgd_start=2,
+        probe_every=2,
         eval_every=3,
         vnmse_every=2,
         gpt_dim=32,
@@ -40,21 +42,40 @@ def test_report_and_plots_are_written(tiny):
 def test_numbers_are_consistent(tiny):
     o, out, _ = tiny
     runs = {r["codec"]: r for r in json.loads((out / "runs.json").read_text())}
+    assert list(runs) == list(o.codecs)  # every contender, in order
     n, d = o.world_size, runs["bf16"]["params"]
+    ring = 2 * (n - 1) / n * d
     for s in runs["bf16"]["steps"]:
         # bf16 on the wire: 2 bytes per coordinate, 2(n-1)/n of the vector per rank
-        assert s["bytes"] == pytest.approx(2 * (n - 1) / n * d * 2, rel=1e-9)
+        assert s["bytes"] == pytest.approx(ring * 2, rel=1e-9)
         assert s["bits_per_coord"] == pytest.approx(16.0)
-        assert s["step_s"] == pytest.approx(s["compute_s"] + s["codec_s"] + s["comm_s"], rel=1e-6)
+        assert s["exposed_s"] == pytest.approx(max(0.0, s["step_s"] - s["compute_s"]))
+        assert s["codec_s"] > 0 and s["comm_s"] > 0  # the hook's thread reported its work
+    for s in runs["torch:fp16"]["steps"]:  # counted from what torch's hook all-reduced
+        assert s["bits_per_coord"] == pytest.approx(16.0)
+    assert all(s["bits_per_coord"] == pytest.approx(32.0) for s in runs["torch:ddp"]["steps"])
+    psgd = [s["bits_per_coord"] for s in runs["torch:powersgd"]["steps"]]
+    assert psgd[0] == pytest.approx(32.0) and max(psgd[2:]) < 32.0  # compresses from step 2
+    for r in runs.values():  # compute probed at steps 1, 3, 5 for every contender
+        probed = [s["step"] for s in r["steps"] if s["probe_s"] == s["probe_s"]]
+        assert probed == [1, 3, 5]
+        assert all(s["compute_s"] > 0 for s in r["steps"][1:])
     measured = [s["vnmse"] for s in runs["bf16"]["steps"] if s["vnmse"] == s["vnmse"]]
     assert len(measured) == 3  # steps 0, 2, 4
     assert all(1e-8 < v < 2 * 2**-16 for v in measured)  # bf16 rounding, 2 hops
     for s in runs["dynamiq"]["steps"]:
         assert s["bits_per_coord"] <= 5.0 + 1e-9
-        assert 8 * s["bytes"] / (2 * (n - 1) / n * d) == pytest.approx(s["bits_per_coord"])
+        assert 8 * s["bytes"] / ring == pytest.approx(s["bits_per_coord"])
     dq = [s["vnmse"] for s in runs["dynamiq"]["steps"] if s["vnmse"] == s["vnmse"]]
     assert all(max(measured) < v < 0.5 for v in dq)
     assert len(runs["dynamiq"]["evals"]) == 3  # before training, after step 3 and 6
+
+
+def test_report_names_the_baseline_and_the_interleaving(tiny):
+    _, _, text = tiny
+    assert "Verdicts against torch:" in text  # judged against torch's best option
+    assert "interleaved" in text
+    assert "median compute differs by" in text
 
 
 def test_options_are_validated():
@@ -62,8 +83,13 @@ def test_options_are_validated():
         train.TrainOptions(workload="resnet")
     with pytest.raises(ValueError, match="unknown codec"):
         train.TrainOptions(codecs=("zip",)).resolved_codecs()
+    with pytest.raises(ValueError, match="unknown contender"):
+        train.TrainOptions(codecs=("torch:fp8",))
+    with pytest.raises(ValueError, match="powersgd_start"):
+        train.TrainOptions(powersgd_start=1)
     auto = train.TrainOptions().resolved_codecs()
-    assert auto[:3] == ["bf16", "dynamiq", "mxfp8"] and "fp32" not in auto
+    assert auto[:5] == ["torch:ddp", "torch:fp16", "torch:powersgd", "bf16", "dynamiq"]
+    assert "fp32" not in auto
 
 
 def test_goal_verdicts_say_when_a_codec_misses():
@@ -81,3 +107,36 @@ def test_goal_verdicts_say_when_a_codec_misses():
     assert "misses the goal" in lines[1] and "final loss too high" in lines[1]
     assert "misses the goal" in lines[2] and "slower" in lines[2]
     assert goal_verdicts([slow]) == []  # no bf16 baseline, no verdict
+
+
+def _timed(codec, probes, step_s=1.0):
+    from hopq.train.report import CodecRun, StepRecord
+
+    steps = [
+        StepRecord(i, 1.0, step_s, p, 0.0, 0.0, 1.0, 16.0, probe_s=p, exposed_s=step_s - p)
+        for i, p in enumerate([0.0, *probes])
+    ]
+    return CodecRun(codec, 10, steps, [(0.0, 1.0)])
+
+
+def test_compute_drift_between_contenders_is_flagged():
+    from hopq.train.report import compute_drift
+
+    drift, warning = compute_drift([_timed("a", [1.0, 1.02, 0.98]), _timed("b", [1.05, 1.04])])
+    assert drift == pytest.approx(0.045) and warning == ""  # medians 1.0 and 1.045
+    drift, warning = compute_drift([_timed("a", [1.0, 1.0]), _timed("b", [4.5, 4.4, 4.6])])
+    assert drift == pytest.approx(3.5) and "unreliable" in warning and "b 4.500 s" in warning
+
+
+def test_the_baseline_is_the_best_torch_contender():
+    from hopq.train.report import CodecRun, baseline
+
+    def run(codec, evals):
+        return CodecRun(codec, 10, [], evals)
+
+    slow = run("torch:ddp", [(0.0, 10.0), (100.0, 5.0)])
+    fast = run("torch:fp16", [(0.0, 10.0), (60.0, 5.02)])
+    bad = run("torch:powersgd", [(0.0, 10.0), (30.0, 5.5)])  # quick but 10% worse: not it
+    assert baseline([run("bf16", [(0.0, 5.0)]), slow, fast, bad]) is fast
+    only_hopq = run("bf16", [(0.0, 5.0)])
+    assert baseline([only_hopq, run("dynamiq", [(0.0, 5.0)])]) is only_hopq

@@ -3,21 +3,37 @@ emulated cluster network, and a time-to-accuracy report (the DynamiQ paper's
 section 5: Figures 4-6 and 18).
 
 N Gloo worker processes (default 4), launched here or by ``torchrun``, train one
-workload once per codec, with the same initial weights, data order and seeds:
+workload with every *contender* (a hopq codec, or one of torch's own options:
+``torch:ddp``, ``torch:fp16``, ``torch:powersgd``, see
+:mod:`hopq.train.contenders`), each with its own replica from the same initial
+weights, the same data order and seeds:
 
 * ``gpt`` (default, quick): a byte-level GPT trained from scratch on the
   standard library's sources;
 * ``minilm``: all-MiniLM-L6-v2 fine-tuned as a masked language model on the
   standard library's docstrings (``pip install 'hopq[bench]'``).
 
-The workers talk over an emulated network (namespaces and ``tc tbf``, see
-:mod:`hopq.cluster.network`) whose per-worker rate is, unless given, calibrated so
-that bf16's communication is ``comm_share`` of its step. Per step the job
-records the loss, the time split into compute, compression (codec work) and
-exposed communication (time waiting on the network), the bytes sent, and every
-``vnmse_every`` steps the vNMSE of the compressed all-reduce against an exact
-one on the same gradients; every ``eval_every`` steps the held-out loss. The
-report folder holds report.md and PNG plots.
+**Interleaved.** Step k of every contender runs before step k + 1 of any, so a
+change in the machine's load (a 2-core machine shared with anything) hits all
+contenders alike instead of flattering whichever ran in a quiet moment.
+
+**Timings.** The workers talk over an emulated network (namespaces and
+``tc tbf``, see :mod:`hopq.cluster.network`) whose per-worker rate is, unless
+given, calibrated so that torch:fp16's *exposed* communication is
+``comm_share`` of its step. Every hook overlaps the backward pass, so a step's
+time is not compute plus communication: the job probes each contender's compute
+every ``probe_every`` steps (a forward and backward pass under DDP's
+``no_sync``, no communication, gradients dropped) and adds the measured
+optimizer step. Exposed communication is the step minus that compute; hopq's
+hook also reports its codec work and its communication (on its thread), so the
+report can say how much of them was hidden behind compute. The report flags
+compute that differs by more than 10% between contenders (a loaded machine)
+and gives each contender's step-time spread.
+
+Every ``vnmse_every`` steps the hook also measures the vNMSE of the compressed
+all-reduce against an exact one on the same gradients (those steps are left out
+of the timings); every ``eval_every`` steps the held-out loss. The report folder
+holds report.md, runs.json and PNG plots.
 """
 
 from __future__ import annotations
@@ -32,14 +48,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hopq.codecs.registry import codec_choices, resolve_codecs
 from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
-from hopq.integrations.ddp import HookState, ddp_hook
 from hopq.options import option
 from hopq.reporting import Progress
-from hopq.train.report import CodecRun, StepRecord, report, steady
+from hopq.train.contenders import Sync, contender_choices, is_torch, resolve_contenders
+from hopq.train.report import CodecRun, StepRecord, report
 from hopq.train.workloads import WORKLOADS, Workload
+
+#: The contender the link is calibrated against: torch's fp16 hook, what a
+#: PyTorch user who compresses at all already has.
+CALIBRATION_CONTENDER = "torch:fp16"
 
 
 @dataclass(frozen=True)
@@ -47,9 +66,10 @@ class TrainOptions:
     workload: str = option("gpt", "what to train", choices=tuple(WORKLOADS))
     codecs: tuple[str, ...] = option(
         ("auto",),
-        "codecs to run, one after another; auto: bf16, dynamiq and every other "
-        "registered codec except fp32 and fp16; all: every codec",
-        choices=codec_choices,
+        "contenders, trained interleaved step by step: hopq codecs and torch's own "
+        "options (torch:ddp, torch:fp16, torch:powersgd); auto: torch's three, bf16, "
+        "dynamiq and every other registered codec except fp32 and fp16; all: every codec",
+        choices=contender_choices,
     )
     topology: str = option("ring", "all-reduce schedule", choices=tuple(TOPOLOGIES))
     world_size: int = option(4, "worker processes (ignored under torchrun)")
@@ -67,7 +87,17 @@ class TrainOptions:
         0.0, "per-worker link rate of the emulated network in Mbit/s; 0: calibrate it"
     )
     comm_share: float = option(
-        0.4, "when calibrating: the share of bf16's step its communication should take"
+        0.4,
+        "when calibrating: the share of torch:fp16's step (with its overlap) that its "
+        "exposed communication should take",
+    )
+    powersgd_start: int = option(
+        10,
+        "torch:powersgd: steps of plain all-reduce before it compresses (torch requires > 1: "
+        "DDP rebuilds its buckets after the first step)",
+    )
+    probe_every: int = option(
+        10, "steps between compute probes (a forward and backward pass without communication)"
     )
     network: bool = option(True, "emulate the network when the machine allows it (root, tc)")
     gpt_dim: int = option(256, "GPT width")
@@ -85,9 +115,19 @@ class TrainOptions:
             raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {self.workload!r}")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {sorted(TOPOLOGIES)}, got {self.topology!r}")
-        for name in ("world_size", "steps", "batch_size", "eval_every", "eval_batches", "context"):
+        for name in (
+            "world_size",
+            "steps",
+            "batch_size",
+            "eval_every",
+            "eval_batches",
+            "context",
+            "probe_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.powersgd_start < 2:
+            raise ValueError(f"powersgd_start must be >= 2, got {self.powersgd_start}")
         if self.vnmse_every < 0 or self.rate_mbit < 0 or self.lr < 0:
             raise ValueError("vnmse_every, rate_mbit and lr must be >= 0")
         if not 0 < self.comm_share < 1:
@@ -102,12 +142,15 @@ class TrainOptions:
             self.codec_config(c)
 
     def resolved_codecs(self) -> list[str]:
-        return resolve_codecs(self.codecs)
+        """The contenders, in order (unknown names raise ValueError)."""
+        return resolve_contenders(self.codecs)
 
     def codec_config(self, codec: str) -> dict[str, Any]:
         """The options given for ``codec``, validated by building it once."""
         from hopq.codecs.registry import get_codec
 
+        if is_torch(codec):
+            return {}
         kw = {name: value for c, name, value in self.codec_options if c == codec}
         get_codec(codec, **kw)
         return kw
@@ -122,7 +165,7 @@ def make_workload(o: TrainOptions) -> Workload:
     return workloads.make(o.workload, o.seed, **kw)
 
 
-# -- one codec's run on one rank -----------------------------------------------
+# -- the contenders' runs on one rank ---------------------------------------------
 def _evaluate(model: nn.Module, w: Workload, held: list[Any], rank: int, n: int) -> float:
     """Held-out loss; ranks split the evaluation batches and sum."""
     model.eval()
@@ -136,83 +179,161 @@ def _evaluate(model: nn.Module, w: Workload, held: list[Any], rank: int, n: int)
     return float(tot[0] / tot[1])
 
 
-def worker(rank: int, n: int, o: TrainOptions, codec: str) -> CodecRun:
+@dataclass
+class _Lane:
+    """One contender on this rank: its own model replica, optimizer and hook."""
+
+    name: str
+    w: Workload
+    ddp: DDP
+    opt: torch.optim.Optimizer
+    sync: Sync
+    run: CodecRun
+    clock: float = 0.0
+    #: The latest compute probe: forward and backward without communication.
+    fwd_bwd_s: float = float("nan")
+
+
+def _lane(o: TrainOptions, name: str, n: int) -> _Lane:
     torch.manual_seed(o.seed)
-    w = make_workload(o)
-    held = w.held_out(o.eval_batches, o.batch_size)
-    model = w.model
-    ddp = DDP(model)
-    state = HookState(codec=codec, topology=o.topology, seed=o.seed, **o.codec_config(codec))
-    ddp.register_comm_hook(state, ddp_hook)
+    w = make_workload(o)  # the same initial weights for every contender
+    ddp = DDP(w.model)
+    sync = Sync(name, ddp, n, o.seed, o.topology, o.codec_config(name), o.powersgd_start)
     opt = torch.optim.AdamW(ddp.parameters(), lr=o.lr or w.lr)
-    run = CodecRun(codec, params=sum(p.numel() for p in model.parameters()))
-    clock = 0.0
-    bar = Progress(codec, o.steps) if rank == 0 else None
-    run.evals.append((0.0, _evaluate(model, w, held, rank, n)))
-    for step in range(o.steps):
-        b = w.batch(o.seed, rank, step, o.batch_size)
-        state.measure_error = o.vnmse_every > 0 and step % o.vnmse_every == 0
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = w.loss(ddp, b)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        elapsed = time.perf_counter() - t0
-        vnmse, exact_s = state.pop_error()
-        calls = state.pop_stats()
-        step_s = elapsed - exact_s  # the reference all-reduce is not part of training
-        comm = sum(c.comm_seconds for c in calls)
-        codec_s = sum(c.seconds - c.comm_seconds for c in calls)
-        sent = sum(c.bytes_sent for c in calls)
-        bits = bits_per_coordinate(sent, n, sum(c.numel for c in calls))
-        lt = torch.tensor([float(loss.detach())], dtype=torch.float64)
-        dist.all_reduce(lt)
-        clock += step_s
-        run.steps.append(
-            StepRecord(
-                step,
-                float(lt) / n,
-                step_s,
-                step_s - comm - codec_s,
-                codec_s,
-                comm,
-                sent,
-                bits,
-                vnmse,
-            )
+    return _Lane(name, w, ddp, opt, sync, CodecRun(name, params=sync.numel))
+
+
+def _probe(lane: _Lane, b: Any) -> float:
+    """Seconds of a forward and backward pass with no communication (DDP's
+    ``no_sync``); the gradients are dropped, so training is unchanged."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    with lane.ddp.no_sync():
+        lane.w.loss(lane.ddp, b).backward()
+    elapsed = time.perf_counter() - t0
+    lane.opt.zero_grad(set_to_none=True)
+    t = torch.tensor([elapsed], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step
+    return float(t)
+
+
+def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) -> None:
+    probe_s = _probe(lane, b) if probe else float("nan")
+    if probe:
+        lane.fwd_bwd_s = probe_s
+    measure = o.vnmse_every > 0 and step % o.vnmse_every == 0
+    lane.sync.begin(measure)
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = lane.w.loss(lane.ddp, b)
+    loss.backward()  # returns once every bucket's future completed
+    t1 = time.perf_counter()
+    lane.opt.step()
+    lane.opt.zero_grad(set_to_none=True)
+    t2 = time.perf_counter()
+    sent, codec_s, comm_s, vnmse, exact_s = lane.sync.end()
+    t = torch.tensor([t2 - t0 - exact_s, t2 - t1, float(loss.detach())], dtype=torch.float64)
+    dist.all_reduce(t[:2], op=dist.ReduceOp.MAX)
+    dist.all_reduce(t[2:])
+    step_s, opt_s = float(t[0]), float(t[1])
+    lane.clock += step_s
+    compute = lane.fwd_bwd_s + opt_s
+    lane.run.steps.append(
+        StepRecord(
+            step,
+            float(t[2]) / n,
+            step_s,
+            compute,
+            codec_s,
+            comm_s,
+            sent,
+            bits_per_coordinate(sent, n, lane.sync.numel),
+            vnmse,
+            exposed_s=max(0.0, step_s - compute),
+            probe_s=probe_s,
+            measured_error=measure,
         )
-        if (step + 1) % o.eval_every == 0 or step == o.steps - 1:
-            run.evals.append((clock, _evaluate(model, w, held, rank, n)))
+    )
+
+
+def _probe_steps(o: TrainOptions) -> set[int]:
+    """Steps whose compute is probed: the second (after warm-up), every
+    ``probe_every`` after it, and the last."""
+    return {1 % o.steps, o.steps - 1, *range(1, o.steps, o.probe_every)}
+
+
+def worker(rank: int, n: int, o: TrainOptions, contenders: list[str]) -> list[CodecRun]:
+    """Train every contender, interleaved: step k of each contender runs before
+    step k + 1 of any, so that a change in the machine's load hits them alike."""
+    lanes = [_lane(o, c, n) for c in contenders]
+    held = lanes[0].w.held_out(o.eval_batches, o.batch_size)
+    for lane in lanes:
+        lane.run.evals.append((0.0, _evaluate(lane.ddp, lane.w, held, rank, n)))
+    probes = _probe_steps(o)
+    label = contenders[0] if len(contenders) == 1 else f"{len(contenders)} contenders"
+    bar = Progress(label, o.steps) if rank == 0 else None
+    for step in range(o.steps):
+        b = lanes[0].w.batch(o.seed, rank, step, o.batch_size)
+        for lane in lanes:
+            _step(lane, b, step, o, n, step in probes)
+            if (step + 1) % o.eval_every == 0 or step == o.steps - 1:
+                lane.run.evals.append((lane.clock, _evaluate(lane.ddp, lane.w, held, rank, n)))
         if bar is not None:
-            bar.update(f"loss {run.steps[-1].loss:.3f}  eval {run.evals[-1][1]:.3f}")
+            bar.update(
+                "  ".join(f"{x.name} {x.run.evals[-1][1]:.3f}" for x in lanes[:4])
+                + ("  ..." if len(lanes) > 4 else "")
+            )
     if bar is not None:
         bar.close()
-    return run
+    return [lane.run for lane in lanes]
 
 
-def _calibrate_worker(rank: int, n: int, o: TrainOptions) -> tuple[float, float]:
-    """bf16 on loopback for a few steps: (compute seconds per step, bytes per rank per step)."""
-    short = TrainOptions(**{**asdict(o), "steps": 4, "eval_every": 1 << 30, "vnmse_every": 0})
-    run = worker(rank, n, short, "bf16")
-    compute = steady(run, "compute_s") + steady(run, "codec_s")
-    sent = steady(run, "bytes")
-    t = torch.tensor([compute, sent], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t[0]), float(t[1])
+def _calibrate_worker(rank: int, n: int, o: TrainOptions) -> tuple[float, float, float]:
+    """torch:fp16 for a few steps: (compute s, exposed s, bytes per rank) per step."""
+    short = TrainOptions(
+        **{**asdict(o), "steps": 5, "eval_every": 1 << 30, "vnmse_every": 0, "probe_every": 1}
+    )
+    (run,) = worker(rank, n, short, [CALIBRATION_CONTENDER])
+    tail = run.steps[2:]
+    m = [sum(getattr(s, f) for s in tail) / len(tail) for f in ("compute_s", "exposed_s", "bytes")]
+    return m[0], m[1], m[2]
 
 
 # -- the job --------------------------------------------------------------------
+def _calibrate(o: TrainOptions, n: int) -> tuple[float, str]:
+    """A link rate at which torch:fp16's *exposed* communication is ``comm_share``
+    of its step, with the overlap it already has. First guess: no overlap
+    (communication time = bytes / rate); then one correction from a short run on
+    that link, taking the hidden part as fixed."""
+    from hopq.cluster.launch import run_workers
+    from hopq.cluster.network import EmulatedNetwork
+
+    compute, _, sent = run_workers(n, _calibrate_worker, o)[0]
+    want = compute * o.comm_share / (1 - o.comm_share)  # exposed seconds per step
+    rate0 = sent * 8 / 1e6 / want
+    with EmulatedNetwork(n, rate_mbit=rate0) as net:
+        compute0, exposed0, _ = run_workers(n, _calibrate_worker, o, namespaces=net.namespaces)[0]
+    hidden = max(0.0, sent * 8 / 1e6 / rate0 - exposed0)
+    rate = sent * 8 / 1e6 / (hidden + want)
+    msg = (
+        f"calibrated link: {CALIBRATION_CONTENDER} sends {sent / 1e6:.2f} MB per rank and step "
+        f"and computes {compute:.2f} s; at {rate0:.0f} Mbit/s its exposed communication was "
+        f"{exposed0:.2f} s ({hidden:.2f} s hidden), so {rate:.0f} Mbit/s per worker should "
+        f"expose ~{o.comm_share:.0%} of its step"
+    )
+    return rate, msg
+
+
 def run(o: TrainOptions) -> str | None:
     """Run the job; return the report text (on rank 0; None on other torchrun ranks)."""
     from hopq.cluster.launch import init_from_env, launched_by_torchrun, run_workers
     from hopq.cluster.network import EmulatedNetwork, unavailable_reason
 
-    codecs = o.resolved_codecs()
+    contenders = o.resolved_codecs()
     folder = Path(o.out)
     if launched_by_torchrun():
         rank, n = init_from_env()
-        runs = [worker(rank, n, o, c) for c in codecs]
+        runs = worker(rank, n, o, contenders)
         dist.destroy_process_group()
         return report(runs, o, "the launcher's (torchrun)", folder) if rank == 0 else None
 
@@ -220,25 +341,16 @@ def run(o: TrainOptions) -> str | None:
     why = unavailable_reason() if o.network else "disabled (--no-network)"
     rate = o.rate_mbit
     if why is None and rate <= 0:
-        compute, sent = run_workers(n, _calibrate_worker, o)[0]
-        # exposed comm = bytes / rate should be comm_share of (compute + comm)
-        rate = sent * 8 / 1e6 / (compute * o.comm_share / (1 - o.comm_share))
-        print(
-            f"calibrated link: bf16 sends {sent / 1e6:.2f} MB per step and computes {compute:.2f} s; "
-            f"{rate:.0f} Mbit/s per worker gives it ~{o.comm_share:.0%} communication",
-            flush=True,
-        )
-    runs = []
+        rate, msg = _calibrate(o, n)
+        print(msg, flush=True)
     if why is None:
         with EmulatedNetwork(n, rate_mbit=rate) as net:
             network = f"emulated, {rate:.0f} Mbit/s per worker (tc tbf)"
-            for c in codecs:
-                runs.append(run_workers(n, worker, o, c, namespaces=net.namespaces)[0])
+            runs = run_workers(n, worker, o, contenders, namespaces=net.namespaces)[0]
     else:
         print(f"no emulated network ({why}): running on plain loopback", flush=True)
         network = f"loopback ({why})"
-        for c in codecs:
-            runs.append(run_workers(n, worker, o, c)[0])
+        runs = run_workers(n, worker, o, contenders)[0]
     text = report(runs, o, network, folder)
     print(f"\nreport written to {folder / 'report.md'}", flush=True)
     return text

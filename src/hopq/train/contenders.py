@@ -1,0 +1,159 @@
+"""What ``hopq train`` compares: hopq's codecs and what PyTorch users already have.
+
+A contender is a hopq codec name (``dynamiq``, ``bf16``, ...) or one of torch's
+own options, named ``torch:...``:
+
+* ``torch:ddp``: DDP's built-in fp32 all-reduce (no hook);
+* ``torch:fp16``: torch's ``fp16_compress_hook`` (its bf16 hook refuses CPU);
+* ``torch:powersgd``: torch's ``powerSGD_hook`` with the settings its
+  documentation suggests (rank 4, error feedback, warm start), vanilla
+  all-reduce for the first ``powersgd_start`` steps (default 10).
+
+torch's hooks overlap the backward pass (they return pending futures), and so
+does hopq's. Bytes are counted for every contender: hopq's from what its engine
+sent, torch's from the tensors its hooks hand to ``all_reduce``, converted to a
+ring's per-rank traffic, 2(n-1)/n of each tensor, as hopq's bits per coordinate
+are defined.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from hopq.codecs.registry import codec_choices, resolve_codecs
+from hopq.integrations.ddp import HookState, ddp_hook
+
+TORCH_CONTENDERS: dict[str, str] = {
+    "torch:ddp": "DDP's own fp32 all-reduce, no hook",
+    "torch:fp16": "torch's fp16_compress_hook",
+    "torch:powersgd": "torch's powerSGD_hook (rank 4, error feedback, warm start)",
+}
+#: PowerSGD's rank: torch's documentation suggests starting from 1-4 and says
+#: rank 4 reaches the uncompressed accuracy on the models it was tried on.
+POWERSGD_RANK = 4
+
+
+def is_torch(name: str) -> bool:
+    return name.startswith("torch:")
+
+
+def contender_choices() -> list[str]:
+    return [*codec_choices(), *TORCH_CONTENDERS]
+
+
+def resolve_contenders(names: Sequence[str]) -> list[str]:
+    """``("auto",)``: torch's three, then hopq's ``auto`` codecs; otherwise the
+    names as given (unknown ones raise ValueError, torch's included)."""
+    names = tuple(names)
+    if names in (("auto",), ("all",)):
+        return [*TORCH_CONTENDERS, *resolve_codecs(names)]
+    for c in names:
+        if is_torch(c) and c not in TORCH_CONTENDERS:
+            raise ValueError(f"unknown contender {c!r}; torch's are {', '.join(TORCH_CONTENDERS)}")
+    hopq = [c for c in names if not is_torch(c)]
+    resolve_codecs(hopq)  # unknown codec names raise here
+    return list(names)
+
+
+class ByteCounter:
+    """Bytes that torch's hooks hand to ``all_reduce`` while ``active``.
+
+    torch's hooks call ``torch.distributed.all_reduce`` through the module
+    attribute, in the hook and in their futures' callbacks, all of which finish
+    before DDP's backward returns; so counting between the start of a step and
+    the end of its backward pass sees exactly that step's tensors.
+    """
+
+    _lock = threading.Lock()
+    _installed: Callable[..., Any] | None = None
+    _counters: list[ByteCounter] = []
+
+    def __init__(self) -> None:
+        self.active = False
+        self.bytes = 0.0
+        with ByteCounter._lock:
+            if ByteCounter._installed is None:
+                original = dist.all_reduce
+                ByteCounter._installed = original
+
+                def counted(tensor: torch.Tensor, *a: Any, **k: Any) -> Any:
+                    for c in ByteCounter._counters:
+                        if c.active:
+                            c.bytes += tensor.numel() * tensor.element_size()
+                    return original(tensor, *a, **k)
+
+                dist.all_reduce = counted
+            ByteCounter._counters.append(self)
+
+    def pop(self) -> float:
+        b, self.bytes = self.bytes, 0.0
+        return b
+
+
+class Sync:
+    """One contender's gradient synchronization on one rank: registers the hook
+    on ``ddp`` and, after each step, says what it sent and what its hook did."""
+
+    def __init__(
+        self,
+        name: str,
+        ddp: DDP,
+        n: int,
+        seed: int,
+        topology: str,
+        codec_config: dict[str, Any],
+        powersgd_start: int = 10,
+    ) -> None:
+        self.name, self.n = name, n
+        self.state: HookState | None = None
+        self.counter: ByteCounter | None = None
+        self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+        if not is_torch(name):
+            self.state = HookState(codec=name, topology=topology, seed=seed, **codec_config)
+            ddp.register_comm_hook(self.state, ddp_hook)
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        if name == "torch:ddp":
+            return
+        self.counter = ByteCounter()
+        if name == "torch:fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            ps = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=POWERSGD_RANK,
+                start_powerSGD_iter=powersgd_start,
+                use_error_feedback=True,
+                warm_start=True,
+                random_seed=seed,
+            )
+            ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
+
+    def begin(self, measure_error: bool) -> None:
+        if self.state is not None:
+            self.state.measure_error = measure_error
+        if self.counter is not None:
+            self.counter.active = True
+
+    def end(self) -> tuple[float, float, float, float, float]:
+        """(bytes sent, codec seconds, communication seconds, vNMSE, seconds of
+        exact reference all-reduces) of the step just taken."""
+        ring = 2 * (self.n - 1) / self.n
+        if self.state is not None:
+            vnmse, exact_s = self.state.pop_error()
+            calls = self.state.pop_stats()
+            comm = sum(c.comm_seconds for c in calls)
+            codec = sum(c.seconds - c.comm_seconds for c in calls)
+            return sum(c.bytes_sent for c in calls), codec, comm, vnmse, exact_s
+        nan = float("nan")
+        if self.counter is not None:
+            self.counter.active = False
+            return self.counter.pop() * ring, nan, nan, nan, 0.0
+        return self.numel * 4 * ring, nan, nan, nan, 0.0  # DDP's fp32 buckets
