@@ -420,10 +420,12 @@ class _Call:
                     )
             body = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
             header = framing.frame(where, lengths)
-            msg = framing.pack(header, body, sum(bounds))
+            pad = not exact and not self.transport.short_messages
+            msg = framing.pack(header, body, sum(bounds), pad)
             handles, _ = self.transport.post([(t.dst, p) for p in msg], [], where)
             self.posted.add((s, j, t.dst))
-            self.info.payload_bytes += int(body.numel())
+            # the bytes that travel: the real sizes, or the bounds where padded
+            self.info.payload_bytes += sum(bounds) if pad else int(body.numel())
             self.info.frame_bytes += int(header.numel())
             for h in handles:
                 self.sends.append((h, where, msg))
@@ -441,7 +443,9 @@ class _Call:
                     self.posted.add((s, j, t.dst))
                     where = self.where(s, j, t.phase)
                     header = framing.frame(where, [0] * len(t.chunks), framing.SENDER_FAILED)
-                    msg = framing.pack(header, None, sum(self.bound(t, j)))
+                    msg = framing.pack(
+                        header, None, sum(self.bound(t, j)), not self.transport.short_messages
+                    )
                     try:
                         handles, _ = self.transport.post([(t.dst, p) for p in msg], [], where)
                     except Exception:  # noqa: BLE001 - best effort: that peer is gone

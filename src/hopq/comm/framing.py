@@ -87,15 +87,21 @@ def frame(where: Where, lengths: list[int], status: int = OK) -> torch.Tensor:
     return torch.tensor(words, dtype=torch.int64).view(torch.uint8)
 
 
-def pack(header: torch.Tensor, body: torch.Tensor | None, bound: int) -> list[torch.Tensor]:
+def pack(
+    header: torch.Tensor, body: torch.Tensor | None, bound: int, pad: bool = False
+) -> list[torch.Tensor]:
     """The message's parts as sent: [header + body] when the receiver's bound is
     small, else [header, body]. A body shorter than its bound is fine (the header
     says its length); an empty one is sent as one filler byte when the bound is
-    not zero, so that the receiver's posted receive completes."""
+    not zero, so that the receiver's posted receive completes. ``pad``: the body
+    is zero-filled up to its bound (transports whose receives need the exact size,
+    NCCL)."""
     if body is None or body.numel() == 0:
         body = torch.zeros(1 if bound else 0, dtype=torch.uint8, device=header.device)
     if body.numel() > max(bound, 1):
         raise AssertionError(f"message body of {body.numel()} bytes over its bound {bound}")
+    if pad and body.numel() < bound:
+        body = torch.cat([body, body.new_zeros(bound - body.numel())])
     if bound <= COALESCE_BYTES:
         return [torch.cat([header.to(body.device), body])]
     return [header.to(body.device), body]

@@ -53,6 +53,10 @@ class Transport(ABC):
     #: Whether receives may be posted long before the matching sends (Gloo and
     #: the simulator: yes; NCCL runs a step's operations as one group).
     prepost: bool = True
+    #: Whether a receive posted for N bytes accepts a shorter message (Gloo and the
+    #: simulator: yes). NCCL needs equal counts on both sides, so a variable-size
+    #: payload is padded to its agreed bound there (the padding is sent and counted).
+    short_messages: bool = True
 
     def __init__(self) -> None:
         self._arena: torch.Tensor | None = None
@@ -152,6 +156,7 @@ class DistTransport(Transport):
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.backend = str(dist.get_backend(self.group)).lower()
         self.prepost = self.backend != "nccl"
+        self.short_messages = self.backend != "nccl"
 
     def post(
         self,

@@ -75,9 +75,16 @@ class HookState:
         timeout: float = DEFAULT_TIMEOUT_S,
         gather_codec: "str | Codec[Any] | None" = None,
         overlap: bool = True,
+        optimizer: "torch.optim.Optimizer | None" = None,
         **codec_config: Any,
     ) -> None:
         self.codec = get_codec(codec, **codec_config)
+        #: The optimizer whose state sets the codec's per-coordinate thresholds
+        #: before each bucket (codecs with ``set_thresholds``: GComp's
+        #: optimizer-aware truncation); None: no thresholds.
+        if optimizer is not None and not hasattr(self.codec, "set_thresholds"):
+            raise ValueError(f"codec {self.codec.name!r} takes no optimizer")
+        self.optimizer = optimizer
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology
         self.process_group = process_group
@@ -239,6 +246,11 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     all-reduce is raised by DDP in the training step's backward pass.
     """
     buf = bucket.buffer()
+    if state.optimizer is not None:  # before the bucket is queued: the state is current
+        from hopq.codecs.gcomp.optim import thresholds
+
+        thr = thresholds(state.optimizer, list(bucket.parameters()))
+        state.codec.set_thresholds(thr.to(buf.device), bucket.index())  # type: ignore[attr-defined]
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buf.device] if buf.is_cuda else None
     )

@@ -12,6 +12,7 @@ Registered here (a new codec with kernels adds its rows):
 codec          backend     module                                     needs
 ============  ==========  ========================================  ===================
 dynamiq        ``cpu``     :mod:`hopq.kernels.dynamiq_cpu` (numba)     ``hopq[cpu]``
+gcomp          ``cpu``     :mod:`hopq.kernels.gcomp_cpu` (numba)       ``hopq[cpu]``
 dynamiq        ``triton``  :mod:`hopq.kernels.dynamiq_triton`          ``hopq[triton]``
 ============  ==========  ========================================  ===================
 """
@@ -85,6 +86,7 @@ _BACKENDS: list[KernelBackend] = [
     KernelBackend(
         "dynamiq", "cpu", "hopq.kernels.dynamiq_cpu", ("cpu",), ("numba", "numpy"), "cpu"
     ),
+    KernelBackend("gcomp", "cpu", "hopq.kernels.gcomp_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
 ]
 
 

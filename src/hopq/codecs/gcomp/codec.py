@@ -1,0 +1,269 @@
+"""GComp (Li et al., SoCC '24): near-lossless fp32 gradient compression inside the
+ring, adapted to hopq's multi-hop engine.
+
+* Exponents: canonical Huffman with escape (:mod:`.huffman`), the table built on
+  every rank from a 256-bin exponent histogram summed in the statistics
+  exchange, rebuilt every ``rebuild_every`` calls per key (paper 4.4: 50), named
+  by its id in every payload.
+* Zero pruning, sign + mantissa with optimizer-aware truncation (0/6/12/18 bits),
+  block/chunk headers: :mod:`.reference`, :mod:`.format`.
+* Thresholds: the optimizer's delta has the form A / g for every optimizer of
+  the paper's Table 2 (:mod:`.optim` computes |A| per coordinate from the
+  optimizer state); the caller hands them over per key with
+  :meth:`GComp.set_thresholds` (the DDP hook does it with
+  ``HookState(codec="gcomp", optimizer=opt)``).
+* Hops: every encoding (leaf, fused hop, the owner's final payload) truncates
+  its own partial sum v with the rule |v| * 2**k < |A|, A taken for the
+  *averaged* gradient, v at sum scale. Each truncation then errs by less than
+  2**-23 |A| on the sum, i.e. 2**-23 |A| / n on the average, and a coordinate
+  meets at most n truncations (ring: leaf, n - 2 inner hops, the owner; the
+  butterfly fewer), so the total error on the averaged gradient stays within
+  the one truncation the paper's argument allows (2**-23 |A|: the bits the
+  optimizer's update would lose anyway). Truncation rounds toward zero, so the
+  error is biased (toward smaller magnitudes); ``hopq bench gcomp`` measures it.
+* Non-finite values: exponent 255 always travels at level 0 (whole mantissa):
+  NaN and Inf arrive where they were. Zeros, -0 and subnormals become +0.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+
+from hopq.codecs.base import (
+    Codec,
+    CodecConfig,
+    HopContext,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    StatsOp,
+    nested_chunks,
+)
+from hopq.codecs.gcomp import format as fmt
+from hopq.codecs.gcomp import reference as ref
+from hopq.codecs.gcomp.huffman import Table, build_table, table_from_lengths
+from hopq.codecs.registry import register
+from hopq.codecs.uncompressed import working_copy
+from hopq.errors import PayloadError
+from hopq.kernels import auto_backend
+from hopq.kernels import backend as kernel_backend
+from hopq.options import check_int, coerce_enums, option
+
+_warned_reference = False
+
+
+class Backend(str, Enum):
+    AUTO = "auto"
+    REFERENCE = "reference"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class GCompConfig(CodecConfig):
+    #: 10: a 1024-entry lookup table (L1-resident); exponents of fp32 gradients
+    #: concentrate on ~15-20 values, so codes over 10 bits are rare and cost 18.
+    n_theta: int = option(10, "escape threshold: longer exponent codes go as prefix + 8 raw bits")
+    rebuild_every: int = option(
+        50, "calls per key between code-table rebuilds (paper: 50; 0: build once)"
+    )
+    chunk_values: int = option(1 << 16, "values per chunk inside a payload (own header each)")
+    fixed_level: int = option(
+        -1, "truncate every value at this level (0-3: 0/6/12/18 bits); -1: by the thresholds"
+    )
+    backend: Backend = option(Backend.AUTO, "kernels", choices=[b.value for b in Backend])
+
+    def __post_init__(self) -> None:
+        check_int("gcomp: n_theta", self.n_theta, lo=4, hi=16)
+        check_int("gcomp: rebuild_every", self.rebuild_every, lo=0)
+        check_int("gcomp: chunk_values", self.chunk_values, lo=1, hi=1 << 24)
+        check_int("gcomp: fixed_level", self.fixed_level, lo=-1, hi=3)
+        coerce_enums(self, "gcomp")
+
+
+@dataclass
+class GCompPlan(Plan):
+    table: Table
+    #: |A| per coordinate of the working vector (rank-local input), or None.
+    thr: torch.Tensor | None
+    fixed: int
+    chunk_values: int
+    #: The key whose table it uses, and whether this call rebuilt it.
+    key: str = "None"
+    rebuilt: bool = False
+
+
+def resolve_kernels(cfg: GCompConfig, device_type: str) -> Any:
+    global _warned_reference
+    if cfg.backend is Backend.REFERENCE:
+        return None
+    if cfg.backend is Backend.AUTO:
+        found = auto_backend("gcomp", device_type)
+        if found is None:
+            if device_type == "cpu" and not _warned_reference:
+                _warned_reference = True
+                warnings.warn(
+                    "gcomp: numba is not installed, so it runs the PyTorch reference "
+                    "(the same bits, much slower); pip install 'hopq[cpu]'",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        return found.load()
+    chosen = kernel_backend("gcomp", cfg.backend.value)
+    if not chosen.runs_on(device_type):
+        raise ValueError(f"gcomp: backend {cfg.backend.value!r} runs on CPU tensors")
+    return chosen.load()
+
+
+@register(
+    "gcomp",
+    "GComp: Huffman-coded exponents, optimizer-aware mantissa truncation, zero pruning",
+    devices=("cpu",),
+)
+class GComp(Codec[GCompPlan]):
+    config_class = GCompConfig
+    config: GCompConfig
+    layout_preserving: ClassVar[bool] = True
+    variable_size: ClassVar[bool] = True
+
+    def __init__(self, config: GCompConfig | None = None, **overrides: Any) -> None:
+        super().__init__(config, **overrides)
+        #: key -> (code lengths, calls since the table was built); agreed state.
+        self.tables: dict[str, tuple[list[int], int]] = {}
+        #: key -> |A| per coordinate for the next calls with that key (rank-local).
+        self.thresholds: dict[str, torch.Tensor] = {}
+        self._kernel_cache: dict[str, Any] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_kernel_cache": {}}
+
+    def kernels(self, device: torch.device) -> Any:
+        if device.type not in self._kernel_cache:
+            self._kernel_cache[device.type] = resolve_kernels(self.config, device.type)
+        return self._kernel_cache[device.type]
+
+    # -- thresholds -----------------------------------------------------------
+    def set_thresholds(self, thr: torch.Tensor | None, key: int | None = None) -> None:
+        """|A| per coordinate (delta = A / g, paper Table 2) of the gradient the
+        calls with ``key`` carry, for the averaged gradient; None: no truncation."""
+        k = str(key)
+        if thr is None:
+            self.thresholds.pop(k, None)
+        else:
+            self.thresholds[k] = thr.detach().reshape(-1).to(torch.float32).abs()
+
+    # -- plan -------------------------------------------------------------------
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> GCompPlan:
+        cfg = self.config
+        d = x.numel()
+        k = str(stats.key)
+        entry = self.tables.get(k)
+        rebuilt = entry is None or (cfg.rebuild_every > 0 and entry[1] >= cfg.rebuild_every)
+        if rebuilt:
+            flat = x.reshape(-1).to(torch.float32)
+            hist = stats.all_reduce(ref.histogram(flat), StatsOp.SUM)
+            table = build_table(hist, cfg.n_theta)
+            self.tables[k] = (table.lengths.tolist(), 0)
+        else:
+            assert entry is not None
+            table = _cached_table(tuple(entry[0]), cfg.n_theta)
+        thr = self.thresholds.get(k)
+        if thr is not None and thr.numel() != d:
+            raise ValueError(
+                f"gcomp: thresholds for key {stats.key} have {thr.numel()} entries, the tensor {d}"
+            )
+        chunks = nested_chunks(d, stats.n_chunks, stats.microshards)
+        sizes = tuple(fmt.bound(e - s, cfg.chunk_values, cfg.n_theta) for s, e in chunks)
+        return GCompPlan(
+            d, d, chunks, sizes, table, thr, cfg.fixed_level, cfg.chunk_values, k, rebuilt
+        )
+
+    def end_round(self, plan: GCompPlan) -> None:
+        super().end_round(plan)
+        lengths, uses = self.tables[plan.key]
+        self.tables[plan.key] = (lengths, uses + 1)
+
+    def prepare(self, plan: GCompPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        return working_copy(x, scratch)
+
+    # -- hops -------------------------------------------------------------------
+    def _thr(self, plan: GCompPlan, ctx: HopContext) -> torch.Tensor | None:
+        if plan.thr is None:
+            return None
+        s, e = plan.chunks[ctx.chunk]
+        return plan.thr[s:e]
+
+    def encode(self, plan: GCompPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        thr = self._thr(plan, ctx)
+        kern = self.kernels(chunk.device)
+        if kern is not None:
+            out: torch.Tensor = kern.encode(chunk, thr, plan.fixed, plan.table, plan.chunk_values)
+        else:
+            out = ref.encode(chunk, thr, plan.fixed, plan.table, plan.chunk_values)
+        return out
+
+    def _decode(
+        self, plan: GCompPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor, acc: bool
+    ) -> None:
+        n = plan.chunk_numel(ctx.chunk)
+        if out.numel() != n:
+            raise PayloadError(f"gcomp: output of {out.numel()} values, the chunk has {n}")
+        kern = self.kernels(out.device)
+        if kern is not None:
+            kern.decode(payload, n, plan.table, plan.chunk_values, out, acc)
+            return
+        y = ref.decode(payload, n, plan.table, plan.chunk_values)
+        if acc:
+            out.add_(y)
+        else:
+            out.copy_(y)
+
+    def decode(
+        self, plan: GCompPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None:
+        self._decode(plan, payload, ctx, out, False)
+
+    def decode_accumulate(
+        self, plan: GCompPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        self._decode(plan, payload, ctx, acc, True)
+
+    def finish(
+        self, plan: GCompPlan, y: torch.Tensor, op: ReduceOp, world_size: int
+    ) -> torch.Tensor:
+        return y.div_(world_size) if op is ReduceOp.AVG else y
+
+    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+        """Per truncation 2**(k-23) |v| (k the fixed level's bits; 0 without one),
+        per addition float32's half ulp, per hop a flushed subnormal."""
+        k = 6 * max(self.config.fixed_level, 0)
+        rel = (2.0 ** (k - 23) if k else 0.0) + 2.0**-24
+        return chain * (rel * abs_sum + torch.finfo(torch.float32).smallest_normal)
+
+    # -- state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "tables": {k: (list(v[0]), v[1]) for k, v in self.tables.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round = int(state["round"])
+        self.tables = {str(k): (list(v[0]), int(v[1])) for k, v in state["tables"].items()}
+
+
+_TABLES: dict[tuple[tuple[int, ...], int], Table] = {}
+
+
+def _cached_table(lengths: tuple[int, ...], n_theta: int) -> Table:
+    key = (lengths, n_theta)
+    if key not in _TABLES:
+        if len(_TABLES) > 256:
+            _TABLES.clear()
+        _TABLES[key] = table_from_lengths(list(lengths), n_theta)
+    return _TABLES[key]
