@@ -67,3 +67,16 @@ def test_the_readme_example_exits_cleanly_under_torchrun():
 
     text = exits.run(exits.ExitOptions(runs=2, nproc=3))
     assert "**2 exited 0**, 0 failed" in text, text
+
+
+def test_no_codec_turns_finite_input_into_nan_or_inf():
+    """``hopq bench ranges`` over every codec: the 'NaN/Inf from finite' column is 0."""
+    from hopq.bench import ranges
+
+    text = ranges.run(ranges.RangeOptions(world_size=3, size=67))
+    rows = [r for r in text.splitlines() if r.startswith("|") and "---" not in r][1:]
+    assert len(rows) >= 9
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        assert cells[3] == "0", r
+        assert "NaN/Inf!" not in r

@@ -144,6 +144,7 @@ def parser() -> tuple[
     from hopq.bench.exits import ExitOptions
     from hopq.bench.faults import FaultOptions
     from hopq.bench.kernels import KernelOptions
+    from hopq.bench.ranges import RangeOptions
     from hopq.bench.vnmse import VnmseOptions
     from hopq.train.job import TrainOptions
 
@@ -154,18 +155,17 @@ def parser() -> tuple[
     commands: dict[str, tuple[argparse.ArgumentParser, type, Any]] = {}
     tr = sub.add_parser(
         "train",
-        help="the main job: data-parallel training per codec over an emulated network, with a report",
-        description="N workers train a workload once per codec (same weights and data), "
-        "over an emulated network when root and tc are available; report in --out.",
+        help="the main job: data-parallel training, hopq's codecs against torch's own options, "
+        "over an emulated network, with a report",
+        description="N workers train a workload with every contender (hopq codecs and torch's "
+        "own hooks; same weights and data, interleaved step by step), over an emulated network "
+        "when root and tc are available; report in --out.",
     )
     add_options(tr, TrainOptions)
     commands["train"] = (tr, TrainOptions, "hopq.train.job")
     sub.add_parser("codecs", help="list the registered codecs and their options")
     bench = sub.add_parser("bench", help="benchmarks")
-    bsub = bench.add_subparsers(
-        dest="bench", required=True, metavar="{allreduce,kernels,vnmse,model}"
-    )
-    for name, cls, module, what in (
+    table = (
         ("allreduce", AllreduceOptions, "hopq.bench.allreduce",
          "nccl-tests style all-reduce timings beside torch.distributed's"),
         ("kernels", KernelOptions, "hopq.bench.kernels",
@@ -178,7 +178,13 @@ def parser() -> tuple[
          "mismatched calls and dying ranks on real Gloo groups: the outcome table"),
         ("exits", ExitOptions, "hopq.bench.exits",
          "the README's example under torchrun, again and again: every run must exit 0"),
-    ):  # fmt: skip
+        ("ranges", RangeOptions, "hopq.bench.ranges",
+         "the range of magnitudes each codec handles; finite in, finite out"),
+    )  # fmt: skip
+    bsub = bench.add_subparsers(
+        dest="bench", required=True, metavar="{" + ",".join(t[0] for t in table) + "}"
+    )
+    for name, cls, module, what in table:
         bp = bsub.add_parser(name, help=what, description=what)
         add_options(bp, cls)
         bp.add_argument("--out", help="also write the report to this file")

@@ -84,11 +84,19 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
     ("paper's path correlation (biased)", dict(rounding="path")),
 ]
 
+#: The paper's configuration, spelled out (the codec's defaults may differ).
+PAPER_DYNAMIQ: dict[str, Any] = dict(allocation="heuristic", zero_class=False, widths=(2, 4, 8))
 BEYOND: list[tuple[str, dict[str, Any]]] = [
-    ("DynamiQ (heuristic allocation)", dict()),
-    ("exact allocation (greedy)", dict(allocation="exact")),
-    ("+ zero class", dict(zero_class=True)),
-    ("W = {2,4,8,16}", dict(widths=(2, 4, 8, 16))),
+    ("paper (heuristic allocation, W = {2,4,8})", PAPER_DYNAMIQ),
+    ("exact allocation (greedy)", PAPER_DYNAMIQ | dict(allocation="exact")),
+    ("+ zero class", PAPER_DYNAMIQ | dict(zero_class=True)),
+    ("W = {2,4,8,16}", PAPER_DYNAMIQ | dict(widths=(2, 4, 8, 16))),
+    ("exact + W = {2,4,8,16}", dict(allocation="exact", zero_class=False, widths=(2, 4, 8, 16))),
+    (
+        "exact + zero + W = {2,4,8,16}",
+        dict(allocation="exact", zero_class=True, widths=(2, 4, 8, 16)),
+    ),
+    ("hopq's default", dict()),
 ]
 
 EPS_GRID = {4: (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0), 8: (0.0, 0.02, 0.05, 0.08, 0.1, 0.15, 0.2)}
@@ -265,7 +273,11 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                     row = [name]
                     for n in o.worlds:
                         for t in o.topologies:
-                            codec: Codec = DynamiQ(**kw) if kw is not None else get_codec(name)
+                            codec: Codec = (
+                                DynamiQ(**(PAPER_DYNAMIQ | kw))
+                                if kw is not None
+                                else get_codec(name)
+                            )
                             v, b = sim(
                                 ("ladder", w, name, n, t),
                                 grads[w][:n],
