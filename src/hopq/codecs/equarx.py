@@ -1,5 +1,5 @@
-"""EQuARX: dynamic block-wise quantization of every hop (arXiv:2506.17615,
-sections III-A, III-B and IV).
+"""EQuARX: dynamic block-wise quantization of every hop (Ahmed et al., "EQuARX:
+Efficient Quantized AllReduce in XLA", sections III-A, III-B and IV).
 
 Whatever a hop is about to send (a leaf's own chunk, an inner node's partial
 sum, the sink's final sum) is quantized with scales computed from that very
