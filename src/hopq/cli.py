@@ -141,6 +141,7 @@ def parser() -> tuple[
     """The parser, and per command: its sub-parser, option class and runner."""
     from hopq.bench.allreduce import Options as AllreduceOptions
     from hopq.bench.cost_model import ModelOptions
+    from hopq.bench.equarx import EquarxOptions
     from hopq.bench.exits import ExitOptions
     from hopq.bench.faults import FaultOptions
     from hopq.bench.kernels import KernelOptions
@@ -178,6 +179,8 @@ def parser() -> tuple[
          "mismatched calls and dying ranks on real Gloo groups: the outcome table"),
         ("exits", ExitOptions, "hopq.bench.exits",
          "the README's example under torchrun, again and again: every run must exit 0"),
+        ("equarx", EquarxOptions, "hopq.bench.equarx",
+         "EQuARX's Fig. 7 (error per schedule and stage) and Fig. 6 (time vs bf16) analogues"),
         ("ranges", RangeOptions, "hopq.bench.ranges",
          "the range of magnitudes each codec handles; finite in, finite out"),
     )  # fmt: skip

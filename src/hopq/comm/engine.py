@@ -240,14 +240,16 @@ def _peer_classes(schedule: Schedule, rank: int) -> list[tuple[int, int, int]]:
 
 
 @lru_cache(maxsize=1024)
-def _last_reduce_recv(schedule: Schedule, rank: int) -> dict[int, int]:
-    """chunk -> the step of this rank's last REDUCE receive of it."""
-    last: dict[int, int] = {}
+def _last_reduce_recv(schedule: Schedule, rank: int) -> dict[int, tuple[int, int]]:
+    """chunk -> (step, sender) of this rank's last REDUCE receive of it. A step may
+    bring one chunk from two senders (the semi-loop ring's sink, odd n): the later
+    one in the step's order is the last, and takes the fused hop."""
+    last: dict[int, tuple[int, int]] = {}
     for s, step in enumerate(schedule.steps):
         for t in step:
             if t.dst == rank and t.phase is Phase.REDUCE:
                 for c in t.chunks:
-                    last[c] = s
+                    last[c] = (s, t.src)
     return last
 
 
@@ -361,9 +363,12 @@ class _Call:
             for c, size in zip(t.chunks, lengths, strict=True):
                 payload = body[offset : offset + size]
                 offset += size
-                self.process_payload(c, j, s, t.phase, payload)
+                self.process_payload(c, j, (s, t.src), t.phase, payload)
 
-    def process_payload(self, c: int, j: int, s: int, phase: Phase, payload: torch.Tensor) -> None:
+    def process_payload(
+        self, c: int, j: int, s: tuple[int, int], phase: Phase, payload: torch.Tensor
+    ) -> None:
+        """Payload of part (c, j) received at (step, sender) ``s``."""
         m = self.part(c, j)
         ctx = self.ctxs[m]
         if phase is Phase.GATHER:

@@ -136,7 +136,77 @@ def butterfly(n: int) -> Schedule:
     return Schedule("butterfly", n, p, tuple(steps), tuple(real(q) for q in range(p)))
 
 
-TOPOLOGIES: dict[str, Callable[[int], Schedule]] = {"ring": ring, "butterfly": butterfly}
+def semiloop(n: int) -> Schedule:
+    """EQuARX's semi-loop bidirectional ring (section III-C, Fig. 5): both link
+    directions at once, n // 2 reduce steps, a balanced adder chain.
+
+    Chunk s ends at rank s (its sink), fed by two chains that run concurrently:
+    a backward chain s+b -> ... -> s+1 -> s of b = n // 2 hops (at reduce step
+    k = 1..b, rank r sends chunk (r - b + k - 1) mod n to r - 1) and a forward
+    chain s-f -> ... -> s-1 -> s of f = (n - 1) // 2 hops (at step k = 1..f, rank
+    r sends chunk (r + f - k + 1) mod n to r + 1). Every rank other than the sink
+    sits on exactly one chain (b + f = n - 1), so the deepest contribution goes
+    through b = n // 2 recompressions before the sink's, instead of n - 1.
+
+    Even n is the paper's construction (n = 4: A0 + A3 + (A1 + A2)): the forward
+    chain is one hop shorter and ends a step before the backward one. Odd n
+    (which the paper leaves open) is the symmetric case b = f: both chains reach
+    the sink in the last reduce step, where it adds both (the engine's fused hop
+    takes the last of them). The all-gather mirrors the reduce: the sink's final
+    sum goes b ranks forward and f ranks backward, both directions at once.
+    n = 2 degenerates to one step of one direction (the two neighbours coincide).
+    """
+    _check_n(n)
+    b, f = n // 2, (n - 1) // 2
+    steps: list[tuple[Transfer, ...]] = []
+    for k in range(1, b + 1):
+        step = [Transfer(r, (r - 1) % n, ((r - b + k - 1) % n,), Phase.REDUCE) for r in range(n)]
+        if k <= f:
+            step += [
+                Transfer(r, (r + 1) % n, ((r + f - k + 1) % n,), Phase.REDUCE) for r in range(n)
+            ]
+        steps.append(tuple(step))
+    for k in range(1, b + 1):
+        # forward: chunk r - k + 1 (from its sink r - k + 1) goes on to r + 1;
+        # backward: chunk r + k - 1 goes on to r - 1 (f hops only)
+        step = [Transfer(r, (r + 1) % n, ((r - k + 1) % n,), Phase.GATHER) for r in range(n)]
+        if k <= f:
+            step += [Transfer(r, (r - 1) % n, ((r + k - 1) % n,), Phase.GATHER) for r in range(n)]
+        steps.append(tuple(step))
+    return Schedule("semiloop", n, n, tuple(steps), tuple(range(n)))
+
+
+def biring(n: int) -> Schedule:
+    """Two counter-rotating full-loop rings, each carrying half of the vector: the
+    schedule that EQuARX's reduce-scatter bound (N-1)D/(2NB) assumes (both link
+    directions busy all the time). Rank c owns chunks 2c and 2c + 1 (one
+    contiguous slice, as in the ring): chunk 2c runs the clockwise ring
+    (c+1 -> c+2 -> ... -> c), chunk 2c + 1 the counter-clockwise one
+    (c-1 -> c-2 -> ... -> c). At n = 2 both rings use the same pair of ranks:
+    one message carries both."""
+    _check_n(n)
+    steps: list[tuple[Transfer, ...]] = []
+    for phase, shift in ((Phase.REDUCE, 1), (Phase.GATHER, 0)):
+        for s in range(n - 1):
+            step = []
+            for r in range(n):
+                cw = 2 * ((r - s - shift) % n)
+                ccw = 2 * ((r + s + shift) % n) + 1
+                if n == 2:
+                    step.append(Transfer(r, (r + 1) % n, (cw, ccw), phase))
+                else:
+                    step.append(Transfer(r, (r + 1) % n, (cw,), phase))
+                    step.append(Transfer(r, (r - 1) % n, (ccw,), phase))
+            steps.append(tuple(step))
+    return Schedule("biring", n, 2 * n, tuple(steps), tuple(c // 2 for c in range(2 * n)))
+
+
+TOPOLOGIES: dict[str, Callable[[int], Schedule]] = {
+    "ring": ring,
+    "butterfly": butterfly,
+    "semiloop": semiloop,
+    "biring": biring,
+}
 
 
 @lru_cache(maxsize=256)

@@ -1,0 +1,336 @@
+"""EQuARX: dynamic block-wise quantization of every hop (Ahmed et al., "EQuARX:
+Efficient Quantized AllReduce in XLA", sections III-A, III-B and IV).
+
+Whatever a hop is about to send (a leaf's own chunk, an inner node's partial
+sum, the sink's final sum) is quantized with scales computed from that very
+data: per block, the absolute maximum A of its finite entries, and every entry
+becomes round(x / A * Q) in the element format (int8: Q = 127; FP8 E4M3 /
+E5M2: Q = the format's largest value). The receiver dequantizes to float32,
+adds its own float32 chunk, and quantizes the sum again: nothing is added in
+low precision. No statistics are exchanged; every payload carries its scales,
+first (the paper sends them before the microshards).
+
+Block geometry (``layout``):
+
+* ``strided`` (the paper's): a chunk is cut into minishards of
+  ``scales * block`` entries (the last one shorter); a minishard is a run of
+  tiles of ``scales`` = 1024 = 8x128 entries and scale k covers entry k of
+  every tile, i.e. entries k, k + 1024, k + 2048, ... (blocks of ``block``
+  entries strided across the tiles). The paper's minishard count m follows
+  from the block size: m = ceil(shard / (1024 block)). A shorter last minishard
+  of r entries gets min(1024, ceil(r / block)) scales, so no block ever has
+  more than ``block`` entries.
+* ``contiguous``: runs of ``block`` consecutive entries share a scale.
+
+Geometry is relative to the start of a schedule chunk, and the engine's
+microshards of a chunk are cut at minishard boundaries, so the bits do not
+depend on the number of microshards.
+
+hopq's choices, where the paper says nothing (section IV leaves them open):
+
+* **Scale format** ``bf16`` by default: the absolute maximum rounded *up* to
+  bfloat16 (16 bits: 8.25 bits per coordinate at block 64). Rounding up keeps
+  |x| <= A, so no entry ever clips; the price is a step at most 2^-7 larger
+  than the exact absmax would give. ``fp32`` stores the exact absmax (8.5
+  bits per coordinate at block 64); docs/codecs/equarx.md measures both.
+  ``none`` is the naive FP8 cast of Fig. 7 (no scale at all; FP8 elements only):
+  finite values beyond the format's range saturate at its largest value.
+* **Clamp range** int8 codes are symmetric, -127..127; the spare code -128 marks
+  a non-finite entry (decoded as NaN). FP8 elements use their own NaN (E4M3)
+  and Inf/NaN (E5M2) codes. So NaN and Inf stay exactly where they were
+  (``nonfinite_block`` = 1), while the block's scale comes from its finite
+  entries and its other entries are coded as usual.
+* **Rounding** to nearest, ties to even (deterministic; the paper never
+  mentions stochastic rounding). Per hop the error of an entry is at most
+  A/254 for int8, A 2^-4 for E4M3, A 2^-3 for E5M2 (A <= (1 + 2^-7) absmax).
+* **Zero block** (A = 0): scale 0 and all codes 0, decoded as exact zeros.
+* **Finite in, finite out**: a finite absmax beyond the largest bfloat16
+  (3.39e38) saturates the scale there (entries beyond it clip to +-127 codes);
+  a decoded value is clamped to the float32 range.
+
+A payload whose scales are negative, NaN or Inf, or whose size differs from the
+plan's, raises :class:`hopq.PayloadError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import ClassVar
+
+import torch
+
+from hopq.codecs.base import (
+    Codec,
+    CodecConfig,
+    HopContext,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    check_payload,
+    even_chunks,
+    view_as_dtype,
+)
+from hopq.codecs.registry import register
+from hopq.codecs.uncompressed import working_copy
+from hopq.errors import PayloadError
+from hopq.numerics import fp_formats as fpf
+from hopq.options import check_int, coerce_enums, option
+
+_FLOAT_MAX = float(torch.finfo(torch.float32).max)
+#: int8 codes are symmetric; -128 marks a non-finite entry.
+_INT8_MAX = 127
+_INT8_NONFINITE = -128
+
+
+class Element(str, Enum):
+    INT8 = "int8"  # every result the paper reports
+    E4M3 = "e4m3"
+    E5M2 = "e5m2"
+
+
+class Layout(str, Enum):
+    STRIDED = "strided"  # the paper's: scale k covers entry k of every 8x128 tile
+    CONTIGUOUS = "contiguous"  # runs of `block` consecutive entries
+
+
+class ScaleFormat(str, Enum):
+    BF16 = "bf16"  # absmax rounded up to bfloat16
+    FP32 = "fp32"  # exact absmax
+    NONE = "none"  # the naive FP8 cast (Fig. 7's baseline): no scale
+
+
+_ELEMENT_DTYPE = {
+    Element.INT8: torch.int8,
+    Element.E4M3: torch.float8_e4m3fn,
+    Element.E5M2: torch.float8_e5m2,
+}
+#: The element format's largest finite value, Q in x / A * Q.
+_QMAX = {Element.INT8: 127.0, Element.E4M3: fpf.E4M3.max, Element.E5M2: 57344.0}
+#: Worst rounding error of one entry as a share of its block's scale A (round to
+#: nearest: half a step; FP8: half an ulp of the top binade relative to Q).
+_REL_STEP = {Element.INT8: 1 / 254, Element.E4M3: 2.0**-4, Element.E5M2: 2.0**-3}
+_SCALE_BYTES = {ScaleFormat.BF16: 2, ScaleFormat.FP32: 4, ScaleFormat.NONE: 0}
+
+
+@dataclass(frozen=True)
+class EQuARXConfig(CodecConfig):
+    element: Element = option(Element.INT8, "element format")
+    layout: Layout = option(Layout.STRIDED, "block geometry: the paper's strided blocks or runs")
+    #: Fig. 7's block size.
+    block: int = option(64, "entries per scale")
+    #: 8x128: the TPU register tile the paper's scales follow (section III-B).
+    scales: int = option(1024, "scales per minishard (strided layout): the tile size")
+    scale: ScaleFormat = option(ScaleFormat.BF16, "scale format ('none': naive FP8 cast)")
+
+    def __post_init__(self) -> None:
+        coerce_enums(self, "equarx")
+        check_int("equarx: block", self.block, lo=1, hi=1 << 20)
+        check_int("equarx: scales", self.scales, lo=1, hi=1 << 16)
+        if self.scale is ScaleFormat.NONE and self.element is Element.INT8:
+            raise ValueError("equarx: scale 'none' (the naive cast) needs an FP8 element")
+
+    @property
+    def minishard(self) -> int:
+        """Entries per minishard (strided) or per block (contiguous)."""
+        return self.block * self.scales if self.layout is Layout.STRIDED else self.block
+
+    @property
+    def per_minishard(self) -> int:
+        return self.scales if self.layout is Layout.STRIDED else 1
+
+    def n_scales(self, n: int) -> int:
+        """Scales of a part of n entries."""
+        if self.scale is ScaleFormat.NONE:
+            return 0
+        full, rest = divmod(n, self.minishard)
+        return full * self.per_minishard + (min(self.per_minishard, -(-rest // self.block)))
+
+    def payload_nbytes(self, n: int) -> int:
+        return self.n_scales(n) * _SCALE_BYTES[self.scale] + n
+
+
+def equarx_chunks(
+    numel: int, n_chunks: int, microshards: int, align: int
+) -> tuple[tuple[int, int], ...]:
+    """Schedule chunks as :func:`even_chunks` (independent of the microshards), each
+    cut into ``microshards`` parts at multiples of ``align`` (a minishard) from the
+    chunk's start, so every part starts a minishard."""
+    out: list[tuple[int, int]] = []
+    for s, e in even_chunks(numel, n_chunks):
+        out += [(s + a, s + b) for a, b in even_chunks(e - s, microshards, align)]
+    return tuple(out)
+
+
+class EQuARXCodec(Codec[Plan]):
+    """Shared implementation; the registered variants differ in their defaults."""
+
+    config_class = EQuARXConfig
+    config: EQuARXConfig
+    layout_preserving: ClassVar[bool] = True
+    gather_stage: ClassVar[bool] = True
+
+    # -- plan ----------------------------------------------------------------
+    def _plan(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> Plan:
+        cfg = self.config
+        return Plan(
+            work_numel, work_numel, chunks, tuple(cfg.payload_nbytes(e - s) for s, e in chunks)
+        )
+
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan:
+        chunks = equarx_chunks(x.numel(), stats.n_chunks, stats.microshards, self.config.minishard)
+        return self._plan(x.numel(), chunks)
+
+    def plan_gather(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> Plan:
+        """Coding another codec's all-gather: blocks start at each part's start (so
+        here the bits follow that codec's microshard cuts)."""
+        return self._plan(work_numel, chunks)
+
+    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        return working_copy(x, scratch)
+
+    def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        return y.div_(world_size) if op is ReduceOp.AVG else y
+
+    # -- geometry ------------------------------------------------------------
+    def _views(self, v: torch.Tensor) -> list[torch.Tensor]:
+        """``v`` (one part, any dtype) as 3-D blocks (segments, rows, scales):
+        scale k of a segment covers column k. Full minishards are a view; the
+        short last one is a zero-padded copy."""
+        cfg = self.config
+        n, M, S = v.numel(), cfg.minishard, cfg.per_minishard
+        full, rest = divmod(n, M)
+        out = []
+        if full:
+            out.append(v[: full * M].view(full, M // S, S))
+        if rest:
+            s2 = min(S, -(-rest // cfg.block))
+            rows = -(-rest // s2)
+            pad = v.new_zeros(rows * s2)
+            pad[:rest] = v[full * M :]
+            out.append(pad.view(1, rows, s2))
+        return out
+
+    # -- encode --------------------------------------------------------------
+    def _quantize(self, x: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """Entries ``x`` with scales ``a`` (broadcast) -> element codes."""
+        el = self.config.element
+        q = _QMAX[el]
+        finite = torch.isfinite(x)
+        if self.config.scale is ScaleFormat.NONE:
+            v = x
+        else:
+            v = torch.where(a > 0, x / a * q, torch.zeros_like(x))
+        if el is Element.INT8:
+            codes = torch.round(v).clamp_(-_INT8_MAX, _INT8_MAX)
+            codes = torch.where(finite, codes, torch.full_like(codes, _INT8_NONFINITE))
+            return codes.to(torch.int8)
+        v = torch.where(finite, v.clamp(-q, q), x)  # finite saturates, NaN/Inf stay
+        out = v.to(_ELEMENT_DTYPE[el])
+        return _e4m3_nan(out, x) if el is Element.E4M3 else out
+
+    def encode(self, plan: Plan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        cfg = self.config
+        n = chunk.numel()
+        if cfg.scale is ScaleFormat.NONE:
+            return self._quantize(chunk, chunk).view(torch.uint8).reshape(-1)
+        scales: list[torch.Tensor] = []
+        codes: list[torch.Tensor] = []
+        for blk in self._views(chunk):
+            finite_abs = torch.where(torch.isfinite(blk), blk.abs(), torch.zeros_like(blk))
+            amax = finite_abs.amax(1, keepdim=True)  # (segments, 1, scales)
+            if cfg.scale is ScaleFormat.BF16:
+                wire = fpf.round_up_bf16(amax, saturate=True)
+                a = wire.float()
+            else:
+                wire = a = amax
+            scales.append(wire.reshape(-1))
+            codes.append(self._quantize(blk, a).reshape(-1))
+        if not codes:
+            return torch.empty(0, dtype=torch.uint8, device=chunk.device)
+        code_bytes = torch.cat([c.view(torch.uint8) for c in codes])[:n]
+        scale_bytes = torch.cat([s.contiguous().view(torch.uint8) for s in scales])
+        return torch.cat([scale_bytes, code_bytes])
+
+    # -- decode --------------------------------------------------------------
+    def _dequantize(self, codes: torch.Tensor, a: torch.Tensor | None) -> torch.Tensor:
+        el = self.config.element
+        if el is Element.INT8:
+            v = codes.float()
+            v = torch.where(codes == _INT8_NONFINITE, torch.full_like(v, float("nan")), v)
+        else:
+            v = codes.float()
+        if a is None:
+            return v
+        # a finite code may round just past the float32 range: clamp it (an
+        # E5M2 Inf code stays Inf)
+        out = (v * (a / _QMAX[el])).clamp_(-_FLOAT_MAX, _FLOAT_MAX)
+        return out if el is not Element.E5M2 else torch.where(torch.isinf(v), v, out)
+
+    def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        cfg = self.config
+        n = out.numel()
+        check_payload(payload, plan.payload_nbytes[ctx.chunk], f"{self.name} part {ctx.chunk}")
+        if cfg.payload_nbytes(n) != payload.numel():
+            raise PayloadError(f"{self.name}: payload of {payload.numel()} bytes for {n} entries")
+        dtype = _ELEMENT_DTYPE[cfg.element]
+        ns = cfg.n_scales(n)
+        sb = ns * _SCALE_BYTES[cfg.scale]
+        codes = payload[sb:].view(dtype)
+        if cfg.scale is ScaleFormat.NONE:
+            out.copy_(self._dequantize(codes, None))
+            return
+        wire = view_as_dtype(
+            payload[:sb], torch.bfloat16 if cfg.scale is ScaleFormat.BF16 else torch.float32
+        )
+        scales = wire.float()
+        if bool(((scales < 0) | ~torch.isfinite(scales) | torch.signbit(scales)).any()):
+            raise PayloadError(f"{self.name}: a scale is negative, NaN or Inf")
+        # decode block by block, in the encoder's geometry (views of `out` where whole)
+        pos = spos = 0
+        full, rest = divmod(n, cfg.minishard)
+        S = cfg.per_minishard
+        if full:
+            m = full * cfg.minishard
+            a = scales[: full * S].view(full, 1, S)
+            blk = codes[:m].view(full, cfg.minishard // S, S)
+            out[:m].view(full, cfg.minishard // S, S).copy_(self._dequantize(blk, a))
+            pos, spos = m, full * S
+        if rest:
+            s2 = ns - spos
+            rows = -(-rest // s2)
+            pad = codes.new_zeros(rows * s2)
+            pad[:rest] = codes[pos:]
+            a = scales[spos:].view(1, s2)
+            out[pos:].copy_(self._dequantize(pad.view(rows, s2), a).reshape(-1)[:rest])
+
+    # -- guarantees ----------------------------------------------------------
+    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+        """Per hop an entry moves by at most _REL_STEP x its block's scale A, with
+        A <= (1 + 2^-7) x the block's absmax (bfloat16 rounded up), and the absmax
+        of a partial sum is at most max(sum |x_i|) plus the error so far; float32
+        accumulation adds 2^-24 of the partial sum per hop. The geometry is the
+        plan's, so the bound uses the global maximum."""
+        if self.config.scale is ScaleFormat.NONE:
+            return None  # saturation beyond the FP8 range makes it data-dependent
+        top = float(abs_sum.max()) if abs_sum.numel() else 0.0
+        rel = _REL_STEP[self.config.element]
+        err = 0.0
+        for _ in range(chain):
+            amax = (top + err) * (1 + 2.0**-7)
+            err += rel * amax * (1 + 2.0**-20) + 2.0**-23 * (top + err) + 1e-37
+        return torch.full_like(abs_sum, err)
+
+
+def _e4m3_nan(codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """E4M3fn has no Inf (torch's cast saturates it): NaN for every non-finite entry."""
+    nan = torch.tensor(float("nan"), dtype=torch.float32, device=x.device).to(codes.dtype)
+    return torch.where(torch.isfinite(x), codes, nan)
+
+
+@register(
+    "equarx",
+    "EQuARX: int8 block-wise quantization of every hop, 1024 strided scales per minishard",
+)
+class EQuARX(EQuARXCodec):
+    pass
