@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hopq.codecs.registry import codec_choices, resolve_codecs
+from hopq.codecs.registry import codec_choices, codec_info, resolve_codecs
 from hopq.integrations.ddp import HookState, ddp_hook
 
 TORCH_CONTENDERS: dict[str, str] = {

@@ -143,7 +143,7 @@ class TrainOptions:
 
     def resolved_codecs(self) -> list[str]:
         """The contenders, in order (unknown names raise ValueError)."""
-        return resolve_contenders(self.codecs)
+        return resolve_contenders(self.codecs, self.topology)
 
     def codec_config(self, codec: str) -> dict[str, Any]:
         """The options given for ``codec``, validated by building it once."""
