@@ -47,17 +47,28 @@ def contender_choices() -> list[str]:
     return [*codec_choices(), *TORCH_CONTENDERS]
 
 
-def resolve_contenders(names: Sequence[str]) -> list[str]:
-    """``("auto",)``: torch's three, then hopq's ``auto`` codecs; otherwise the
-    names as given (unknown ones raise ValueError, torch's included)."""
+def _refusal(codec: str, topology: str) -> str | None:
+    r = codec_info(codec).refusal(
+        dtype=torch.float32, device=torch.device("cpu"), topology=topology
+    )
+    return None if r is None else r.reason
+
+
+def resolve_contenders(names: Sequence[str], topology: str = "ring") -> list[str]:
+    """``("auto",)``: torch's three, then hopq's ``auto`` codecs that run on
+    ``topology`` (float32 on CPU); otherwise the names as given. Unknown names, and
+    a named codec that refuses the topology, raise ValueError before anything runs."""
     names = tuple(names)
     if names in (("auto",), ("all",)):
-        return [*TORCH_CONTENDERS, *resolve_codecs(names)]
+        hopq = [c for c in resolve_codecs(names) if _refusal(c, topology) is None]
+        return [*TORCH_CONTENDERS, *hopq]
     for c in names:
         if is_torch(c) and c not in TORCH_CONTENDERS:
             raise ValueError(f"unknown contender {c!r}; torch's are {', '.join(TORCH_CONTENDERS)}")
-    hopq = [c for c in names if not is_torch(c)]
-    resolve_codecs(hopq)  # unknown codec names raise here
+    for c in resolve_codecs([c for c in names if not is_torch(c)]):  # unknown names raise
+        why = _refusal(c, topology)
+        if why:
+            raise ValueError(why)
     return list(names)
 
 
