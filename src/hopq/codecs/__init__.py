@@ -1,6 +1,7 @@
 """Codecs: one module per codec, each registering itself by name."""
 
 from hopq.codecs import dynamiq as _dynamiq  # noqa: F401  (registers dynamiq)
+from hopq.codecs import gqsgd as _gqsgd  # noqa: F401  (registers gqsgd-linear, gqsgd-exp)
 from hopq.codecs import mx as _mx  # noqa: F401  (registers mxfp8, mxfp6, mxfp4)
 from hopq.codecs import omnireduce as _omnireduce  # noqa: F401
 from hopq.codecs import thc as _thc  # noqa: F401
