@@ -20,23 +20,26 @@ n = 4 and clamps its 4-bit sums); a received sum beyond n L is a corrupt
 payload (PayloadError).
 
 ``gqsgd-exp`` (exponential, "natural" dithering, sections 4.2-4.3): leaf values
-v = x / N * 2^-c in [0, 2^-c] (c: the schedule's longest compression chain; the
-paper's 1/(2n) on a power-of-two butterfly or tree, where c = log2 n + 1) round
-to a neighbouring power of two, or below 2^-127 to 0 or 2^-127 (unbiased: the
-last level is 0, Def. 1). A code is one byte, bit 7 the sign and bits 0-6 the
-exponent e in [1, 127] (value 2^-e), 0 for zero. Partial sums are combined code
-with code by the exponential reduce (Algorithm 2, :func:`exp_reduce`), which
-rounds the exact sum of two powers of two stochastically to a neighbouring
-power of two without decoding. Each combination at most doubles the largest
-magnitude, and a code at depth d (d combinations below it) is at most
-2^(d - c); the sink sits at depth <= c - 1, so every exponent stays >= 1 on
-*any* schedule (ring, butterfly with a fold, tree for any n): the pre-scale
-from the actual chain is the scaling that provably avoids the overshoot of the
-ring's running sum (NOTES 5). On a ring the cost is c = n instead of
-ceil(log2 n) + 1: n - ceil(log2 n) - 1 exponents fewer at the bottom and
-variance growing as (9/8)^(n-1); chains longer than :data:`MAX_CHAIN` are
-refused (fewer than 63 exponents would remain). Payloads carry their depth in a
-one-byte header, checked against the chain and against the codes' magnitudes.
+v = x / N * 2^-c in [0, 2^-c] round to a neighbouring power of two, or below
+2^-127 to 0 or 2^-127 (unbiased: the last level is 0, Def. 1). A code is one
+byte, bit 7 the sign and bits 0-6 the exponent e in [1, 127] (value 2^-e), 0 for
+zero. Partial sums are combined code with code by the exponential reduce
+(Algorithm 2, :func:`exp_reduce`), which rounds the exact sum of two powers of
+two stochastically to a neighbouring power of two without decoding.
+
+The scale c = 1 + D, D the schedule's most combinations in a row
+(``Schedule.reduce_depths``, told by the engine): each combination at most
+doubles the larger magnitude, so a code at depth d (d combinations in a row
+below it, tracked per part and carried in a one-byte payload header) is at most
+2^(d - c), and the sink's, at depth <= D, at most 2^-1: every exponent stays
+>= 1 on *any* schedule. On a power-of-two butterfly or tree D = log2 n and
+2^-c is the paper's 1/(2n); a butterfly with a fold and a tree of any n have
+D = ceil(log2 n) (the paper's "round the shift up"); a ring has D = n - 1,
+which is the scaling that provably avoids the overshoot of the ring's running
+sum (NOTES 5) at a cost of n - 1 - ceil(log2 n) exponents at the bottom and a
+variance growing as (9/8)^(n-1). Schedules with D + 1 > :data:`MAX_CHAIN`
+(rings beyond 64 ranks) are refused in the plan: fewer than 63 exponents
+would remain. A payload's header and magnitudes are checked against D.
 
 Non-finite input poisons the global scale, hence the whole vector (like THC).
 """
@@ -75,7 +78,7 @@ REDUCE_STREAM = 0x100000
 LANES = (4, 8, 16)
 #: Exponent codes: 7 bits, 1..127 (0 is zero).
 EMAX = 127
-#: Longest compression chain gqsgd-exp accepts: its leaves then keep at least
+#: Largest c = 1 + D gqsgd-exp accepts: its leaves then keep at least
 #: 127 - 64 = 63 exponents (relative range 2^-63 below the largest entry).
 MAX_CHAIN = 64
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
@@ -314,7 +317,7 @@ class GQSGDExpConfig(CodecConfig):
 @dataclass
 class GQSGDExpPlan(Plan):
     scale: float  # N
-    chain: int  # c: leaves scaled by 2^-c
+    chain: int  # c = 1 + D: leaves scaled by 2^-c
     world_size: int
     seed: int
     round: int
@@ -324,10 +327,11 @@ class GQSGDExpPlan(Plan):
 
 
 def _chain(stats: StatsExchange) -> int:
-    """The schedule's longest compression chain (the engine tells it); without
-    it, the bound every schedule keeps: each rank encodes each chunk once."""
-    c = getattr(stats, "chain", None)
-    return int(c) if c is not None else max(1, stats.world_size)
+    """c = 1 + the schedule's most combinations in a row (the engine tells it as
+    ``reduce_depth``); without it, the bound every schedule keeps: each
+    combination adds at least one rank's contribution, so at most n - 1."""
+    d = getattr(stats, "reduce_depth", None)
+    return 1 + (int(d) if d is not None else max(0, stats.world_size - 1))
 
 
 @register(
@@ -347,7 +351,7 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
         chain = _chain(stats)
         if chain > MAX_CHAIN:
             raise ValueError(
-                f"gqsgd-exp: a schedule with {chain} compressions in a row (a ring of "
+                f"gqsgd-exp: a schedule with {chain - 1} combinations in a row (a ring of "
                 f"{stats.world_size} ranks?) would leave fewer than {EMAX - MAX_CHAIN} of "
                 "its 127 exponents; use the butterfly or tree topology"
             )
@@ -385,8 +389,8 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
         depth = int(payload[0])
         if depth >= plan.chain:
             raise PayloadError(
-                f"gqsgd-exp chunk {c}: payload of depth {depth}; this schedule's chain is "
-                f"{plan.chain} (at most depth {plan.chain - 1})"
+                f"gqsgd-exp chunk {c}: payload of depth {depth}; this schedule combines "
+                f"at most {plan.chain - 1} times in a row"
             )
         body = payload[1:]
         if bool((body == 0x80).any()):
@@ -434,7 +438,7 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
         if depth >= plan.chain:
             raise PayloadError(
                 f"gqsgd-exp chunk {ctx.chunk}: combining reaches depth {depth}, beyond this "
-                f"schedule's chain of {plan.chain} (a contribution counted twice?)"
+                f"schedule's {plan.chain - 1} combinations in a row (a corrupt payload?)"
             )
         h = self.reduce_hashes(plan, ctx, depth, acc.numel(), acc.device)
         acc.copy_(exp_reduce(acc.to(torch.int32), codes, h))
