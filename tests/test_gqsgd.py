@@ -20,6 +20,7 @@ from hopq.codecs.gqsgd import (
     linear_layout,
 )
 from hopq.errors import PayloadError
+from hopq.numerics.rng import hash32
 
 
 def _value(code: torch.Tensor) -> torch.Tensor:
@@ -242,3 +243,66 @@ def test_variance_growth_within_nine_eighths_per_level(n):
     growth, _ = second_moment_growth(n)
     levels = math.log2(n)
     assert 1.0 < growth <= (9 / 8) ** levels
+
+
+# -- the numba kernel ---------------------------------------------------------------------
+def _cpu_kernels():
+    from hopq.kernels import gqsgd_cpu
+
+    if not gqsgd_cpu.available():
+        pytest.skip("numba not installed")  # the torch-only environment
+    return gqsgd_cpu
+
+
+def test_cpu_kernel_matches_reference_bit_for_bit():
+    k = _cpu_kernels()
+    g = torch.Generator().manual_seed(7)
+    n = 50_000
+    for emin, zeros in ((2, 0.0), (5, 0.3), (9, 0.9)):
+        e = torch.randint(emin, EMAX + 1, (2, n), generator=g, dtype=torch.int32)
+        s = torch.randint(0, 2, (2, n), generator=g, dtype=torch.int32) * 2 - 1
+        codes = torch.where(torch.rand(2, n, generator=g) < zeros, 0, e * s)
+        codes[:, :300] = codes[:, 300:600]  # ties and equal exponents
+        codes[1, 600:900] = -codes[0, 600:900]  # cancellations
+        a, b = codes[0], codes[1]
+        key = (12345 + emin, 999)
+        idx = torch.arange(77, 77 + n, dtype=torch.int64)
+        ref = exp_reduce(a, b, hash32(idx, key))
+        acc = a.to(torch.float32)
+        out = torch.empty(n, dtype=torch.uint8)
+        assert k.exp_reduce(acc, codes_to_bytes(b), key, 77, emin, out) == 0
+        assert torch.equal(acc.to(torch.int32), ref)
+        assert torch.equal(out, codes_to_bytes(ref))
+    bad = codes_to_bytes(b).clone()
+    bad[5] = 0x80  # negative zero
+    bad[6] = 1  # exponent below emin
+    assert k.exp_reduce(a.to(torch.float32), bad, key, 0, 9, None) == 2
+
+
+@pytest.mark.parametrize("topology", ["tree", "butterfly", "ring"])
+def test_simulation_with_kernel_equals_reference(topology):
+    _cpu_kernels()
+    g = torch.Generator().manual_seed(2)
+    for n in (3, 4, 5):
+        xs = [torch.randn(3001, generator=g) for _ in range(n)]
+        ref = hopq.simulate(xs, GQSGDExp(backend="reference"), topology, seed=5, microshards=2)
+        got = hopq.simulate(xs, GQSGDExp(backend="cpu"), topology, seed=5, microshards=2)
+        assert got.identical
+        assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))
+
+
+def test_cpu_kernel_rejects_corrupt_payloads_like_the_reference():
+    _cpu_kernels()
+    c = GQSGDExp(backend="cpu")
+    x = torch.randn(100)
+    stats = LocalStats(world_size=4)
+    stats.reduce_depth = 2
+    plan = c.plan(x, stats)
+    work = c.prepare(plan, x)
+    ctx = HopContext(0, 0, 0, 1, 0, 4)
+    p = c.encode(plan, work.clone(), ctx)
+    for i, v in ((0, 3), (1, 1), (2, 0x80)):
+        q = p.clone()
+        q[i] = v
+        with pytest.raises(PayloadError):
+            c.decode_accumulate_encode(plan, q, work.clone(), ctx)

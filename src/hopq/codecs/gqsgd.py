@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -65,6 +66,8 @@ from hopq.codecs.base import (
 )
 from hopq.codecs.registry import register
 from hopq.errors import PayloadError
+from hopq.kernels import GQSGDExpKernels, auto_backend
+from hopq.kernels import backend as kernel_backend
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_bits
 from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
@@ -309,9 +312,24 @@ def bytes_to_codes(p: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 0x80, -e, e)
 
 
+class ExpBackend(str, Enum):
+    #: The numba kernel (:mod:`hopq.kernels.gqsgd_cpu`) for CPU tensors when
+    #: numba is installed, else the reference.
+    AUTO = "auto"
+    REFERENCE = "reference"
+    CPU = "cpu"
+
+
 @dataclass(frozen=True)
 class GQSGDExpConfig(CodecConfig):
-    """No options: 8 bits, sign + 7-bit exponent (the paper's E 8-bit)."""
+    """8 bits, sign + 7-bit exponent (the paper's E 8-bit)."""
+
+    backend: ExpBackend = option(
+        ExpBackend.AUTO, "implementation of the exponential reduce (same bits)", choices=ExpBackend
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", ExpBackend(self.backend))
 
 
 @dataclass
@@ -346,6 +364,23 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
 
     def nonfinite_block(self) -> int:
         return 1 << 62
+
+    def kernels(self, device: torch.device) -> GQSGDExpKernels | None:
+        """The kernel module for tensors on ``device``, or None for the reference."""
+        b = self.config.backend
+        if b is ExpBackend.REFERENCE:
+            return None
+        if b is ExpBackend.AUTO:
+            found = auto_backend("gqsgd-exp", device.type)
+            if found is None:
+                return None
+            module: GQSGDExpKernels = found.load()
+            return module
+        chosen = kernel_backend("gqsgd-exp", b.value)
+        if not chosen.runs_on(device.type):
+            raise ValueError(f"gqsgd-exp: backend {b.value!r} runs on CPU tensors, got {device}")
+        forced: GQSGDExpKernels = chosen.load()
+        return forced
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> GQSGDExpPlan:
         chain = _chain(stats)
@@ -430,19 +465,62 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
             plan.seed, plan.round, REDUCE_STREAM + ctx.stream_chunk * 128 + depth, ctx.hop
         )
 
-    def decode_accumulate(
-        self, plan: GQSGDExpPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
-    ) -> None:
-        dp, codes = self._parse(plan, payload, ctx.chunk)
+    def _combine(
+        self, plan: GQSGDExpPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext,
+        encode: bool,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """acc <- exp_reduce(acc, payload's codes); with ``encode``, the result's payload."""
+        k = self.kernels(acc.device)
+        if k is None or not acc.is_contiguous():
+            dp, codes = self._parse(plan, payload, ctx.chunk)
+            depth = self._depth(plan, ctx, dp)
+            h = self.reduce_hashes(plan, ctx, depth, acc.numel(), acc.device)
+            acc.copy_(exp_reduce(acc.to(torch.int32), codes, h))
+            plan.depth[ctx.chunk] = depth
+            return self.encode(plan, acc, ctx) if encode else None
+        check_payload(
+            payload, plan.payload_nbytes[ctx.chunk], f"gqsgd-exp chunk {ctx.chunk} payload"
+        )
+        dp = int(payload[0])
+        if dp >= plan.chain:
+            self._parse(plan, payload, ctx.chunk)  # raises its reason
+        depth = self._depth(plan, ctx, dp)
+        out = torch.empty_like(payload) if encode else None
+        bad = k.exp_reduce(
+            acc,
+            payload[1:],
+            self.reduce_key(plan, ctx, depth),
+            plan.chunks[ctx.chunk][0],
+            plan.chain - dp,
+            None if out is None else out[1:],
+        )
+        if bad:
+            self._parse(plan, payload, ctx.chunk)  # raises its reason
+        plan.depth[ctx.chunk] = depth
+        if out is not None:
+            out[0] = depth
+        return out
+
+    def _depth(self, plan: GQSGDExpPlan, ctx: HopContext, dp: int) -> int:
         depth = max(dp, plan.depth.get(ctx.chunk, 0)) + 1
         if depth >= plan.chain:
             raise PayloadError(
                 f"gqsgd-exp chunk {ctx.chunk}: combining reaches depth {depth}, beyond this "
                 f"schedule's {plan.chain - 1} combinations in a row (a corrupt payload?)"
             )
-        h = self.reduce_hashes(plan, ctx, depth, acc.numel(), acc.device)
-        acc.copy_(exp_reduce(acc.to(torch.int32), codes, h))
-        plan.depth[ctx.chunk] = depth
+        return depth
+
+    def decode_accumulate(
+        self, plan: GQSGDExpPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        self._combine(plan, payload, acc, ctx, encode=False)
+
+    def decode_accumulate_encode(
+        self, plan: GQSGDExpPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        out = self._combine(plan, payload, local, ctx, encode=True)
+        assert out is not None
+        return out
 
     def finish(
         self, plan: GQSGDExpPlan, y: torch.Tensor, op: ReduceOp, world_size: int
