@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import hopq
+from hopq.bench.gqsgd import second_moment_growth
 from hopq.codecs.base import HopContext, LocalStats, ReduceOp
 from hopq.codecs.gqsgd import (
     EMAX,
@@ -208,39 +209,9 @@ def test_exp_refuses_too_deep_schedules_and_bad_depths():
 
 
 # -- variance growth against the paper's 9/8 ----------------------------------------------
-class _Leaves(GQSGDExp):
-    """gqsgd-exp that records, per rank, the decoded value of its leaf codes."""
-
-    leaves: dict[int, torch.Tensor] = {}
-
-    def prepare(self, plan, x, scratch=False):  # type: ignore[no-untyped-def]
-        w = super().prepare(plan, x, scratch)
-        _Leaves.leaves[plan.rank] = self.finish(plan, w.clone(), ReduceOp.SUM, 1).double()
-        return w
-
-
-def second_moment_growth(n: int, seeds: int = 6, size: int = 4096) -> tuple[float, float]:
-    """(E||tree result||^2 / E||sum of the same leaves||^2, the same for the
-    squared error) of gqsgd-exp on the tree: the leaves' exact sum is decoded
-    from the very codes the tree combined (same seed, same leaf streams)."""
-    g = torch.Generator().manual_seed(n)
-    xs = [torch.randn(size, generator=g) for _ in range(n)]
-    exact = torch.stack(xs).double().sum(0)
-    m2_tree = m2_leaf = mse_tree = mse_leaf = 0.0
-    for seed in range(seeds):
-        _Leaves.leaves.clear()
-        out = hopq.simulate(xs, _Leaves(), "tree", seed=seed).outputs[0].double()
-        leafsum = torch.stack([_Leaves.leaves[r] for r in range(n)]).sum(0)
-        m2_tree += out.square().sum().item()
-        m2_leaf += leafsum.square().sum().item()
-        mse_tree += (out - exact).square().sum().item()
-        mse_leaf += (leafsum - exact).square().sum().item()
-    return m2_tree / m2_leaf, mse_tree / mse_leaf
-
-
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_variance_growth_within_nine_eighths_per_level(n):
-    growth, _ = second_moment_growth(n)
+    growth, _ = second_moment_growth(n, seeds=6)
     levels = math.log2(n)
     assert 1.0 < growth <= (9 / 8) ** levels
 

@@ -143,6 +143,7 @@ def parser() -> tuple[
     from hopq.bench.cost_model import ModelOptions
     from hopq.bench.exits import ExitOptions
     from hopq.bench.faults import FaultOptions
+    from hopq.bench.gqsgd import GQSGDOptions
     from hopq.bench.kernels import KernelOptions
     from hopq.bench.vnmse import VnmseOptions
     from hopq.train.job import TrainOptions
@@ -178,6 +179,8 @@ def parser() -> tuple[
          "mismatched calls and dying ranks on real Gloo groups: the outcome table"),
         ("exits", ExitOptions, "hopq.bench.exits",
          "the README's example under torchrun, again and again: every run must exit 0"),
+        ("gqsgd", GQSGDOptions, "hopq.bench.gqsgd",
+         "Global-QSGD: variance growth on the tree vs (9/8)^levels, exponential reduce speed"),
     ):  # fmt: skip
         bp = bsub.add_parser(name, help=what, description=what)
         add_options(bp, cls)
