@@ -1,4 +1,5 @@
-"""Global-QSGD ("Quantize Once, Train Fast", Xin et al., arXiv:2305.18627):
+"""Global-QSGD ("Quantize Once, Train Fast", Xin, Canini, Richtárik, Horváth;
+the paper text names no arXiv id or venue):
 one global scale per call, stochastic rounding, and partial sums that stay in
 the code domain at every hop.
 
