@@ -62,6 +62,36 @@ def test_chain_lengths(n):
         assert chain == int(math.log2(p)) + 2
 
 
+@pytest.mark.parametrize("n", range(1, 17))
+def test_tree_depth_and_steps(n):
+    """Binomial aggregation to rank 0 then doubling back: ceil(log2 n) steps each
+    way, chains of ceil(log2 n) + 1 compressions; for n a power of two every hop
+    joins two equal-sized groups (the exponential reduce's premise)."""
+    s = get_schedule("tree", n)
+    K = math.ceil(math.log2(n)) if n > 1 else 0
+    assert s.n_chunks == 1 and s.owner == (0,)
+    assert len(s.steps) == 2 * K
+    assert max(s.compression_chains()) <= K + 1
+    assert s.reduce_depths() == [K]
+    size = dict.fromkeys(range(n), 1)
+    for step in s.steps[:K]:
+        for t in step:
+            if n & (n - 1) == 0:
+                assert size[t.src] == size[t.dst], "unbalanced hop on a power of two"
+            size[t.dst] += size[t.src]
+    assert size[0] == n
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_reduce_depths(n):
+    """Combinations in a row (what gqsgd-exp scales its leaves by): n - 1 on a
+    ring, ceil(log2 n) on butterfly (the fold adds one) and tree."""
+    K = math.ceil(math.log2(n)) if n > 1 else 0
+    assert max(get_schedule("ring", n).reduce_depths()) == n - 1
+    assert max(get_schedule("butterfly", n).reduce_depths()) == K
+    assert max(get_schedule("tree", n).reduce_depths()) == K
+
+
 @pytest.mark.parametrize("n", [1, 3, 4, 6, 8])
 def test_butterfly_ranges_and_owners(n):
     s = get_schedule("butterfly", n)

@@ -144,6 +144,7 @@ def parser() -> tuple[
     from hopq.bench.equarx import EquarxOptions
     from hopq.bench.exits import ExitOptions
     from hopq.bench.faults import FaultOptions
+    from hopq.bench.gqsgd import GQSGDOptions
     from hopq.bench.kernels import KernelOptions
     from hopq.bench.ranges import RangeOptions
     from hopq.bench.vnmse import VnmseOptions
@@ -179,6 +180,8 @@ def parser() -> tuple[
          "mismatched calls and dying ranks on real Gloo groups: the outcome table"),
         ("exits", ExitOptions, "hopq.bench.exits",
          "the README's example under torchrun, again and again: every run must exit 0"),
+        ("gqsgd", GQSGDOptions, "hopq.bench.gqsgd",
+         "Global-QSGD: variance growth on the tree vs (9/8)^levels, exponential reduce speed"),
         ("equarx", EquarxOptions, "hopq.bench.equarx",
          "EQuARX's Fig. 7 (error per schedule and stage) and Fig. 6 (time vs bf16) analogues"),
         ("ranges", RangeOptions, "hopq.bench.ranges",

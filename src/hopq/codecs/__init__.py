@@ -3,6 +3,7 @@
 from hopq.codecs import dynamiq as _dynamiq  # noqa: F401  (registers dynamiq)
 from hopq.codecs import equarx as _equarx  # noqa: F401  (registers equarx)
 from hopq.codecs import gcomp as _gcomp  # noqa: F401  (registers gcomp)
+from hopq.codecs import gqsgd as _gqsgd  # noqa: F401  (registers gqsgd-linear, gqsgd-exp)
 from hopq.codecs import mx as _mx  # noqa: F401  (registers mxfp8, mxfp6, mxfp4)
 from hopq.codecs import omnireduce as _omnireduce  # noqa: F401
 from hopq.codecs import thc as _thc  # noqa: F401

@@ -183,6 +183,10 @@ class _StatsExchange:
         self.deadline = deadline
         self.where = where
         self.agreement = agreement
+        #: The most pairwise combinations in a row on the schedule
+        #: (``Schedule.reduce_depths``; codecs whose combination can double a
+        #: magnitude, like gqsgd-exp, scale their leaves by it); set by run().
+        self.reduce_depth = transport.world_size - 1
         self.calls = 0
         self.bytes = 0.0
         self.frame_bytes = 0
@@ -564,6 +568,7 @@ def run(
         transport, schedule.n_chunks, u, seed, codec.round, key, deadline,
         Where(label, call, -1, 0, "statistics"), agreed,
     )  # fmt: skip
+    stats.reduce_depth = max(schedule.reduce_depths(), default=0)
     plan = codec.plan(x, stats)
     if not agreed.done:  # a codec without statistics: the agreement on its own
         agreed.run()

@@ -67,6 +67,27 @@ class Schedule:
             out.append(depth)
         return out
 
+    def reduce_depths(self) -> list[int]:
+        """Per chunk: the most pairwise combinations in a row that any partial sum
+        of it goes through. A rank that receives k children combines k times, its
+        sum after each being one deeper than both its previous sum and that child
+        (children of one step taken deepest first: the worst order). A codec whose
+        combination can double a magnitude (gqsgd-exp) scales its leaves by it."""
+        out = []
+        for c in range(self.n_chunks):
+            depth = dict.fromkeys(range(self.world_size), 0)
+            for step in self.steps:
+                before = dict(depth)
+                incoming: dict[int, list[int]] = {}
+                for t in step:
+                    if t.phase is Phase.REDUCE and c in t.chunks:
+                        incoming.setdefault(t.dst, []).append(before[t.src])
+                for dst, ds in incoming.items():
+                    for d in sorted(ds, reverse=True):
+                        depth[dst] = max(depth[dst], d) + 1
+            out.append(depth[self.owner[c]])
+        return out
+
     def compression_chains(self) -> list[int]:
         """Per chunk: the longest chain of compressions any contribution goes
         through (each REDUCE hop recompresses; the sink compresses once more)."""
@@ -199,6 +220,31 @@ def biring(n: int) -> Schedule:
                     step.append(Transfer(r, (r - 1) % n, (ccw,), phase))
             steps.append(tuple(step))
     return Schedule("biring", n, 2 * n, tuple(steps), tuple(c // 2 for c in range(2 * n)))
+def tree(n: int) -> Schedule:
+    """Tree (Global-QSGD section 8): recursive aggregation of the whole vector to
+    rank 0 along a binomial tree, then recursive doubling back out; one chunk,
+    ceil(log2 n) steps each way, for any n. Reduce step k: rank r with
+    r mod 2^(k+1) = 2^k hands its partial sum to r - 2^k; gather step k (k from
+    the top down): rank r with r mod 2^(k+1) = 0 forwards the final sum to
+    r + 2^k when that rank exists. For n a power of two every hop adds two
+    partial sums over equal-sized groups (what the exponential reduce needs);
+    for any n the root combines ceil(log2 n) times in a row (``reduce_depths``),
+    as on a power-of-two butterfly, and no chain is longer than ceil(log2 n) + 1
+    compressions."""
+    _check_n(n)
+    K = (n - 1).bit_length()  # ceil(log2 n)
+    steps: list[tuple[Transfer, ...]] = []
+    for k in range(K):
+        half = 1 << k
+        steps.append(
+            tuple(Transfer(r, r - half, (0,), Phase.REDUCE) for r in range(half, n, 2 * half))
+        )
+    for k in reversed(range(K)):
+        half = 1 << k
+        steps.append(
+            tuple(Transfer(r, r + half, (0,), Phase.GATHER) for r in range(0, n - half, 2 * half))
+        )
+    return Schedule("tree", n, 1, tuple(steps), (0,))
 
 
 TOPOLOGIES: dict[str, Callable[[int], Schedule]] = {
@@ -206,6 +252,7 @@ TOPOLOGIES: dict[str, Callable[[int], Schedule]] = {
     "butterfly": butterfly,
     "semiloop": semiloop,
     "biring": biring,
+    "tree": tree,
 }
 
 

@@ -14,6 +14,7 @@ codec          backend     module                                     needs
 dynamiq        ``cpu``     :mod:`hopq.kernels.dynamiq_cpu` (numba)     ``hopq[cpu]``
 gcomp          ``cpu``     :mod:`hopq.kernels.gcomp_cpu` (numba)       ``hopq[cpu]``
 dynamiq        ``triton``  :mod:`hopq.kernels.dynamiq_triton`          ``hopq[triton]``
+gqsgd-exp      ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
 ============  ==========  ========================================  ===================
 """
 
@@ -87,6 +88,9 @@ _BACKENDS: list[KernelBackend] = [
         "dynamiq", "cpu", "hopq.kernels.dynamiq_cpu", ("cpu",), ("numba", "numpy"), "cpu"
     ),
     KernelBackend("gcomp", "cpu", "hopq.kernels.gcomp_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
+    KernelBackend(
+        "gqsgd-exp", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
+    ),
 ]
 
 
@@ -163,8 +167,27 @@ class DynamiQKernels(Protocol):
         ...
 
 
+class GQSGDExpKernels(Protocol):
+    """What a gqsgd-exp kernel module provides (``gqsgd_cpu``): the exponential
+    reduce of :mod:`hopq.codecs.gqsgd`, bit for bit."""
+
+    def exp_reduce(
+        self,
+        acc: torch.Tensor,
+        body: torch.Tensor,
+        key: tuple[int, int],
+        start: int,
+        emin: int,
+        out: torch.Tensor | None = None,
+    ) -> int:
+        """acc <- exp_reduce(acc, codes of body) in place, out <- its bytes; returns
+        the number of invalid codes in body."""
+        ...
+
+
 __all__ = [
     "DynamiQKernels",
+    "GQSGDExpKernels",
     "KernelBackend",
     "Mode",
     "auto_backend",

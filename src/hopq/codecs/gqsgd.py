@@ -1,0 +1,543 @@
+"""Global-QSGD ("Quantize Once, Train Fast", Xin, Canini, Richtárik, Horváth;
+the paper text names no arXiv id or venue):
+one global scale per call, stochastic rounding, and partial sums that stay in
+the code domain at every hop.
+
+Both codecs agree on one scalar per call, N = max over ranks and coordinates of
+|x| (a MAX in the statistics exchange, section 4.1 with p = q = inf), and
+quantize each rank's vector once, stochastically (Eq. 2), with a counter-based
+hash RNG keyed by (seed, round, rank, element).
+
+``gqsgd-linear`` (linear dithering, section 4.2): x / N * L rounds to an integer
+in [-L, L]; integer partial sums are added exactly at every hop. The lane width
+b and the per-rank levels L are chosen so that no sum of n ranks can leave a
+b-bit lane: n L <= 2^(b-1) - 1. The nominal width ``bits`` (8 or 4) is kept while
+at least ``min_levels`` per-rank levels fit, i.e. L = min(2^(bits-1) - 1,
+floor((2^(b-1) - 1) / n)): the headroom for the sum comes out of the levels
+(log2 n bits of them, the paper's choice). Once fewer than ``min_levels`` remain,
+the lane widens (8, then 16 bits) and L returns to 2^(bits-1) - 1. A sum can
+never overflow at any world size (the public implementation overflows int8 at
+n = 4 and clamps its 4-bit sums); a received sum beyond n L is a corrupt
+payload (PayloadError).
+
+``gqsgd-exp`` (exponential, "natural" dithering, sections 4.2-4.3): leaf values
+v = x / N * 2^-c in [0, 2^-c] round to a neighbouring power of two, or below
+2^-127 to 0 or 2^-127 (unbiased: the last level is 0, Def. 1). A code is one
+byte, bit 7 the sign and bits 0-6 the exponent e in [1, 127] (value 2^-e), 0 for
+zero. Partial sums are combined code with code by the exponential reduce
+(Algorithm 2, :func:`exp_reduce`), which rounds the exact sum of two powers of
+two stochastically to a neighbouring power of two without decoding.
+
+The scale c = 1 + D, D the schedule's most combinations in a row
+(``Schedule.reduce_depths``, told by the engine): each combination at most
+doubles the larger magnitude, so a code at depth d (d combinations in a row
+below it, tracked per part and carried in a one-byte payload header) is at most
+2^(d - c), and the sink's, at depth <= D, at most 2^-1: every exponent stays
+>= 1 on *any* schedule. On a power-of-two butterfly or tree D = log2 n and
+2^-c is the paper's 1/(2n); a butterfly with a fold and a tree of any n have
+D = ceil(log2 n) (the paper's "round the shift up"); a ring has D = n - 1,
+which is the scaling that provably avoids the overshoot of the ring's running
+sum (NOTES 5) at a cost of n - 1 - ceil(log2 n) exponents at the bottom and a
+variance growing as (9/8)^(n-1). Schedules with D + 1 > :data:`MAX_CHAIN`
+(rings beyond 64 ranks) are refused in the plan: fewer than 63 exponents
+would remain. A payload's header and magnitudes are checked against D.
+
+Non-finite input poisons the global scale, hence the whole vector (like THC).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, ClassVar
+
+import torch
+
+from hopq.codecs.base import (
+    Codec,
+    CodecConfig,
+    HopContext,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    StatsOp,
+    check_payload,
+    nested_chunks,
+)
+from hopq.codecs.registry import register
+from hopq.errors import PayloadError
+from hopq.kernels import GQSGDExpKernels, auto_backend
+from hopq.kernels import backend as kernel_backend
+from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_bits
+from hopq.numerics.fp_formats import keep_finite
+from hopq.numerics.rng import hash32, stream_key, uniform
+from hopq.options import check_int, option
+
+#: Stream coordinates (chunk field of stream_key; distinct from real chunks).
+LINEAR_STREAM, EXP_STREAM = 0xFFFF3, 0xFFFF4
+#: Reduce streams: chunk field REDUCE_STREAM + schedule chunk * 128 + depth.
+REDUCE_STREAM = 0x100000
+#: Integer lanes of gqsgd-linear: float32 holds their sums exactly.
+LANES = (4, 8, 16)
+#: Exponent codes: 7 bits, 1..127 (0 is zero).
+EMAX = 127
+#: Largest c = 1 + D gqsgd-exp accepts: its leaves then keep at least
+#: 127 - 64 = 63 exponents (relative range 2^-63 below the largest entry).
+MAX_CHAIN = 64
+_FLOAT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def linear_layout(bits: int, min_levels: int, n: int) -> tuple[int, int]:
+    """(lane width, per-rank levels L) of gqsgd-linear for n ranks: the nominal
+    width while at least ``min_levels`` levels fit under n L <= 2^(b-1) - 1,
+    else the narrowest wider lane where they do."""
+    nominal = (1 << (bits - 1)) - 1
+    for lane in LANES:
+        if lane < bits:
+            continue
+        levels = min(nominal, ((1 << (lane - 1)) - 1) // n)
+        if levels >= max(1, min_levels):
+            return lane, levels
+    raise ValueError(
+        f"gqsgd-linear: {n} ranks with {min_levels} levels each need lanes wider than "
+        f"{LANES[-1]} bits (float32 sums are exact only up to 2^24)"
+    )
+
+
+def global_max(x: torch.Tensor, stats: StatsExchange) -> float:
+    """N = max |x| over every rank and coordinate (NaN/Inf propagate)."""
+    if x.numel():
+        local = x.reshape(-1).abs().amax().double().reshape(1)
+        if torch.isnan(x).any():  # amax propagates NaN on CPU; be explicit anyway
+            local.fill_(float("nan"))
+    else:
+        local = torch.zeros(1, dtype=torch.float64, device=x.device)
+    return float(stats.all_reduce(local, StatsOp.MAX).item())
+
+
+def _nan(plan: Plan, device: torch.device) -> torch.Tensor:
+    return torch.full((plan.numel,), float("nan"), device=device)
+
+
+# ---------------------------------------------------------------------------
+# linear dithering
+# ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GQSGDLinearConfig(CodecConfig):
+    bits: int = option(8, "nominal bits per coordinate on the wire", choices=(8, 4))
+    min_levels: int = option(
+        1, "fewest per-rank levels before the integer lane widens (8, then 16 bits)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"gqsgd-linear: bits must be 4 or 8, got {self.bits}")
+        check_int("gqsgd-linear: min_levels", self.min_levels, lo=1, hi=(1 << (self.bits - 1)) - 1)
+
+
+@dataclass
+class GQSGDLinearPlan(Plan):
+    scale: float  # N (may be NaN/Inf: finish() then poisons everything)
+    lane_bits: int
+    levels: int
+    world_size: int
+    seed: int
+    round: int
+    rank: int
+
+
+@register(
+    "gqsgd-linear",
+    "Global-QSGD linear dithering: global max scale, stochastic integers summed exactly in the code domain",
+)
+class GQSGDLinear(Codec[GQSGDLinearPlan]):
+    config_class = GQSGDLinearConfig
+    config: GQSGDLinearConfig
+    layout_preserving: ClassVar[bool] = True
+    first_stats_nbytes: ClassVar[int | None] = 8
+
+    def nonfinite_block(self) -> int:
+        return 1 << 62  # the global scale carries the poison everywhere
+
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> GQSGDLinearPlan:
+        cfg = self.config
+        n = stats.world_size
+        lane, L = linear_layout(cfg.bits, cfg.min_levels, n)
+        N = global_max(x, stats)
+        d = x.numel()
+        chunks = nested_chunks(d, stats.n_chunks, stats.microshards, align=2)
+        return GQSGDLinearPlan(
+            numel=d,
+            work_numel=d,
+            chunks=chunks,
+            payload_nbytes=tuple(packed_nbytes(e - s, lane) for s, e in chunks),
+            scale=N,
+            lane_bits=lane,
+            levels=L,
+            world_size=n,
+            seed=stats.seed,
+            round=stats.round,
+            rank=stats.rank,
+        )
+
+    def prepare(
+        self, plan: GQSGDLinearPlan, x: torch.Tensor, scratch: bool = False
+    ) -> torch.Tensor:
+        """This rank's integers in [-L, L] (as float32): stochastic rounding of x / N * L."""
+        flat = x.reshape(-1)
+        N = plan.scale
+        if not math.isfinite(N) or N == 0 or not plan.numel:
+            return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
+        v = flat.double() * (plan.levels / N)
+        u = uniform(
+            v.numel(),
+            stream_key(plan.seed, plan.round, LINEAR_STREAM, plan.rank),
+            device=x.device,
+        )
+        lo = torch.floor(v)
+        q = lo + (u.double() < v - lo).double()
+        return q.clamp_(-plan.levels, plan.levels).to(torch.float32)
+
+    def _limit(self, plan: GQSGDLinearPlan) -> int:
+        return plan.world_size * plan.levels  # what n ranks can sum to
+
+    def encode(self, plan: GQSGDLinearPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        b = plan.lane_bits
+        i = chunk.to(torch.int64)
+        if b == 8:
+            return i.to(torch.int8).view(torch.uint8)
+        if b == 4:
+            return pack_bits((i & 0xF).to(torch.uint8), 4)
+        return pack_bits(i, 16)
+
+    def _unpack(self, plan: GQSGDLinearPlan, payload: torch.Tensor, n: int, c: int) -> torch.Tensor:
+        check_payload(payload, plan.payload_nbytes[c], f"gqsgd-linear chunk {c} payload")
+        b = plan.lane_bits
+        if b == 8:
+            v = payload.view(torch.int8).to(torch.float32)
+        elif b == 4:
+            v = sign_extend(unpack_bits(payload, 4, n).to(torch.int64), 4).to(torch.float32)
+        else:
+            v = sign_extend(unpack_bits(payload, 16, n).to(torch.int64), 16).to(torch.float32)
+        if n and float(v.abs().max()) > self._limit(plan):
+            raise PayloadError(
+                f"gqsgd-linear chunk {c}: a partial sum beyond {self._limit(plan)}, more "
+                f"than {plan.world_size} ranks of {plan.levels} levels can add up to"
+            )
+        return v
+
+    def decode(
+        self, plan: GQSGDLinearPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None:
+        out.copy_(self._unpack(plan, payload, out.numel(), ctx.chunk))
+
+    def decode_accumulate(
+        self, plan: GQSGDLinearPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        acc.add_(self._unpack(plan, payload, acc.numel(), ctx.chunk))  # exact integers
+        if acc.numel() and float(acc.abs().max()) > self._limit(plan):
+            raise PayloadError(
+                f"gqsgd-linear chunk {ctx.chunk}: partial sums beyond {self._limit(plan)} "
+                "(a corrupt payload, or a contribution counted twice)"
+            )
+
+    def finish(
+        self, plan: GQSGDLinearPlan, y: torch.Tensor, op: ReduceOp, world_size: int
+    ) -> torch.Tensor:
+        N = plan.scale
+        if not math.isfinite(N):
+            return _nan(plan, y.device)
+        if N == 0:
+            return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
+        out = y.double() * (N / plan.levels)
+        if op is ReduceOp.AVG:
+            out = out / world_size
+        return keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
+
+
+# ---------------------------------------------------------------------------
+# exponential dithering and the exponential reduce
+# ---------------------------------------------------------------------------
+def exp_quantize(t: torch.Tensor, u: torch.Tensor, chain: int) -> torch.Tensor:
+    """Natural dithering of magnitudes t = |x| / N in [0, 1] (float64) scaled by
+    2^-chain: the exponent e >= chain (int32) of 2^-e, 0 for zero. ``u`` are
+    uniforms in [0, 1). Between two powers of two it rounds up with probability
+    (v - lo) / (hi - lo); below 2^-127 it rounds to 2^-127 or 0."""
+    m, E = torch.frexp(t)  # t = m 2^E, m in [0.5, 1)
+    E = E.to(torch.int32)
+    e_hi = chain - E  # v in [2^-(e_hi + 1), 2^-e_hi)
+    ud = u.double()
+    up = ud < 2.0 * m - 1.0
+    e = torch.where(up, e_hi, e_hi + 1)
+    bottom = e_hi >= EMAX  # v < 2^-127: levels 0 and 2^-127
+    p_bottom = torch.ldexp(t, torch.tensor(EMAX - chain, dtype=torch.float64, device=t.device))
+    e = torch.where(bottom, torch.where(ud < p_bottom, EMAX, 0), e)
+    return torch.where(t > 0, e, 0).to(torch.int32)
+
+
+def exp_reduce(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """Algorithm 2: combine signed exponent codes a, b (int32, value sign 2^-|c|,
+    0 for zero) into a code of their sum, rounded stochastically to a
+    neighbouring power of two, unbiased; ``h`` are uint32 hashes (int64).
+
+    With e1 <= e2 the larger magnitude's exponent and diff = e2 - e1: same signs
+    give 2^-(e1-1) with probability 2^-diff, else 2^-e1; opposite signs give 0
+    if diff = 0, else 2^-(e1+1) with probability 2^-(diff-1), else 2^-e1 (with
+    the larger one's sign). An event of probability 2^-j is "h < 2^32 >> j": exact
+    up to j = 32 (diff > 32: the smaller operand, below 2^-32 of the larger,
+    is dropped). Symmetric in (a, b), so whoever computes it gets the same bytes."""
+    ea, eb = a.abs(), b.abs()
+    za, zb = ea == 0, eb == 0
+    a_big = ~za & (zb | (ea <= eb))
+    eh = torch.where(a_big, ea, eb)
+    el = torch.where(a_big, eb, ea)
+    sh = torch.where(a_big, torch.sign(a), torch.sign(b))
+    same = (a > 0) == (b > 0)
+    diff = el - eh
+    j = torch.where(same, diff, diff - 1).clamp(0, 33).to(torch.int64)
+    ev = (h < torch.bitwise_right_shift(torch.full_like(j, 1 << 32), j)).to(torch.int32)
+    e_res = torch.where(same, eh - ev, eh + ev)
+    res = torch.where(~same & (diff == 0), 0, sh * e_res)
+    return torch.where(za | zb, a + b, res).to(torch.int32)
+
+
+def codes_to_bytes(c: torch.Tensor) -> torch.Tensor:
+    """Signed exponent codes -> bytes: bit 7 the sign, bits 0-6 the exponent."""
+    return (c.abs() | ((c < 0).to(c.dtype) << 7)).to(torch.uint8)
+
+
+def bytes_to_codes(p: torch.Tensor) -> torch.Tensor:
+    v = p.to(torch.int32)
+    e = v & 0x7F
+    return torch.where(v >= 0x80, -e, e)
+
+
+class ExpBackend(str, Enum):
+    #: The numba kernel (:mod:`hopq.kernels.gqsgd_cpu`) for CPU tensors when
+    #: numba is installed, else the reference.
+    AUTO = "auto"
+    REFERENCE = "reference"
+    CPU = "cpu"
+
+
+@dataclass(frozen=True)
+class GQSGDExpConfig(CodecConfig):
+    """8 bits, sign + 7-bit exponent (the paper's E 8-bit)."""
+
+    backend: ExpBackend = option(
+        ExpBackend.AUTO, "implementation of the exponential reduce (same bits)", choices=ExpBackend
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", ExpBackend(self.backend))
+
+
+@dataclass
+class GQSGDExpPlan(Plan):
+    scale: float  # N
+    chain: int  # c = 1 + D: leaves scaled by 2^-c
+    world_size: int
+    seed: int
+    round: int
+    rank: int
+    #: Rank-local: per part, the depth of the codes in the working vector.
+    depth: dict[int, int] = field(default_factory=dict)
+
+
+def _chain(stats: StatsExchange) -> int:
+    """c = 1 + the schedule's most combinations in a row (the engine tells it as
+    ``reduce_depth``); without it, the bound every schedule keeps: each
+    combination adds at least one rank's contribution, so at most n - 1."""
+    d = getattr(stats, "reduce_depth", None)
+    return 1 + (int(d) if d is not None else max(0, stats.world_size - 1))
+
+
+@register(
+    "gqsgd-exp",
+    "Global-QSGD exponential dithering: sign + 7-bit exponent, combined by the exponential reduce (Alg. 2)",
+)
+class GQSGDExp(Codec[GQSGDExpPlan]):
+    config_class = GQSGDExpConfig
+    config: GQSGDExpConfig
+    layout_preserving: ClassVar[bool] = True
+    first_stats_nbytes: ClassVar[int | None] = 8
+
+    def nonfinite_block(self) -> int:
+        return 1 << 62
+
+    def kernels(self, device: torch.device) -> GQSGDExpKernels | None:
+        """The kernel module for tensors on ``device``, or None for the reference."""
+        b = self.config.backend
+        if b is ExpBackend.REFERENCE:
+            return None
+        if b is ExpBackend.AUTO:
+            found = auto_backend("gqsgd-exp", device.type)
+            if found is None:
+                return None
+            module: GQSGDExpKernels = found.load()
+            return module
+        chosen = kernel_backend("gqsgd-exp", b.value)
+        if not chosen.runs_on(device.type):
+            raise ValueError(f"gqsgd-exp: backend {b.value!r} runs on CPU tensors, got {device}")
+        forced: GQSGDExpKernels = chosen.load()
+        return forced
+
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> GQSGDExpPlan:
+        chain = _chain(stats)
+        if chain > MAX_CHAIN:
+            raise ValueError(
+                f"gqsgd-exp: a schedule with {chain - 1} combinations in a row (a ring of "
+                f"{stats.world_size} ranks?) would leave fewer than {EMAX - MAX_CHAIN} of "
+                "its 127 exponents; use the butterfly or tree topology"
+            )
+        N = global_max(x, stats)
+        d = x.numel()
+        chunks = nested_chunks(d, stats.n_chunks, stats.microshards)
+        return GQSGDExpPlan(
+            numel=d,
+            work_numel=d,
+            chunks=chunks,
+            payload_nbytes=tuple(1 + e - s for s, e in chunks),
+            scale=N,
+            chain=chain,
+            world_size=stats.world_size,
+            seed=stats.seed,
+            round=stats.round,
+            rank=stats.rank,
+        )
+
+    def prepare(self, plan: GQSGDExpPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        """This rank's leaf codes (signed exponents, as float32)."""
+        N = plan.scale
+        plan.depth.clear()
+        if not math.isfinite(N) or N == 0 or not plan.numel:
+            return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
+        flat = x.reshape(-1).double()
+        u = uniform(
+            flat.numel(), stream_key(plan.seed, plan.round, EXP_STREAM, plan.rank), device=x.device
+        )
+        e = exp_quantize(flat.abs() / N, u, plan.chain)
+        return torch.where(flat < 0, -e, e).to(torch.float32)
+
+    def _parse(self, plan: GQSGDExpPlan, payload: torch.Tensor, c: int) -> tuple[int, torch.Tensor]:
+        check_payload(payload, plan.payload_nbytes[c], f"gqsgd-exp chunk {c} payload")
+        depth = int(payload[0])
+        if depth >= plan.chain:
+            raise PayloadError(
+                f"gqsgd-exp chunk {c}: payload of depth {depth}; this schedule combines "
+                f"at most {plan.chain - 1} times in a row"
+            )
+        body = payload[1:]
+        if bool((body == 0x80).any()):
+            raise PayloadError(f"gqsgd-exp chunk {c}: a negative zero code")
+        codes = bytes_to_codes(body)
+        e = codes.abs()
+        # a code at depth d is at most 2^(d - chain): its exponent >= chain - d
+        if bool(((e > 0) & (e < plan.chain - depth)).any()):
+            raise PayloadError(
+                f"gqsgd-exp chunk {c}: an exponent below {plan.chain - depth}, larger than "
+                f"a partial sum of depth {depth} can be"
+            )
+        return depth, codes
+
+    def encode(self, plan: GQSGDExpPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        head = torch.tensor([plan.depth.get(ctx.chunk, 0)], dtype=torch.uint8, device=chunk.device)
+        return torch.cat([head, codes_to_bytes(chunk.to(torch.int32))])
+
+    def decode(
+        self, plan: GQSGDExpPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
+    ) -> None:
+        _, codes = self._parse(plan, payload, ctx.chunk)
+        out.copy_(codes)
+
+    def reduce_hashes(
+        self, plan: GQSGDExpPlan, ctx: HopContext, depth: int, n: int, device: torch.device
+    ) -> torch.Tensor:
+        """The shared draw of one combination: keyed by (seed, round, schedule chunk,
+        hop, depth of the result) and the global element index, all known to
+        both partners and independent of the number of microshards."""
+        start = plan.chunks[ctx.chunk][0]
+        idx = torch.arange(start, start + n, dtype=torch.int64, device=device)
+        return hash32(idx, self.reduce_key(plan, ctx, depth))
+
+    def reduce_key(self, plan: GQSGDExpPlan, ctx: HopContext, depth: int) -> tuple[int, int]:
+        return stream_key(
+            plan.seed, plan.round, REDUCE_STREAM + ctx.stream_chunk * 128 + depth, ctx.hop
+        )
+
+    def _combine(
+        self, plan: GQSGDExpPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext,
+        encode: bool,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """acc <- exp_reduce(acc, payload's codes); with ``encode``, the result's payload."""
+        k = self.kernels(acc.device)
+        if k is None or not acc.is_contiguous():
+            dp, codes = self._parse(plan, payload, ctx.chunk)
+            depth = self._depth(plan, ctx, dp)
+            h = self.reduce_hashes(plan, ctx, depth, acc.numel(), acc.device)
+            acc.copy_(exp_reduce(acc.to(torch.int32), codes, h))
+            plan.depth[ctx.chunk] = depth
+            return self.encode(plan, acc, ctx) if encode else None
+        check_payload(
+            payload, plan.payload_nbytes[ctx.chunk], f"gqsgd-exp chunk {ctx.chunk} payload"
+        )
+        dp = int(payload[0])
+        if dp >= plan.chain:
+            self._parse(plan, payload, ctx.chunk)  # raises its reason
+        depth = self._depth(plan, ctx, dp)
+        out = torch.empty_like(payload) if encode else None
+        bad = k.exp_reduce(
+            acc,
+            payload[1:],
+            self.reduce_key(plan, ctx, depth),
+            plan.chunks[ctx.chunk][0],
+            plan.chain - dp,
+            None if out is None else out[1:],
+        )
+        if bad:
+            self._parse(plan, payload, ctx.chunk)  # raises its reason
+        plan.depth[ctx.chunk] = depth
+        if out is not None:
+            out[0] = depth
+        return out
+
+    def _depth(self, plan: GQSGDExpPlan, ctx: HopContext, dp: int) -> int:
+        depth = max(dp, plan.depth.get(ctx.chunk, 0)) + 1
+        if depth >= plan.chain:
+            raise PayloadError(
+                f"gqsgd-exp chunk {ctx.chunk}: combining reaches depth {depth}, beyond this "
+                f"schedule's {plan.chain - 1} combinations in a row (a corrupt payload?)"
+            )
+        return depth
+
+    def decode_accumulate(
+        self, plan: GQSGDExpPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        self._combine(plan, payload, acc, ctx, encode=False)
+
+    def decode_accumulate_encode(
+        self, plan: GQSGDExpPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        out = self._combine(plan, payload, local, ctx, encode=True)
+        assert out is not None
+        return out
+
+    def finish(
+        self, plan: GQSGDExpPlan, y: torch.Tensor, op: ReduceOp, world_size: int
+    ) -> torch.Tensor:
+        N = plan.scale
+        if not math.isfinite(N):
+            return _nan(plan, y.device)
+        if N == 0:
+            return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
+        c = y.to(torch.int32)
+        e = c.abs()
+        mag = torch.ldexp(torch.full_like(y, N, dtype=torch.float64), (plan.chain - e).double())
+        out = torch.where(e > 0, torch.where(c < 0, -mag, mag), 0.0)
+        if op is ReduceOp.AVG:
+            out = out / world_size
+        return keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round}

@@ -1,0 +1,279 @@
+"""Global-QSGD: unbiasedness of both codecs, the exponential reduce (exact
+expectation over its events, symmetry), the per-aggregation variance growth
+against the paper's 9/8, no overflow at large n, and the depth-based scaling
+that lets gqsgd-exp run on a ring."""
+
+import math
+
+import pytest
+import torch
+
+import hopq
+from hopq.bench.gqsgd import second_moment_growth
+from hopq.codecs.base import HopContext, LocalStats, ReduceOp
+from hopq.codecs.gqsgd import (
+    EMAX,
+    GQSGDExp,
+    bytes_to_codes,
+    codes_to_bytes,
+    exp_quantize,
+    exp_reduce,
+    linear_layout,
+)
+from hopq.errors import PayloadError
+from hopq.numerics.rng import hash32
+
+
+def _value(code: torch.Tensor) -> torch.Tensor:
+    """Signed exponent codes -> float64 values sign 2^-e (0 for 0)."""
+    e = code.abs().double()
+    return torch.where(code == 0, 0.0, torch.sign(code).double() * torch.exp2(-e))
+
+
+def _all_pairs(lo: int = 2, hi: int = 12) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every pair of codes with exponents in [lo, hi) and zero; lo >= 2 keeps the
+    sums below 1, which the codec's scaling guarantees."""
+    codes = torch.tensor([0] + [s * e for e in range(lo, hi) for s in (1, -1)], dtype=torch.int32)
+    a, b = torch.meshgrid(codes, codes, indexing="ij")
+    return a.reshape(-1), b.reshape(-1)
+
+
+# -- the exponential reduce -----------------------------------------------------------
+def test_exp_reduce_is_exactly_unbiased():
+    """Each result depends on one event "h < 2^32 >> j" of probability 2^-j:
+    evaluate both outcomes (h = 0: the event happens, h = 2^32 - 1: it does not,
+    for j >= 1) and weigh them; the expectation is the exact sum."""
+    a, b = _all_pairs()
+    ea, eb = a.abs(), b.abs()
+    same = (a > 0) == (b > 0)
+    diff = (ea - eb).abs()
+    j = torch.where(same, diff, diff - 1).clamp(min=0)
+    p = torch.exp2(-j.double())
+    yes = _value(exp_reduce(a, b, torch.zeros_like(a, dtype=torch.int64)))
+    no = _value(exp_reduce(a, b, torch.full_like(a, 2**32 - 1, dtype=torch.int64)))
+    expected = p * yes + (1 - p) * no
+    assert torch.equal(expected, _value(a) + _value(b))
+
+
+def test_exp_reduce_symmetric_and_statistically_unbiased():
+    a, b = _all_pairs(2, 8)
+    g = torch.Generator().manual_seed(0)
+    draws = 4000
+    h = torch.randint(0, 2**32, (draws, a.numel()), generator=g, dtype=torch.int64)
+    A, B = a.expand(draws, -1).reshape(-1), b.expand(draws, -1).reshape(-1)
+    r1 = exp_reduce(A, B, h.reshape(-1))
+    assert torch.equal(r1, exp_reduce(B, A, h.reshape(-1)))  # either partner: same bytes
+    vals = _value(r1).view(draws, -1)
+    exact = _value(a) + _value(b)
+    se = vals.std(0) / math.sqrt(draws) + 1e-12
+    assert ((vals.mean(0) - exact).abs() <= 5 * se).all()
+    # the result is a neighbouring power of two of the sum (or 0 when it cancels)
+    lo = vals.abs().amin(0)
+    hi = vals.abs().amax(0)
+    assert (hi <= 2 * exact.abs() + 1e-300).all() and (lo >= exact.abs() / 2 - 1e-300).all()
+
+
+def test_exp_quantize_unbiased_including_the_bottom():
+    """Natural dithering: unbiased between powers of two and below 2^-127 (0 or
+    2^-127), never beyond 2^-chain."""
+    chain = 3
+    t = torch.tensor(
+        [1.0, 0.75, 0.3, 2.0**-100, 2.0**-126, 3.0 * 2.0**-130, 0.0], dtype=torch.float64
+    )
+    draws = 20000
+    g = torch.Generator().manual_seed(1)
+    u = torch.rand((draws, t.numel()), generator=g).float()
+    e = exp_quantize(t.expand(draws, -1).reshape(-1), u.reshape(-1), chain).view(draws, -1)
+    assert int(e[e > 0].min()) >= chain and int(e.max()) <= EMAX
+    v = torch.where(e > 0, torch.exp2(-e.double()), 0.0) * 2.0**chain
+    se = v.std(0) / math.sqrt(draws)
+    assert ((v.mean(0) - t).abs() <= 5 * se + 1e-300).all()
+    assert torch.equal(e[:, 0], torch.full_like(e[:, 0], chain))  # the max is exact
+
+
+def test_code_bytes_roundtrip():
+    c = torch.tensor([0] + [s * e for e in range(1, 128) for s in (1, -1)], dtype=torch.int32)
+    assert torch.equal(bytes_to_codes(codes_to_bytes(c)), c)
+
+
+# -- unbiasedness end to end ------------------------------------------------------------
+@pytest.mark.parametrize(("codec", "topology"), [("gqsgd-linear", "ring"), ("gqsgd-exp", "tree")])
+def test_unbiased_end_to_end(codec, topology):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(256, generator=g) * torch.linspace(0.1, 3, 256) for _ in range(4)]
+    exact = torch.stack(xs).double().sum(0)
+    runs, acc, sq = 120, torch.zeros(256, dtype=torch.float64), 0.0
+    for seed in range(runs):
+        out = hopq.simulate(xs, codec, topology, seed=seed).outputs[0].double()
+        acc += out
+        sq += (out - exact).square().sum().item()
+    # squared error of the mean against its expected value (the mean squared error / runs)
+    assert (acc / runs - exact).square().sum().item() < 1.4 * sq / runs / runs
+
+
+def test_linear_leaf_unbiased_4bit():
+    """The 4-bit codec at n = 4 (one level per rank): rounding is still unbiased."""
+    c = hopq.get_codec("gqsgd-linear", bits=4)
+    x = torch.linspace(-1, 1, 64)
+    acc = torch.zeros(64, dtype=torch.float64)
+    runs = 3000
+    for s in range(runs):
+        plan = c.plan(x, LocalStats(world_size=4, seed=s))
+        assert (plan.lane_bits, plan.levels) == (4, 1)
+        acc += c.finish(plan, c.prepare(plan, x), ReduceOp.SUM, 4).double()
+    # per-coordinate variance <= (N / L)^2 / 4 = 1/4: standard error of the mean 0.5 / sqrt(runs)
+    assert ((acc / runs - x.double()).abs() <= 5 * 0.5 / math.sqrt(runs)).all()
+
+
+# -- lanes and overflow ------------------------------------------------------------------
+def test_linear_lanes_never_overflow():
+    for bits in (8, 4):
+        prev = None
+        for n in range(1, 5000):
+            lane, levels = linear_layout(bits, 1, n)
+            assert n * levels <= (1 << (lane - 1)) - 1 and levels >= 1
+            assert levels <= (1 << (bits - 1)) - 1
+            if prev is not None:
+                assert lane >= prev  # lanes only widen with n
+            prev = lane
+    assert linear_layout(8, 1, 4) == (8, 31)
+    assert linear_layout(8, 1, 127) == (8, 1)
+    assert linear_layout(8, 1, 128) == (16, 127)
+    assert linear_layout(4, 1, 7) == (4, 1)
+    assert linear_layout(4, 1, 8) == (8, 7)
+    assert linear_layout(8, 8, 16) == (16, 127)  # min_levels 8: widen instead
+
+
+@pytest.mark.parametrize(("n", "topology"), [(16, "ring"), (64, "tree")])
+def test_no_overflow_with_every_rank_at_the_max(n, topology):
+    """Adversarial input: every rank at +max (and at -max in half the
+    coordinates). gqsgd-linear sums exactly (n x the max); gqsgd-exp never
+    overshoots to exponent 0 (which would decode as zero) and stays unbiased."""
+    size = 2048
+    x = torch.ones(size)
+    x[size // 2 :] = -1.0
+    xs = [x.clone() for _ in range(n)]
+    lin = hopq.simulate(xs, "gqsgd-linear", topology, seed=3)
+    assert lin.identical and torch.equal(lin.outputs[0], x * n)
+    for bits in (4,):
+        lin4 = hopq.simulate(xs, hopq.get_codec("gqsgd-linear", bits=bits), topology, seed=3)
+        assert torch.equal(lin4.outputs[0], x * n)
+    ex = hopq.simulate(xs, "gqsgd-exp", topology, seed=3)
+    o = ex.outputs[0].double()
+    assert ex.identical and (torch.sign(o) == x.double()).all()  # never zero, never flipped
+    half = o[: size // 2]
+    assert abs(half.mean().item() - n) <= 5 * half.std().item() / math.sqrt(size // 2) + 1e-9
+
+
+def test_exp_on_ring_is_scaled_not_broken():
+    """The notes' worked example: n = 4 on a ring, every rank at +max; a 1/(2n)
+    pre-scale would overshoot to e = 0 (decoding as zero). The depth-based scale
+    (2^-4 on a ring of 4) keeps every exponent >= 1."""
+    xs = [torch.ones(4096) for _ in range(4)]
+    r = hopq.simulate(xs, "gqsgd-exp", "ring", seed=0)
+    o = r.outputs[0].double()
+    assert (o > 0).all()
+    assert abs(o.mean().item() - 4) < 5 * o.std().item() / 64
+
+
+def test_exp_refuses_too_deep_schedules_and_bad_depths():
+    c = GQSGDExp()
+    x = torch.randn(100)
+    stats = LocalStats(world_size=65)
+    stats.reduce_depth = 64  # a ring of 65
+    with pytest.raises(ValueError, match="use the butterfly or tree"):
+        c.plan(x, stats)
+    ok = LocalStats(world_size=4)
+    ok.reduce_depth = 2
+    plan = c.plan(x, ok)
+    assert plan.chain == 3
+    work = c.prepare(plan, x)
+    ctx = HopContext(0, 0, 0, 1, 0, 4)
+    p = c.encode(plan, work.clone(), ctx)
+    deep = p.clone()
+    deep[0] = 3  # deeper than the schedule allows
+    with pytest.raises(PayloadError, match="depth"):
+        c.decode(plan, deep, ctx, torch.zeros(100))
+    big = p.clone()
+    big[1] = 1  # exponent 1 at depth 0: larger than a leaf can be
+    with pytest.raises(PayloadError, match="exponent"):
+        c.decode(plan, big, ctx, torch.zeros(100))
+    # two combinations in a row are fine, a third is not
+    acc = work.clone()
+    c.decode_accumulate(plan, p, acc, ctx)
+    q = p.clone()
+    q[0] = 1
+    c.decode_accumulate(plan, q, acc, ctx)
+    with pytest.raises(PayloadError, match="combinations in a row"):
+        c.decode_accumulate(plan, p, acc, ctx)
+
+
+# -- variance growth against the paper's 9/8 ----------------------------------------------
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_variance_growth_within_nine_eighths_per_level(n):
+    growth, _ = second_moment_growth(n, seeds=6)
+    levels = math.log2(n)
+    assert 1.0 < growth <= (9 / 8) ** levels
+
+
+# -- the numba kernel ---------------------------------------------------------------------
+def _cpu_kernels():
+    from hopq.kernels import gqsgd_cpu
+
+    if not gqsgd_cpu.available():
+        pytest.skip("numba not installed")  # the torch-only environment
+    return gqsgd_cpu
+
+
+def test_cpu_kernel_matches_reference_bit_for_bit():
+    k = _cpu_kernels()
+    g = torch.Generator().manual_seed(7)
+    n = 50_000
+    for emin, zeros in ((2, 0.0), (5, 0.3), (9, 0.9)):
+        e = torch.randint(emin, EMAX + 1, (2, n), generator=g, dtype=torch.int32)
+        s = torch.randint(0, 2, (2, n), generator=g, dtype=torch.int32) * 2 - 1
+        codes = torch.where(torch.rand(2, n, generator=g) < zeros, 0, e * s)
+        codes[:, :300] = codes[:, 300:600]  # ties and equal exponents
+        codes[1, 600:900] = -codes[0, 600:900]  # cancellations
+        a, b = codes[0], codes[1]
+        key = (12345 + emin, 999)
+        idx = torch.arange(77, 77 + n, dtype=torch.int64)
+        ref = exp_reduce(a, b, hash32(idx, key))
+        acc = a.to(torch.float32)
+        out = torch.empty(n, dtype=torch.uint8)
+        assert k.exp_reduce(acc, codes_to_bytes(b), key, 77, emin, out) == 0
+        assert torch.equal(acc.to(torch.int32), ref)
+        assert torch.equal(out, codes_to_bytes(ref))
+    bad = codes_to_bytes(b).clone()
+    bad[5] = 0x80  # negative zero
+    bad[6] = 1  # exponent below emin
+    assert k.exp_reduce(a.to(torch.float32), bad, key, 0, 9, None) == 2
+
+
+@pytest.mark.parametrize("topology", ["tree", "butterfly", "ring"])
+def test_simulation_with_kernel_equals_reference(topology):
+    _cpu_kernels()
+    g = torch.Generator().manual_seed(2)
+    for n in (3, 4, 5):
+        xs = [torch.randn(3001, generator=g) for _ in range(n)]
+        ref = hopq.simulate(xs, GQSGDExp(backend="reference"), topology, seed=5, microshards=2)
+        got = hopq.simulate(xs, GQSGDExp(backend="cpu"), topology, seed=5, microshards=2)
+        assert got.identical
+        assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))
+
+
+def test_cpu_kernel_rejects_corrupt_payloads_like_the_reference():
+    _cpu_kernels()
+    c = GQSGDExp(backend="cpu")
+    x = torch.randn(100)
+    stats = LocalStats(world_size=4)
+    stats.reduce_depth = 2
+    plan = c.plan(x, stats)
+    work = c.prepare(plan, x)
+    ctx = HopContext(0, 0, 0, 1, 0, 4)
+    p = c.encode(plan, work.clone(), ctx)
+    for i, v in ((0, 3), (1, 1), (2, 0x80)):
+        q = p.clone()
+        q[i] = v
+        with pytest.raises(PayloadError):
+            c.decode_accumulate_encode(plan, q, work.clone(), ctx)
