@@ -220,6 +220,8 @@ def biring(n: int) -> Schedule:
                     step.append(Transfer(r, (r - 1) % n, (ccw,), phase))
             steps.append(tuple(step))
     return Schedule("biring", n, 2 * n, tuple(steps), tuple(c // 2 for c in range(2 * n)))
+
+
 def tree(n: int) -> Schedule:
     """Tree (Global-QSGD section 8): recursive aggregation of the whole vector to
     rank 0 along a binomial tree, then recursive doubling back out; one chunk,
