@@ -46,9 +46,11 @@ def test_bad_options_are_usage_errors(capsys, argv, words):
 def test_help_names_choices_and_defaults(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--help"])
-    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
-    assert "{gpt,minilm}" in out and "{ring,butterfly,semiloop,biring}" in out
-    assert "dynamiq" in out and "(default: auto)" in out
+    from hopq.comm.topology import TOPOLOGIES
+
+    out = "".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
+    assert "{gpt,minilm}" in out and "{" + ",".join(TOPOLOGIES) + "}" in out
+    assert "dynamiq" in out and "(default:auto)" in out
     assert "--codec-option" in out
 
 
