@@ -143,6 +143,7 @@ def parser() -> tuple[
     from hopq.bench.cost_model import ModelOptions
     from hopq.bench.exits import ExitOptions
     from hopq.bench.faults import FaultOptions
+    from hopq.bench.gcomp import GCompBenchOptions
     from hopq.bench.kernels import KernelOptions
     from hopq.bench.vnmse import VnmseOptions
     from hopq.train.job import TrainOptions
@@ -163,7 +164,7 @@ def parser() -> tuple[
     sub.add_parser("codecs", help="list the registered codecs and their options")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(
-        dest="bench", required=True, metavar="{allreduce,kernels,vnmse,model}"
+        dest="bench", required=True, metavar="{allreduce,kernels,vnmse,gcomp,model,faults,exits}"
     )
     for name, cls, module, what in (
         ("allreduce", AllreduceOptions, "hopq.bench.allreduce",
@@ -174,6 +175,8 @@ def parser() -> tuple[
          "compression error of every codec on real gradients"),
         ("model", ModelOptions, "hopq.bench.cost_model",
          "alpha-beta-gamma cost model: calibrate, predict, validate"),
+        ("gcomp", GCompBenchOptions, "hopq.bench.gcomp",
+         "GComp: compressed size over training (Fig. 9), static vs rebuilt table (Fig. 13a), kernels"),
         ("faults", FaultOptions, "hopq.bench.faults",
          "mismatched calls and dying ranks on real Gloo groups: the outcome table"),
         ("exits", ExitOptions, "hopq.bench.exits",
