@@ -289,3 +289,45 @@ def test_ddp_hook_with_optimizer_in_a_real_gloo_job():
     assert (gc - plain).norm().item() <= 1e-3 * update
     for a, b in zip(res[0]["gcomp/losses"], res[0]["None/losses"], strict=True):
         assert abs(a - b) <= 1e-4 * abs(b)
+
+
+def test_fused_hop_kernel_equals_reference_hop():
+    """The one-pass kernel hop (decode a value, add, encode the sum) gives the
+    reference's decode-accumulate-then-encode bits, sums included, and refuses
+    corrupt payloads like the decoder."""
+    pytest.importorskip("numba")
+    from hopq.kernels import gcomp_cpu
+
+    for seed, n in enumerate((1, 7, 1000, 2501)):
+        x, w = _grad(n, seed=seed), _grad(n, seed=seed + 50)
+        if n > 10:
+            x[3], w[4], w[5] = float("nan"), float("inf"), -w[6]  # a cancellation to 0
+        thr = torch.rand(n, generator=torch.Generator().manual_seed(seed)) * x.abs() * 2**19
+        for nt in (6, 10):
+            t = build_table(ref.histogram(torch.cat([x, w])), nt)
+            for th, fixed in ((None, -1), (thr, -1), (None, 2)):
+                p = ref.encode(w, th, fixed, t, C)
+                want_sum = x + ref.decode(p, n, t, C)
+                want = ref.encode(want_sum, th, fixed, t, C)
+                local = x.clone()
+                got = gcomp_cpu.hop(p, local, th, fixed, t, C)
+                assert torch.equal(got, want), (n, nt, fixed)
+                assert torch.equal(local.view(torch.int32), want_sum.view(torch.int32))
+    x = _grad(3000, seed=8)
+    t = build_table(ref.histogram(x), 10)
+    good = ref.encode(x, None, -1, t, C)
+    head = fmt.BLOCK_BYTES + 3 * fmt.CHUNK_BYTES
+    g = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        p = good.clone()
+        i = int(torch.randint(head, p.numel(), (1,), generator=g))
+        p[i] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+        try:
+            y = ref.decode(p, 3000, t, C)
+        except PayloadError:
+            with pytest.raises(PayloadError):
+                gcomp_cpu.hop(p, x.clone(), None, -1, t, C)
+            continue
+        assert torch.equal(
+            gcomp_cpu.hop(p, x.clone(), None, -1, t, C), ref.encode(x + y, None, -1, t, C)
+        )
