@@ -331,3 +331,36 @@ def test_fused_hop_kernel_equals_reference_hop():
         assert torch.equal(
             gcomp_cpu.hop(p, x.clone(), None, -1, t, C), ref.encode(x + y, None, -1, t, C)
         )
+
+
+def test_bench_gcomp_tiny(tmp_path):
+    """``hopq bench gcomp`` at a tiny size: both parts, a table row per
+    (workload, optimizer), sizes that are fractions, the plot written."""
+    from hopq.bench.gcomp import GCompBenchOptions, run, train_sizes
+
+    o = GCompBenchOptions(
+        workloads=("gpt",),
+        steps=3,
+        workers=2,
+        batch=2,
+        rebuild_every=2,
+        gpt_dim=32,
+        gpt_layers=1,
+        context=32,
+        kernel_coords=5000,
+        repeats=1,
+        plot=str(tmp_path / "size.png"),
+    )
+    text = run(o, log=lambda _s: None)
+    assert "## Kernels" in text and "fused hop" in text
+    assert "|      gpt |       sgd |" in text and "|      gpt |     adamw |" in text
+    assert (tmp_path / "size.png").exists()
+    ss, _ = train_sizes(o, "gpt", "adamw", lambda _s: None)
+    assert len(ss) == 3
+    for s in ss:
+        assert 0 < s.size <= s.lossless < 1.1
+        assert s.exp_bits > 0 and s.exp_static > 0
+    # step 0 builds both tables from the same gradient; step 2 rebuilt one of them
+    assert ss[0].exp_bits == ss[0].exp_static
+    with pytest.raises(ValueError, match="unknown parts"):
+        GCompBenchOptions(parts=("nope",))
