@@ -25,3 +25,44 @@ def varsize_and_gcomp(rank: int, n: int) -> dict[Any, Any]:
                 info = hopq.all_reduce(x, codec=codec, topology=topo, seed=3)
                 out[(name, topo, size)] = (x, info.bytes_sent)
     return out
+
+
+def ddp_gcomp_adamw(rank: int, n: int, steps: int) -> dict[str, Any]:
+    """TinyNet trained with AdamW through plain DDP, the fp32 hook and
+    ``HookState(codec="gcomp", optimizer=opt)``: final parameters, losses and
+    payload bytes per variant."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.workers import TinyNet
+
+    out: dict[str, Any] = {}
+    for name in (None, "fp32", "gcomp"):
+        torch.manual_seed(0)
+        model = TinyNet()
+        ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets per step
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2, weight_decay=1e-2)
+        state = None
+        if name is not None:
+            state = hopq.HookState(
+                codec=name, optimizer=opt if name == "gcomp" else None, overlap=True
+            )
+            ddp.register_comm_hook(state, hopq.ddp_hook)
+        g = torch.Generator().manual_seed(rank)
+        losses = []
+        for _ in range(steps):
+            x = torch.randn(32, 16, generator=g)
+            y = torch.randn(32, 4, generator=g)
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        key = str(name)
+        out[key] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        out[f"{key}/losses"] = losses
+        if state is not None:
+            calls = state.pop_stats()
+            out[f"{key}/payload"] = sum(c.payload_bytes for c in calls)
+            out[f"{key}/calls"] = len(calls)
+            out[f"{key}/thresholds"] = sorted(getattr(state.codec, "thresholds", {}))
+    return out

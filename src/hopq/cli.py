@@ -144,6 +144,7 @@ def parser() -> tuple[
     from hopq.bench.equarx import EquarxOptions
     from hopq.bench.exits import ExitOptions
     from hopq.bench.faults import FaultOptions
+    from hopq.bench.gcomp import GCompBenchOptions
     from hopq.bench.gqsgd import GQSGDOptions
     from hopq.bench.kernels import KernelOptions
     from hopq.bench.ranges import RangeOptions
@@ -176,6 +177,8 @@ def parser() -> tuple[
          "compression error of every codec on real gradients"),
         ("model", ModelOptions, "hopq.bench.cost_model",
          "alpha-beta-gamma cost model: calibrate, predict, validate"),
+        ("gcomp", GCompBenchOptions, "hopq.bench.gcomp",
+         "GComp: compressed size over training (Fig. 9), static vs rebuilt table (Fig. 13a), kernels"),
         ("faults", FaultOptions, "hopq.bench.faults",
          "mismatched calls and dying ranks on real Gloo groups: the outcome table"),
         ("exits", ExitOptions, "hopq.bench.exits",

@@ -39,11 +39,11 @@ def _jit() -> Any:
 
 @lru_cache(maxsize=64)
 def _np_table(table: Table) -> tuple[np.ndarray, ...]:
+    """(code, code length, lookup table (length << 16 | symbol), native lengths)."""
     return (
         table.enc_code.numpy().astype(np.int64),
         table.enc_len.numpy().astype(np.int64),
-        table.lut_sym.numpy().astype(np.int64),
-        table.lut_len.numpy().astype(np.int64),
+        ((table.lut_len << 16) | table.lut_sym).numpy().astype(np.int64),
         table.lengths.numpy().astype(np.int64),
     )
 
@@ -51,22 +51,31 @@ def _np_table(table: Table) -> tuple[np.ndarray, ...]:
 _EMPTY_F32 = np.empty(0, np.float32)
 
 
+def _views(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    xf = x.detach().reshape(-1).contiguous().numpy()
+    return xf.view(np.uint32), xf
+
+
+def _out_and_head(n: int, table: Table, chunk_values: int) -> tuple[torch.Tensor, np.ndarray]:
+    k = fmt.n_chunks(n, chunk_values)
+    head = np.array(fmt.block_header(table.table_id, table.n_theta, k, n, 0), np.int64)
+    return torch.empty(fmt.bound(n, chunk_values, table.n_theta), dtype=torch.uint8), head
+
+
+def _raise(err: int) -> None:
+    raise PayloadError(f"gcomp: {_ERRORS.get(err, 'corrupt payload')}")
+
+
 def encode(
     x: torch.Tensor, thr: torch.Tensor | None, fixed: int, table: Table, chunk_values: int
 ) -> torch.Tensor:
-    j = _jit()
     n = x.numel()
-    code, ln, _, _, _ = _np_table(table)
-    out = torch.empty(fmt.bound(n, chunk_values, table.n_theta), dtype=torch.uint8)
-    C = chunk_values
-    lv_buf = np.empty((2 * min(C, max(n, 1)) + 7) // 8 + 1, np.uint8)
-    mt_buf = np.empty(3 * min(C, max(n, 1)) + 4, np.uint8)
-    xs = x.detach().reshape(-1).contiguous().view(torch.int32).numpy().view(np.uint32)
+    code, ln, _, _ = _np_table(table)
+    out, head = _out_and_head(n, table, chunk_values)
+    xu, xf = _views(x)
     t = _EMPTY_F32 if thr is None else thr.contiguous().numpy()
-    k = fmt.n_chunks(n, C)
-    head = np.array(fmt.block_header(table.table_id, table.n_theta, k, n, 0), np.int64)
-    size = j.encode_block(
-        xs, t, thr is not None, fixed, code, ln, C, out.numpy(), lv_buf, mt_buf, head
+    size = _jit().encode_block(
+        xu, xf, t, thr is not None, fixed, code, ln, table.n_theta, chunk_values, out.numpy(), head
     )
     return out[:size]
 
@@ -77,15 +86,63 @@ def decode(
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if n == 0:
         return
-    _, _, sym, ln, lengths = _np_table(table)
+    _, _, lut, lengths = _np_table(table)
     o = out.numpy() if out.is_contiguous() else None
     target = o if o is not None else np.zeros(n, np.float32)
     if o is None and acc:
         target[:] = out.numpy()
     err = _jit().decode_chunks(
-        payload.numpy(), heads.numpy(), chunk_values, sym, ln, lengths, table.n_theta, target, acc
+        payload.numpy(),
+        heads.numpy(),
+        chunk_values,
+        lut,
+        lengths,
+        table.n_theta,
+        target,
+        target.view(np.uint32),
+        acc,
     )
     if err:
-        raise PayloadError(f"gcomp: {_ERRORS.get(err, 'corrupt payload')}")
+        _raise(err)
     if o is None:
         out.copy_(torch.from_numpy(target))
+
+
+def hop(
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    thr: torch.Tensor | None,
+    fixed: int,
+    table: Table,
+    chunk_values: int,
+) -> torch.Tensor:
+    """The fused hop in one pass: decode ``payload``, add it to ``local`` (a
+    contiguous float32 tensor, overwritten with the sum) and encode the sum."""
+    n = local.numel()
+    heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
+    if not local.is_contiguous():
+        raise ValueError("gcomp: the fused hop needs a contiguous local chunk")
+    code, ln, lut, lengths = _np_table(table)
+    out, head = _out_and_head(n, table, chunk_values)
+    xf = local.reshape(-1).numpy()
+    t = _EMPTY_F32 if thr is None else thr.contiguous().numpy()
+    size = _jit().hop_block(
+        payload.numpy(),
+        heads.numpy(),
+        lut,
+        lengths,
+        xf.view(np.uint32),
+        xf,
+        t,
+        thr is not None,
+        fixed,
+        code,
+        ln,
+        table.n_theta,
+        chunk_values,
+        out.numpy(),
+        head,
+    )
+    if size < 0:
+        _raise(size)
+    return out[:size]

@@ -233,6 +233,22 @@ class GComp(Codec[GCompPlan]):
     ) -> None:
         self._decode(plan, payload, ctx, acc, True)
 
+    def decode_accumulate_encode(
+        self, plan: GCompPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        """With the kernels: one pass (decode a value, add, encode the sum);
+        otherwise decode-accumulate, then encode. The same bits either way."""
+        kern = self.kernels(local.device)
+        n = plan.chunk_numel(ctx.chunk)
+        if kern is None or not local.is_contiguous() or local.dtype != torch.float32:
+            return super().decode_accumulate_encode(plan, payload, local, ctx)
+        if local.numel() != n:
+            raise PayloadError(f"gcomp: local chunk of {local.numel()} values, the chunk has {n}")
+        out: torch.Tensor = kern.hop(
+            payload, local, self._thr(plan, ctx), plan.fixed, plan.table, plan.chunk_values
+        )
+        return out
+
     def finish(
         self, plan: GCompPlan, y: torch.Tensor, op: ReduceOp, world_size: int
     ) -> torch.Tensor:
