@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from hopq.codecs.base import Codec
-from hopq.codecs.dynamiq import DEFAULT_EPS, DynamiQ
+from hopq.codecs.dynamiq import DEFAULT_EPS, PAPER, DynamiQ
 from hopq.codecs.registry import available_codecs, get_codec
 from hopq.comm.topology import TOPOLOGIES, get_schedule
 from hopq.options import option
@@ -84,8 +84,8 @@ LADDER: list[tuple[str, dict[str, Any]]] = [
     ("paper's path correlation (biased)", dict(rounding="path")),
 ]
 
-#: The paper's configuration, spelled out (the codec's defaults may differ).
-PAPER_DYNAMIQ: dict[str, Any] = dict(allocation="heuristic", zero_class=False, widths=(2, 4, 8))
+#: The paper's configuration, spelled out (hopq's defaults differ: see BEYOND).
+PAPER_DYNAMIQ: dict[str, Any] = dict(PAPER)
 BEYOND: list[tuple[str, dict[str, Any]]] = [
     ("paper (heuristic allocation, W = {2,4,8})", PAPER_DYNAMIQ),
     ("exact allocation (greedy)", PAPER_DYNAMIQ | dict(allocation="exact")),
@@ -247,6 +247,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                         budget=width + 1.0,
                         rounding="independent",
                         eps=((width, eps),),
+                        zero_class=False,
                         levels="uniform" if eps == 0 else "nonuniform",
                     )
                     v, b = sim(("eps", width, eps), xs, eps_codec, "ring", f"eps {width}b {eps}")
@@ -305,7 +306,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                         v, bits = sim(
                             ("budget", w, b, t),
                             grads[w][:4],
-                            DynamiQ(budget=float(b)),
+                            DynamiQ(**PAPER_DYNAMIQ, budget=float(b)),
                             t,
                             f"{w} b={b} {t}",
                         )
@@ -325,7 +326,8 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                     row = [str(n)]
                     for t in o.topologies:
                         for c in ["dynamiq", *others]:
-                            v, _ = sim(("scale", w, n, t, c), xs, c, t, f"{w} n={n} {t} {c}")
+                            inst = DynamiQ(**PAPER_DYNAMIQ) if c == "dynamiq" else get_codec(c)
+                            v, _ = sim(("scale", w, n, t, c), xs, inst, t, f"{w} n={n} {t} {c}")
                             row.append(_fmt(v))
                     rows.append(row)
                 sections.append(

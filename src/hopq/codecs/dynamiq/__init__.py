@@ -39,6 +39,7 @@ otherwise; all produce the same bits.
 from hopq.codecs.dynamiq.codec import DynamiQ
 from hopq.codecs.dynamiq.config import (
     DEFAULT_EPS,
+    PAPER,
     STATS_BITS,
     SUPPORTED_WIDTHS,
     Allocation,
@@ -52,6 +53,7 @@ from hopq.codecs.dynamiq.layout import DynamiQPlan, Segment
 
 __all__ = [
     "DEFAULT_EPS",
+    "PAPER",
     "STATS_BITS",
     "SUPPORTED_WIDTHS",
     "Allocation",
