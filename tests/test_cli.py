@@ -74,7 +74,7 @@ def test_codecs_command_lists_every_codec(capsys):
     out = capsys.readouterr().out
     for name in hopq.available_codecs():
         assert f"{name}:" in out
-    assert "allocation {heuristic,exact,fixed} = heuristic" in out
+    assert "allocation {heuristic,exact,fixed} = exact" in out
 
 
 def test_progress_without_a_terminal_prints_lines_with_the_label():
