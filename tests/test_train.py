@@ -11,7 +11,7 @@ from hopq.train import job as train
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("train")
     o = train.TrainOptions(
-        codecs=("torch:ddp", "torch:fp16", "torch:powersgd", "bf16", "dynamiq"),
+        codecs=("torch:ddp", "torch:fp16", "torch:powersgd", "bf16", "dynamiq", "gcomp"),
         world_size=2,
         steps=6,
         powersgd_start=2,
@@ -66,6 +66,9 @@ def test_numbers_are_consistent(tiny):
     for s in runs["dynamiq"]["steps"]:
         assert s["bits_per_coord"] <= 5.0 + 1e-9
         assert 8 * s["bytes"] / ring == pytest.approx(s["bits_per_coord"])
+    # GComp gets the job's AdamW: its truncation thresholds cut bytes below fp32's
+    gc = [s["bits_per_coord"] for s in runs["gcomp"]["steps"]]
+    assert max(gc[1:]) < 32.0 and gc[-1] <= gc[1]
     dq = [s["vnmse"] for s in runs["dynamiq"]["steps"] if s["vnmse"] == s["vnmse"]]
     assert all(max(measured) < v < 0.5 for v in dq)
     assert len(runs["dynamiq"]["evals"]) == 3  # before training, after step 3 and 6

@@ -120,6 +120,7 @@ class Sync:
         topology: str,
         codec_config: dict[str, Any],
         powersgd_start: int = 10,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.name, self.n = name, n
         self.state: HookState | None = None
@@ -127,6 +128,8 @@ class Sync:
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
         if not is_torch(name):
             self.state = HookState(codec=name, topology=topology, seed=seed, **codec_config)
+            if hasattr(self.state.codec, "set_thresholds"):  # optimizer-aware (GComp)
+                self.state.optimizer = optimizer
             ddp.register_comm_hook(self.state, ddp_hook)
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook

@@ -198,8 +198,8 @@ def _lane(o: TrainOptions, name: str, n: int) -> _Lane:
     torch.manual_seed(o.seed)
     w = make_workload(o)  # the same initial weights for every contender
     ddp = DDP(w.model)
-    sync = Sync(name, ddp, n, o.seed, o.topology, o.codec_config(name), o.powersgd_start)
     opt = torch.optim.AdamW(ddp.parameters(), lr=o.lr or w.lr)
+    sync = Sync(name, ddp, n, o.seed, o.topology, o.codec_config(name), o.powersgd_start, opt)
     return _Lane(name, w, ddp, opt, sync, CodecRun(name, params=sync.numel))
 
 
