@@ -67,8 +67,7 @@ from hopq.codecs.base import (
 )
 from hopq.codecs.registry import register
 from hopq.errors import PayloadError
-from hopq.kernels import GQSGDExpKernels, auto_backend
-from hopq.kernels import backend as kernel_backend
+from hopq.kernels import GQSGDExpKernels, resolve
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_bits
 from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
@@ -368,20 +367,10 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
 
     def kernels(self, device: torch.device) -> GQSGDExpKernels | None:
         """The kernel module for tensors on ``device``, or None for the reference."""
-        b = self.config.backend
-        if b is ExpBackend.REFERENCE:
-            return None
-        if b is ExpBackend.AUTO:
-            found = auto_backend("gqsgd-exp", device.type)
-            if found is None:
-                return None
-            module: GQSGDExpKernels = found.load()
-            return module
-        chosen = kernel_backend("gqsgd-exp", b.value)
-        if not chosen.runs_on(device.type):
-            raise ValueError(f"gqsgd-exp: backend {b.value!r} runs on CPU tensors, got {device}")
-        forced: GQSGDExpKernels = chosen.load()
-        return forced
+        module: GQSGDExpKernels | None = resolve(
+            "gqsgd-exp", self.config.backend.value, device.type
+        )
+        return module
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> GQSGDExpPlan:
         chain = _chain(stats)

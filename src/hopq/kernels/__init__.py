@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import warnings
 from dataclasses import dataclass
 from enum import IntEnum
 from types import ModuleType
@@ -114,6 +115,47 @@ def auto_backend(codec: str, device_type: str) -> KernelBackend | None:
         if b.runs_on(device_type) and b.available():
             return b
     return None
+
+
+#: Codecs already warned about running their reference for want of a package.
+_warned: set[tuple[str, str]] = set()
+
+
+def resolve(codec: str, choice: str, device_type: str) -> ModuleType | None:
+    """The kernel module a codec's ``backend`` option picks for ``device_type``
+    tensors, or None for its PyTorch reference (the same bits).
+
+    ``"reference"``: None. ``"auto"``: the first available backend that runs on
+    the device; when one exists for the device but its packages are missing,
+    the reference, with a warning (once per codec and device) naming the extra
+    that installs them. A backend's name: that backend, or ValueError when it
+    does not take tensors of this device (RuntimeError when its packages are
+    missing)."""
+    if choice == "reference":
+        return None
+    if choice == "auto":
+        found = auto_backend(codec, device_type)
+        if found is not None:
+            return found.load()
+        missing = [b for b in backends(codec) if b.runs_on(device_type)]
+        if missing and (codec, device_type) not in _warned:
+            _warned.add((codec, device_type))
+            b = missing[0]
+            warnings.warn(
+                f"{codec}: {', '.join(b.requires)} not installed, so {device_type.upper()} "
+                f"tensors run its PyTorch reference (the same bits, far slower); "
+                f"pip install 'hopq[{b.extra}]' for its kernels",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+        return None
+    chosen = backend(codec, choice)
+    if not chosen.runs_on(device_type, forced=True):
+        where = " or ".join(d.upper() for d in chosen.devices) + " tensors"
+        if chosen.name == "triton":
+            where += " (or CPU tensors with TRITON_INTERPRET=1)"
+        raise ValueError(f"{codec}: backend {choice!r} runs on {where}, got {device_type}")
+    return chosen.load()
 
 
 class DynamiQKernels(Protocol):

@@ -3,7 +3,6 @@ kernel backend (all of which produce the same bits)."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, ClassVar
 
 import torch
@@ -15,13 +14,9 @@ from hopq.codecs.dynamiq.allocation import allocate, split_budget
 from hopq.codecs.dynamiq.config import Backend, DynamiQConfig, Scales
 from hopq.codecs.dynamiq.layout import DynamiQPlan, Segment, build_plan
 from hopq.codecs.registry import register
-from hopq.kernels import DynamiQKernels, Mode, auto_backend
-from hopq.kernels import backend as kernel_backend
+from hopq.kernels import DynamiQKernels, Mode, resolve
 from hopq.numerics.levels import search_tables
 from hopq.numerics.rows import gather_rows, scatter_rows
-
-#: Warned once per process: DynamiQ on CPU without its kernels runs ~15x slower.
-_warned_reference = False
 
 
 def _kernel_levels_ok(cfg: DynamiQConfig) -> bool:
@@ -36,41 +31,20 @@ def _kernel_levels_ok(cfg: DynamiQConfig) -> bool:
 
 def resolve_kernels(cfg: DynamiQConfig, device_type: str) -> DynamiQKernels | None:
     """The kernel module that runs ``cfg``'s segments on this device type, or None
-    for the reference (see :class:`~hopq.codecs.dynamiq.config.Backend`)."""
-    global _warned_reference
+    for the reference (see :class:`~hopq.codecs.dynamiq.config.Backend`). The
+    kernels take hierarchical scales and level tables their bucket search
+    handles; ``auto`` runs the reference otherwise, a named backend refuses."""
     b = cfg.backend
-    if b is Backend.REFERENCE:
-        return None
     supported = cfg.scales is Scales.HIERARCHICAL and _kernel_levels_ok(cfg)
-    if b is Backend.AUTO:
-        if not supported:
+    if not supported and b is not Backend.REFERENCE:
+        if b is Backend.AUTO:
             return None
-        found = auto_backend("dynamiq", device_type)
-        if found is None:
-            if device_type == "cpu" and not _warned_reference:
-                _warned_reference = True
-                warnings.warn(
-                    "dynamiq: numba is not installed, so CPU tensors run the PyTorch reference "
-                    "(the same bits, about 15x slower); pip install 'hopq[cpu]' for the fused kernels",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return None
-        module: DynamiQKernels = found.load()
-        return module
-    if not supported:
         raise ValueError(
             f"dynamiq: backend {b.value!r} needs scales='hierarchical' and level tables "
             f"the kernels' bucket search handles (eps {[cfg.eps_for(w) for w in cfg.widths]})"
         )
-    chosen = kernel_backend("dynamiq", b.value)
-    if not chosen.runs_on(device_type, forced=True):
-        where = (
-            "CUDA tensors (or with TRITON_INTERPRET=1)" if b is Backend.TRITON else "CPU tensors"
-        )
-        raise ValueError(f"dynamiq: backend {b.value!r} runs on {where}, got {device_type}")
-    forced: DynamiQKernels = chosen.load()
-    return forced
+    module: DynamiQKernels | None = resolve("dynamiq", b.value, device_type)
+    return module
 
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)

@@ -27,7 +27,6 @@ ring, adapted to hopq's multi-hop engine.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, ClassVar
@@ -50,11 +49,8 @@ from hopq.codecs.gcomp.huffman import Table, build_table, table_from_lengths
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
-from hopq.kernels import auto_backend
-from hopq.kernels import backend as kernel_backend
+from hopq.kernels import resolve
 from hopq.options import check_int, coerce_enums, option
-
-_warned_reference = False
 
 
 class Backend(str, Enum):
@@ -98,26 +94,7 @@ class GCompPlan(Plan):
 
 
 def resolve_kernels(cfg: GCompConfig, device_type: str) -> Any:
-    global _warned_reference
-    if cfg.backend is Backend.REFERENCE:
-        return None
-    if cfg.backend is Backend.AUTO:
-        found = auto_backend("gcomp", device_type)
-        if found is None:
-            if device_type == "cpu" and not _warned_reference:
-                _warned_reference = True
-                warnings.warn(
-                    "gcomp: numba is not installed, so it runs the PyTorch reference "
-                    "(the same bits, much slower); pip install 'hopq[cpu]'",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            return None
-        return found.load()
-    chosen = kernel_backend("gcomp", cfg.backend.value)
-    if not chosen.runs_on(device_type):
-        raise ValueError(f"gcomp: backend {cfg.backend.value!r} runs on CPU tensors")
-    return chosen.load()
+    return resolve("gcomp", cfg.backend.value, device_type)
 
 
 @register(
