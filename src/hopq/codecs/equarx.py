@@ -75,6 +75,7 @@ from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
 from hopq.numerics import fp_formats as fpf
+from hopq.numerics.div import div, div_
 from hopq.options import check_int, coerce_enums, option
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
@@ -190,7 +191,7 @@ class EQuARXCodec(Codec[Plan]):
         return working_copy(x, scratch)
 
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
-        return y.div_(world_size) if op is ReduceOp.AVG else y
+        return div_(y, world_size) if op is ReduceOp.AVG else y
 
     # -- geometry ------------------------------------------------------------
     def _views(self, v: torch.Tensor) -> list[torch.Tensor]:
@@ -264,7 +265,7 @@ class EQuARXCodec(Codec[Plan]):
             return v
         # a finite code may round just past the float32 range: clamp it (an
         # E5M2 Inf code stays Inf)
-        out = (v * (a / _QMAX[el])).clamp_(-_FLOAT_MAX, _FLOAT_MAX)
+        out = (v * div(a, _QMAX[el])).clamp_(-_FLOAT_MAX, _FLOAT_MAX)
         return out if el is not Element.E5M2 else torch.where(torch.isinf(v), v, out)
 
     def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:

@@ -69,6 +69,7 @@ from hopq.codecs.registry import register
 from hopq.errors import PayloadError
 from hopq.kernels import GQSGDExpKernels, resolve
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_bits
+from hopq.numerics.div import div
 from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
 from hopq.options import check_int, option
@@ -251,7 +252,7 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
             return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
         out = y.double() * (N / plan.levels)
         if op is ReduceOp.AVG:
-            out = out / world_size
+            out = div(out, world_size)
         return keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
 
 
@@ -525,7 +526,7 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
         mag = torch.ldexp(torch.full_like(y, N, dtype=torch.float64), (plan.chain - e).double())
         out = torch.where(e > 0, torch.where(c < 0, -mag, mag), 0.0)
         if op is ReduceOp.AVG:
-            out = out / world_size
+            out = div(out, world_size)
         return keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
 
     def state_dict(self) -> dict[str, Any]:

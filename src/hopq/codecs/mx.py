@@ -40,6 +40,7 @@ from hopq.codecs.registry import register
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
+from hopq.numerics.div import div, div_
 from hopq.options import check_finite, check_int, coerce_enums, option
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
@@ -173,11 +174,11 @@ class MXCodec(Codec[MXPlan]):
         v = fpf.decode(codes, fmt)
         # v * s / FMAX, or v * (s / FMAX) where v * s would overflow float32
         safe = s <= _FLOAT_MAX / fmt.max
-        out.copy_(torch.where(safe, v * s / fmt.max, v * (s / fmt.max)))
+        out.copy_(torch.where(safe, div(v * s, fmt.max), v * div(s, fmt.max)))
 
     def finish(self, plan: MXPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         y = y[: plan.numel]
-        return y.div_(world_size) if op is ReduceOp.AVG else y
+        return div_(y, world_size) if op is ReduceOp.AVG else y
 
     def state_dict(self) -> dict[str, Any]:
         return {

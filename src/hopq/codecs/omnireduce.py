@@ -22,6 +22,7 @@ from hopq.codecs.base import CodecConfig, Plan, ReduceOp, StatsExchange, StatsOp
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import WireCodec, working_copy
 from hopq.numerics.blocks import pad_to_blocks
+from hopq.numerics.div import div_
 from hopq.options import check_finite, check_int, option
 
 
@@ -117,7 +118,7 @@ class OmniReduce(WireCodec[OmniPlan]):
             out = y.new_zeros(plan.numel)
             out[self._index(plan, y.device)] = y
             y = out
-        return y.div_(world_size) if op is ReduceOp.AVG else y
+        return div_(y, world_size) if op is ReduceOp.AVG else y
 
     def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
         return None  # dropped blocks are lost whole

@@ -42,6 +42,7 @@ from hopq.codecs.base import (
 from hopq.codecs.registry import register
 from hopq.numerics.bitpack import pack_bits, sign_extend, unpack_bits
 from hopq.numerics.blocks import n_blocks, pad_to_blocks
+from hopq.numerics.div import div, div_
 from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
 from hopq.options import check_int, option
@@ -207,7 +208,7 @@ class THC(Codec[THCPlan]):
         rot = plan.rotated
         if not math.isfinite(plan.step):  # non-finite input: finish() multiplies by it
             return torch.zeros_like(rot)
-        v = rot / plan.step
+        v = div(rot, plan.step)
         u = uniform(
             v.numel(), stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank), device=v.device
         )
@@ -264,7 +265,7 @@ class THC(Codec[THCPlan]):
         rot = rot.t().reshape(-1)  # undo the interleave
         out = (rot * self._signs(plan.work_numel, plan.seed, plan.round, y.device))[: plan.numel]
         if op is ReduceOp.AVG:
-            out = out.div_(world_size)
+            out = div_(out, world_size)
         if plan.wide:  # an estimate beyond float32's range saturates (finite in, finite out)
             out = keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
         return out

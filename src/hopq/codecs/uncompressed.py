@@ -25,6 +25,7 @@ from hopq.codecs.base import (
     view_as_dtype,
 )
 from hopq.codecs.registry import register
+from hopq.numerics.div import div_
 from hopq.numerics.fp_formats import keep_finite
 
 
@@ -105,7 +106,7 @@ class Uncompressed(WireCodec[Plan]):
         return working_copy(x, scratch)
 
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
-        return y.div_(world_size) if op is ReduceOp.AVG else y
+        return div_(y, world_size) if op is ReduceOp.AVG else y
 
     def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
         """Each compression rounds a partial sum (|partial| <= sum |x_i|) to nearest in

@@ -25,6 +25,7 @@ CPU tensors; that is how CI checks them against the reference.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from functools import lru_cache
 
@@ -52,6 +53,18 @@ if triton is not None:
         tl.constexpr(int(v)) for v in (Mode.ENCODE, Mode.DECODE, Mode.DECODE_ACC, Mode.DAR)
     )
     _M1, _M2 = tl.constexpr(M1), tl.constexpr(M2)
+
+    def _stable_jit(ints: list[str], byte_ptrs: list[str]):  # type: ignore[no-untyped-def]
+        """triton.jit that compiles one variant per constexpr set: Triton
+        specializes integer arguments on == 1 and % 16 == 0 and pointers on
+        16-byte alignment, and a run's segment sizes and payload offsets take
+        many such values, which cost a compilation each (about 0.4 s on an H100,
+        seen as 5 s per all-reduce call long after the warm-up). Byte payloads
+        are read and written a byte at a time anyway."""
+        kw: dict[str, list[str]] = {"do_not_specialize": ints}
+        if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+            kw["do_not_specialize_on_alignment"] = byte_ptrs
+        return triton.jit(**kw)
 
     @triton.jit
     def _mix(x):
@@ -96,9 +109,14 @@ if triton is not None:
         byte = tl.load(inb + 2 * k + k * NG + r * CODE_BYTES + j // PER).to(tl.int32)
         c = (byte >> ((j % PER) * W)) & ((1 << W) - 1)
         mag = tl.load(tab + (c & (TOP - 1))) * sf[:, None]
-        return tl.where(c >= TOP, -mag, mag)
+        # the sign as a bit flip, as torch's negation: compiled Triton lowers
+        # -mag to 0 - mag, which gives +0.0 where the reference has -0.0
+        flip = (c >= TOP).to(tl.uint32) << 31
+        return (mag.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
 
-    @triton.jit(do_not_specialize=["row0", "g0", "g1", "p0", "p1", "n", "me", "nu", "s0", "s1"])
+    @_stable_jit(
+        ["k", "row0", "g0", "g1", "p0", "p1", "n", "me", "nu", "s0", "s1"], ["inb", "outb"]
+    )
     def _segment_kernel(
         inb, local, outf, outb, units, tab, dtab, bucket,
         k, row0, g0, g1, p0, p1, n, me, nu, s0, s1,
@@ -181,7 +199,7 @@ if triton is not None:
         byte_out = tl.sum(packed << shifts[None, :], axis=1)
         tl.store(outb + codes_at + r * CODE_BYTES + tl.arange(0, S // PER), byte_out.to(tl.uint8))
 
-    @triton.jit(do_not_specialize=["first", "g0", "g1", "p0", "p1", "n", "me", "nu"])
+    @_stable_jit(["total", "first", "g0", "g1", "p0", "p1", "n", "me", "nu"], ["inb", "outb"])
     def _segment16_kernel(
         inb, local, outf, outb, units, total, first, g0, g1, p0, p1, n, me, nu,
         MODE: tl.constexpr, BLOCK: tl.constexpr, CORR: tl.constexpr,
@@ -220,7 +238,7 @@ if triton is not None:
             x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), axis=0)
         return tl.sum(x, axis=0)
 
-    @triton.jit
+    @_stable_jit(["d", "m"], [])
     def _stats_kernel(x_ptr, out_ptr, d, m, S: tl.constexpr, LOG: tl.constexpr):
         j = tl.program_id(0)
         i = j * S + tl.arange(0, S)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hopq.numerics.blocks import pad_to_blocks
+from hopq.numerics.div import div_
 
 
 def gather_rows(x: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int) -> torch.Tensor:
@@ -31,7 +32,7 @@ def scatter_rows(
     out = torch.empty_like(y).view(m, S)
     out.index_copy_(0, perm, y.view(m, S))
     if avg:
-        out.div_(n).add_(mu[:, None])
+        div_(out, n).add_(mu[:, None])
     else:
         out.add_(mu[:, None] * n)
     return out.reshape(-1)[:d]

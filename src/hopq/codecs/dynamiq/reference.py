@@ -25,6 +25,7 @@ from hopq.codecs.dynamiq.layout import DynamiQPlan
 from hopq.errors import PayloadError
 from hopq.numerics.bitpack import pack_bits, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
+from hopq.numerics.div import div
 from hopq.numerics.fp_formats import round_up_bf16
 from hopq.numerics.levels import level_table, stochastic_level
 from hopq.numerics.reduce import tree_sum
@@ -84,7 +85,7 @@ def uniforms(st: Streams, start: int, count: int, device: torch.device) -> torch
     mult = units[(h >> 16) % units.numel()]
     shift = (h & 0xFFFF) % n
     pi = (mult * me + shift) % n
-    return (pi.to(torch.float32) + gamma) / float(n)
+    return div(pi.to(torch.float32) + gamma, float(n))
 
 
 def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
@@ -161,7 +162,7 @@ BIG_SCALE = 2.0**120
 def group_scales(rG: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """A group's scale from its uint8 fraction rG of the super-group scale M:
     rG * M / 255, computed so that it never overflows (the kernels do the same)."""
-    return torch.where(M < BIG_SCALE, rG * M / 255.0, rG * (M / 255.0))
+    return torch.where(M < BIG_SCALE, div(rG * M, 255.0), rG * div(M, 255.0))
 
 
 def decode_rows(cfg: DynamiQConfig, seg_bytes: torch.Tensor, w: int, k: int) -> torch.Tensor:

@@ -50,6 +50,7 @@ from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
 from hopq.kernels import resolve
+from hopq.numerics.div import div_
 from hopq.options import check_int, coerce_enums, option
 
 
@@ -229,7 +230,7 @@ class GComp(Codec[GCompPlan]):
     def finish(
         self, plan: GCompPlan, y: torch.Tensor, op: ReduceOp, world_size: int
     ) -> torch.Tensor:
-        return y.div_(world_size) if op is ReduceOp.AVG else y
+        return div_(y, world_size) if op is ReduceOp.AVG else y
 
     def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
         """Per truncation 2**(k-23) |v| (k the fixed level's bits; 0 without one),
