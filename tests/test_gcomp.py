@@ -350,9 +350,12 @@ def test_bench_gcomp_tiny(tmp_path):
         kernel_coords=5000,
         repeats=1,
         plot=str(tmp_path / "size.png"),
+        loss_plot=str(tmp_path / "loss.png"),
+        sync_every=2,
     )
     text = run(o, log=lambda _s: None)
     assert "## Kernels" in text and "fused hop" in text
+    assert "## Loss deviation" in text and (tmp_path / "loss.png").exists()
     assert "|      gpt |       sgd |" in text and "|      gpt |     adamw |" in text
     assert (tmp_path / "size.png").exists()
     ss, _ = train_sizes(o, "gpt", "adamw", lambda _s: None)
@@ -364,3 +367,21 @@ def test_bench_gcomp_tiny(tmp_path):
     assert ss[0].exp_bits == ss[0].exp_static
     with pytest.raises(ValueError, match="unknown parts"):
         GCompBenchOptions(parts=("nope",))
+    with pytest.raises(ValueError, match="sync-every"):
+        GCompBenchOptions(sync_every=1)
+
+
+def test_gcomp_loss_methods_tiny():
+    """Section 7.6's methods from the same start: GComp without truncation
+    follows fp32 to within float rounding; the baselines deviate more."""
+    from hopq.bench.gcomp import GCompBenchOptions, train_losses
+
+    o = GCompBenchOptions(
+        workloads=("gpt",), steps=3, workers=2, batch=1, gpt_dim=32, gpt_layers=1,
+        context=32, sync_every=2,
+    )  # fmt: skip
+    curves = {m: train_losses(o, "gpt", "sgd", m, lambda _s: None) for m in
+              ("fp32", "gcomp", "truncate-18", "periodic")}  # fmt: skip
+    assert curves["fp32"][0] == curves["gcomp"][0] == curves["periodic"][0]  # same start
+    dev = {m: abs(curves[m][-1] - curves["fp32"][-1]) for m in curves}
+    assert dev["gcomp"] < 1e-4 and dev["gcomp"] <= dev["truncate-18"]
