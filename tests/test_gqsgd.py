@@ -277,3 +277,28 @@ def test_cpu_kernel_rejects_corrupt_payloads_like_the_reference():
         q[i] = v
         with pytest.raises(PayloadError):
             c.decode_accumulate_encode(plan, q, work.clone(), ctx)
+
+
+def test_training_quality_in_the_loop():
+    """Table 4's machinery (hopq.bench.quality): the same seed gives the same
+    start for every codec, the exact average reproduces itself, and a codec's
+    bits per coordinate are measured from the all-reduces it ran."""
+    from hopq.bench.gqsgd import GQSGDOptions
+    from hopq.bench.quality import SimTraining, train
+
+    cfg = SimTraining(
+        workload="gpt", steps=3, workers=3, batch=1, gpt_dim=32, gpt_layers=1, context=32,
+        topology="tree", held_out=2,
+    )  # fmt: skip
+    exact = train(cfg, None)
+    again = train(cfg, None)
+    assert exact.losses == again.losses and exact.held_out == again.held_out
+    assert math.isnan(exact.bits)
+    for name in ("gqsgd-linear", "gqsgd-exp"):
+        c = train(cfg, name)
+        assert c.losses[0] == exact.losses[0]  # the same weights and first batches
+        assert 7.5 < c.bits < 9 and math.isfinite(c.held_out)
+    with pytest.raises(ValueError, match="unknown parts"):
+        GQSGDOptions(parts=("nope",))
+    with pytest.raises(ValueError, match="optimizer"):
+        SimTraining(optimizer="lion")

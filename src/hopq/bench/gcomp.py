@@ -298,87 +298,25 @@ def train_sizes(
 # -- loss deviation (section 7.6) ------------------------------------------------
 
 
-def _flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(
-        [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
-    )
-
-
-def _set_grad(params: list[torch.Tensor], g: torch.Tensor) -> None:
-    off = 0
-    for p in params:
-        p.grad = g[off : off + p.numel()].view_as(p).clone()
-        off += p.numel()
-
-
-def _optimizer(
-    o: GCompBenchOptions, optimizer: str, params: list[torch.Tensor], lr: float
-) -> torch.optim.Optimizer:
-    if optimizer == "sgd":
-        return torch.optim.SGD(params, lr=o.sgd_lr, momentum=0.9)
-    return torch.optim.AdamW(params, lr=lr)
-
-
 def train_losses(
     o: GCompBenchOptions, workload: str, optimizer: str, method: str, say: Callable[[str], None]
 ) -> list[float]:
     """Per-step training loss (mean over workers) of one method of section 7.6."""
-    import copy
+    from hopq.bench.quality import SimTraining, train
 
-    from hopq.sim import simulate
-    from hopq.train import workloads
-
-    kw = {"dim": o.gpt_dim, "layers": o.gpt_layers} if workload == "gpt" else {}
-    wl = workloads.make(workload, o.seed, context=o.context, **kw)
-    lr = o.adamw_lr or wl.lr
-    local = method == "periodic"
-    models = [copy.deepcopy(wl.model) for _ in range(o.workers)] if local else [wl.model]
-    plist: list[list[torch.Tensor]] = [
-        [p for p in m.parameters() if p.requires_grad] for m in models
-    ]
-    opts = [_optimizer(o, optimizer, ps, lr) for ps in plist]
-    codec: GComp | None = None
-    if method == "gcomp":
-        codec = GComp(rebuild_every=o.rebuild_every)
-    elif method == "truncate-18":
-        codec = GComp(rebuild_every=o.rebuild_every, fixed_level=3)
-    out = []
-    t0 = time.perf_counter()
-    for step in range(o.steps):
-        grads, losses = [], []
-        for r in range(o.workers):
-            m = models[r if local else 0]
-            m.zero_grad()
-            loss = wl.loss(m, wl.batch(o.seed, r, step, o.batch))
-            loss.backward()
-            losses.append(loss.item())
-            grads.append(_flat_grad(plist[r if local else 0]))
-        out.append(sum(losses) / len(losses))
-        if local:
-            for ps, g, opt in zip(plist, grads, opts, strict=True):
-                _set_grad(ps, g)
-                opt.step()
-            if (step + 1) % o.sync_every == 0:
-                with torch.no_grad():
-                    for group in zip(*plist, strict=True):
-                        mean = torch.stack([p.detach() for p in group]).mean(0)
-                        for p in group:
-                            p.copy_(mean)
-        else:
-            if codec is None:
-                g = torch.stack(grads).mean(0)
-            else:
-                if method == "gcomp":
-                    codec.set_thresholds(thresholds(opts[0], plist[0]))
-                g = simulate(grads, codec, "ring", seed=o.seed + step, op="avg").outputs[0]
-            _set_grad(plist[0], g)
-            opts[0].step()
-        if step % 10 == 0 or step == o.steps - 1:
-            say(
-                f"  {workload}/{optimizer}/{method} step {step}: loss {out[-1]:.4f}, "
-                f"{time.perf_counter() - t0:.0f} s"
-            )
-    return out
+    cfg = SimTraining(
+        workload=workload, optimizer=optimizer, steps=o.steps, workers=o.workers,
+        batch=o.batch, seed=o.seed, topology="ring", sgd_lr=o.sgd_lr, adamw_lr=o.adamw_lr,
+        gpt_dim=o.gpt_dim, gpt_layers=o.gpt_layers, context=o.context,
+    )  # fmt: skip
+    label = f"{workload}/{optimizer}/{method}"
+    if method == "fp32":
+        return train(cfg, None, say=say, label=label).losses
+    if method == "periodic":
+        return train(cfg, None, sync_every=o.sync_every, say=say, label=label).losses
+    fixed = 3 if method == "truncate-18" else -1
+    codec = GComp(rebuild_every=o.rebuild_every, fixed_level=fixed)
+    return train(cfg, codec, thresholds=method == "gcomp", say=say, label=label).losses
 
 
 def loss_section(

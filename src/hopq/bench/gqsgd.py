@@ -6,6 +6,9 @@
    leaves are recorded during the very run, same seed), and the squared error
    of the tree over that of the leaves' exact sum; beside them the vNMSE of
    gqsgd-exp and gqsgd-linear on the tree and ring.
+3. (``--parts quality``) the paper's Table 4 analogue: a workload trained with
+   each codec in the loop (:mod:`hopq.bench.quality`, the tree all-reduce)
+   over several seeds; the held-out loss after a fixed number of steps.
 2. The exponential reduce's throughput on one CPU core: the numba kernel's fused
    hop (decode, validate, reduce, re-encode), the PyTorch reference, and a
    float32 add (torch, one thread) as the ceiling, in M coordinates per second.
@@ -28,9 +31,22 @@ from hopq.options import check_int, option
 from hopq.reporting import Progress, machine, markdown_table
 from hopq.sim import simulate
 
+PARTS = ("variance", "kernels", "quality")
+#: Table 4's contenders: (label, codec name, its options); None: no compression.
+QUALITY_CODECS: tuple[tuple[str, str | None, dict[str, Any]], ...] = (
+    ("no compression (fp32)", None, {}),
+    ("L 8-bit (gqsgd-linear)", "gqsgd-linear", {"bits": 8}),
+    ("L 4-bit (gqsgd-linear)", "gqsgd-linear", {"bits": 4}),
+    ("E 8-bit (gqsgd-exp)", "gqsgd-exp", {}),
+    ("dynamiq (5 bits)", "dynamiq", {}),
+    ("mxfp8", "mxfp8", {}),
+    ("thc", "thc", {}),
+)
+
 
 @dataclass(frozen=True)
 class GQSGDOptions:
+    parts: tuple[str, ...] = option(("variance", "kernels"), "what to measure", choices=PARTS)
     worlds: tuple[int, ...] = option(
         (2, 3, 4, 6, 8, 12, 16, 32, 64), "world sizes of the variance table"
     )
@@ -38,8 +54,25 @@ class GQSGDOptions:
     seeds: int = option(4, "runs per world size")
     coords: int = option(1 << 24, "coordinates of the kernel timing")
     repeats: int = option(5, "timed repeats (the best is kept)")
+    quality_workloads: tuple[str, ...] = option(
+        ("gpt",), "workloads of the quality table", choices=("gpt", "minilm")
+    )
+    quality_seeds: int = option(3, "seeds (weights, data, codec) of the quality table")
+    quality_steps: int = option(60, "training steps of the quality table")
+    quality_workers: int = option(4, "simulated workers of the quality table")
+    quality_batch: int = option(4, "sequences per worker of the quality table")
 
     def __post_init__(self) -> None:
+        bad = set(self.parts) - set(PARTS)
+        if bad:
+            raise ValueError(f"unknown parts {sorted(bad)}; choose from {PARTS}")
+        bad = set(self.quality_workloads) - {"gpt", "minilm"}
+        if bad:
+            raise ValueError(f"unknown workloads {sorted(bad)}; choose from gpt, minilm")
+        check_int("quality_seeds", self.quality_seeds, lo=1)
+        check_int("quality_steps", self.quality_steps, lo=1)
+        check_int("quality_workers", self.quality_workers, lo=2, hi=64)
+        check_int("quality_batch", self.quality_batch, lo=1)
         for n in self.worlds:
             check_int("worlds", n, lo=2, hi=256)
         check_int("size", self.size, lo=1)
@@ -138,7 +171,82 @@ def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
         torch.set_num_threads(threads)
 
 
+def quality_section(o: GQSGDOptions, say: Any = None) -> str:
+    """Table 4's analogue: held-out loss after ``quality_steps`` steps per codec,
+    mean and spread over ``quality_seeds`` seeds."""
+    import statistics
+
+    from hopq.bench.quality import SimTraining, train
+    from hopq.codecs.registry import get_codec
+
+    out = []
+    total = len(o.quality_workloads) * len(QUALITY_CODECS) * o.quality_seeds
+    with Progress("quality", total, every=1) as bar:
+        for w in o.quality_workloads:
+            rows = []
+            base = float("nan")
+            for label, name, kw in QUALITY_CODECS:
+                held, bits = [], []
+                for seed in range(o.quality_seeds):
+                    cfg = SimTraining(
+                        workload=w, optimizer="adamw", steps=o.quality_steps,
+                        workers=o.quality_workers, batch=o.quality_batch, seed=seed,
+                        topology="tree", held_out=8,
+                    )  # fmt: skip
+                    codec = None if name is None else get_codec(name, **kw)
+                    c = train(cfg, codec)
+                    held.append(c.held_out)
+                    bits.append(c.bits)
+                    bar.update(f"{w} {label} seed {seed}")
+                mean = statistics.fmean(held)
+                sd = statistics.stdev(held) if len(held) > 1 else 0.0
+                if name is None:
+                    base = mean
+                rows.append(
+                    [
+                        label,
+                        f"{mean:.4f} ± {sd:.4f}",
+                        f"{math.exp(mean):.2f}",
+                        f"{(mean - base) / base:+.2%}" if name is not None else "—",
+                        "32" if name is None else f"{statistics.fmean(bits):.2f}",
+                    ]
+                )
+            out += [
+                "",
+                f"**{w}**: AdamW, {o.quality_workers} workers x {o.quality_batch} sequences, "
+                f"{o.quality_steps} steps, the tree all-reduce, {o.quality_seeds} seeds "
+                "(weights, data order and codec randomness); held-out loss after the last "
+                "step (mean ± standard deviation over the seeds):",
+                "",
+                markdown_table(
+                    ["codec", "held-out loss", "perplexity", "vs fp32", "bits/coord"], rows
+                ),
+            ]
+    return "\n".join(out)
+
+
 def run(o: GQSGDOptions) -> str:
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    parts = [
+        f"Machine: {machine()}; load average {load:.1f} at the start "
+        f"({os.cpu_count()} cores; timings on a loaded machine are indicative)."
+    ]
+    if "variance" in o.parts:
+        parts.append(variance_section(o))
+    if "kernels" in o.parts:
+        krows = kernel_rows(o)
+        parts += [
+            f"The exponential reduce on one core ({o.coords} coordinates, exponents 4..39, "
+            f"random signs; best of {o.repeats}):",
+            "",
+            markdown_table(["implementation", "M coords/s", "x float add"], krows),
+        ]
+    if "quality" in o.parts:
+        parts.append("Training quality (the paper's Table 4):" + quality_section(o))
+    return "\n\n".join(parts)
+
+
+def variance_section(o: GQSGDOptions) -> str:
     rows = []
     with Progress("gqsgd", len(o.worlds), every=1) as bar:
         for n in o.worlds:
@@ -155,13 +263,8 @@ def run(o: GQSGDOptions) -> str:
                 ]
             )  # fmt: skip
             bar.update(f"n={n}")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    krows = kernel_rows(o)
     return "\n".join(
         [
-            f"Machine: {machine()}; load average {load:.1f} when the timings ran "
-            f"({os.cpu_count()} cores; timings on a loaded machine are indicative).",
-            "",
             f"Variance growth of gqsgd-exp on the tree ({o.size} Gaussian coordinates per "
             f"rank, {o.seeds} seeds). *growth*: E||tree result||^2 / E||exact sum of the same "
             "leaf codes||^2, the quantity the paper bounds by (9/8)^levels; *error ratio*: the "
@@ -183,10 +286,5 @@ def run(o: GQSGDOptions) -> str:
                 ],
                 rows,
             ),  # fmt: skip
-            "",
-            f"The exponential reduce on one core ({o.coords} coordinates, exponents 4..39, "
-            f"random signs; best of {o.repeats}):",
-            "",
-            markdown_table(["implementation", "M coords/s", "x float add"], krows),
         ]
     )
