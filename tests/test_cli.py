@@ -37,6 +37,8 @@ def _error(capsys, argv):
         (["train", "--codecs", "dynamiq", "--codec-option", "dynamiq.widths=3"], "widths"),
         (["bench", "kernels", "--widths", "3"], "invalid choice"),
         (["bench", "vnmse", "--tables", "ladder", "nope"], "invalid choice: 'nope'"),
+        (["bench", "vnmse", "--codecs", "nope"], "unknown codecs"),
+        (["bench", "gqsgd", "--parts", "quality", "nope"], "invalid choice: 'nope'"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, words):
