@@ -28,6 +28,7 @@ import contextlib
 import inspect
 import threading
 from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ if triton is not None:
     )
     _M1, _M2 = tl.constexpr(M1), tl.constexpr(M2)
 
-    def _stable_jit(ints: list[str], byte_ptrs: list[str]):  # type: ignore[no-untyped-def]
+    def _stable_jit(ints: list[str], byte_ptrs: list[str]) -> Any:
         """triton.jit that compiles one variant per constexpr set: Triton
         specializes integer arguments on == 1 and % 16 == 0 and pointers on
         16-byte alignment, and a run's segment sizes and payload offsets take
