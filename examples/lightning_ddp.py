@@ -40,12 +40,12 @@ class Regressor(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--codec", default="dynamiq")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--out", default="runs/examples/lightning")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.manual_seed(0)
     x = torch.randn(2048, 32)
     data = TensorDataset(x, x.sum(1, keepdim=True).sin())
@@ -63,6 +63,7 @@ def main() -> None:
     trainer.fit(Regressor(), DataLoader(data, batch_size=32))
     last = {k: float(v) for k, v in trainer.logged_metrics.items()}
     print(f"rank {trainer.global_rank}: {json.dumps(last)}")
+    return last
 
 
 if __name__ == "__main__":

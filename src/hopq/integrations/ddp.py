@@ -509,7 +509,7 @@ def not_engaged_message(state: HookState, world: int, when: str) -> str:
         )
     if "transformers" in sys.modules:
         hints.append(
-            "the HF Trainer has no hook option: hopq.integrations.transformers.add_callback("
+            "the HF Trainer has no hook option: hopq.integrations.transformers.attach("
             "trainer, state) registers it when training begins"
         )
     hint = "; ".join(hints)
