@@ -41,6 +41,7 @@ def main(argv=None) -> dict:
         opt.step()
         metrics = {"loss": loss.item(), **strategy.hook_state.step_metrics()}
         fabric.log_dict(metrics, step=step)  # Fabric's loggers write from rank 0
+    fabric.logger.finalize("success")  # flush the CSV file
     print(f"rank {fabric.global_rank}: {json.dumps(metrics)}")
     return metrics
 
