@@ -33,7 +33,9 @@ def main(argv=None) -> dict:
     model, opt, data = accelerator.prepare(model, opt, data)
     state = register_hook(accelerator, model, hopq.HookState(codec=args.codec))
     metrics: dict = {}
-    for step, (xb, yb) in zip(range(args.steps), data):
+    for step, (xb, yb) in enumerate(data):
+        if step == args.steps:
+            break
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         accelerator.backward(loss)
         opt.step()

@@ -38,7 +38,9 @@ def assert_codec_bits(m: dict, codec: str) -> None:
 
 # -- step_metrics ----------------------------------------------------------------
 def _stats(numel: int, sent: int, seconds: float = 0.01, comm: float = 0.004) -> RunStats:
-    return RunStats(rank=0, world_size=2, numel=numel, payload_bytes=sent, seconds=seconds, comm_seconds=comm)
+    return RunStats(
+        rank=0, world_size=2, numel=numel, payload_bytes=sent, seconds=seconds, comm_seconds=comm
+    )
 
 
 def test_step_metrics_is_a_flat_dict_weighted_by_size():
@@ -182,7 +184,9 @@ def test_checkpoint_through_dcp_resumes_bit_exact(torch_job):
     # MX's saturation counts are each rank's own, and each rank got its own back
     assert [torch_job[r]["local_overflow"] for r in range(2)] == [100, 101]
     # the replicas agree
-    assert torch.equal(torch_job[0]["dynamiq/resumed/True"][1], torch_job[1]["dynamiq/resumed/True"][1])
+    assert torch.equal(
+        torch_job[0]["dynamiq/resumed/True"][1], torch_job[1]["dynamiq/resumed/True"][1]
+    )
 
 
 # -- Lightning and Fabric ------------------------------------------------------------

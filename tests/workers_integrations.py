@@ -222,7 +222,6 @@ def lightning_job(rank: int, n: int, tmp: str) -> dict[str, Any]:
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
 
-
     class Plain(lit.Regressor):  # the example's module, without hopq's logging
         def on_train_batch_end(self, *args: Any) -> None:
             pass

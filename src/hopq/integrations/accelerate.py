@@ -53,9 +53,7 @@ def check_kwargs(accelerator: Any) -> None:
     )
 
 
-def register_hook(
-    accelerator: Any, model: Any, state: HookState | str = "dynamiq"
-) -> HookState:
+def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynamiq") -> HookState:
     """Register hopq's hook on ``model`` as ``accelerator.prepare`` returned it
     (DDP-wrapped when there are several processes) and return the state.
 

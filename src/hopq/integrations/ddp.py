@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hopq.codecs.base import Codec
@@ -270,11 +269,13 @@ class HookState:
         without such counters."""
         name = state.get("codec_name")
         if name is not None and name != self.codec.name:
-            raise ValueError(f"this checkpoint holds codec {name!r}, this HookState runs {self.codec.name!r}")
+            raise ValueError(
+                f"this checkpoint holds codec {name!r}, this HookState runs {self.codec.name!r}"
+            )
         shared = state["codec"]
         if isinstance(shared, (bytes, bytearray)):
             merged = self.codec.state_dict()
-            merged.update(_unpack(shared))
+            merged.update(_unpack(bytes(shared)))
             local = state.get("codec_local", {}).get(str(self._rank()))
             if local is not None:
                 merged.update(_unpack(local))
@@ -451,9 +452,7 @@ def _watch(state: HookState) -> None:
     with _WATCH_LOCK:
         _WATCHED.add(state)
         if _STEP_HOOK is None:
-            _STEP_HOOK = register_optimizer_step_post_hook(
-                _after_optimizer_step
-            )
+            _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
         if not _AT_EXIT:
             atexit.register(_at_exit)
             _AT_EXIT = True

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch.nn.parallel import DistributedDataParallel
+
 from hopq.integrations.ddp import HookState, ddp_hook
 
 try:
@@ -62,7 +64,8 @@ class HopqDDPStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         super().configure_ddp()  # wraps the model in DDP; registers nothing here
-        self.model.register_comm_hook(self.hook_state, ddp_hook)  # type: ignore[union-attr]
+        assert isinstance(self.model, DistributedDataParallel)
+        self.model.register_comm_hook(self.hook_state, ddp_hook)
 
 
 class HopqMetrics(Callback):

@@ -32,7 +32,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 
-class HopqCallback(TrainerCallback):  # type: ignore[misc]
+class HopqCallback(TrainerCallback):
     """Registers ``state``'s hook on ``trainer.model_wrapped`` at train begin and
     merges the metrics (per optimizer step, averaged over the steps since the
     last log entry; this rank's) into the Trainer's training log entries.
