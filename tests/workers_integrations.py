@@ -207,28 +207,34 @@ def lightning_job(rank: int, n: int, tmp: str) -> dict[str, Any]:
     out["lightning"] = example("lightning_ddp").main(["--steps", "4", "--out", f"{tmp}/lt"])
     csv = glob.glob(f"{tmp}/lt/lightning_logs/version_*/metrics.csv")
     out["lightning_csv"] = Path(csv[0]).read_text().splitlines()[0] if csv else None
-    out["lightning_bf16"] = example("lightning_ddp").main(
-        ["--steps", "2", "--codec", "bf16", "--out", f"{tmp}/lt16"]
-    )
     # Lightning's own strategy with hopq's hook: DDP's all-reduce on CPU, and hopq says so
-    lit = example("lightning_ddp")
-    state = hopq.HookState(codec="dynamiq")
-    x = torch.randn(1024, 32)
-    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
-    trainer = L.Trainer(
-        accelerator="cpu", devices=n,
-        strategy=DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hopq.ddp_hook),
-        max_steps=hopq_ddp.UNENGAGED_STEPS, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+    from hopq.integrations.lightning import HopqDDPStrategy, HopqMetrics
 
-    class Plain(lit.Regressor):  # the example's module, without hopq's logging
+    lit = example("lightning_ddp")
+    x = torch.randn(1024, 32)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin()), batch_size=32
+    )
+
+    class Plain(lit.Regressor):  # the example's module, without its own hopq logging
         def on_train_batch_end(self, *args: Any) -> None:
             pass
 
-    _, out["plain_strategy"] = caught(
-        trainer.fit, Plain(), torch.utils.data.DataLoader(data, batch_size=32)
-    )
+    def trainer(strategy: Any, steps: int, **kw: Any) -> Any:
+        return L.Trainer(
+            accelerator="cpu", devices=n, strategy=strategy, max_steps=steps,
+            enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, **kw,
+        )  # fmt: skip
+
+    # the HopqMetrics callback logs for a module that does not (bf16, 2 steps)
+    t = trainer(HopqDDPStrategy("bf16"), 2, logger=False, callbacks=[HopqMetrics()])
+    t.fit(Plain(), loader)
+    out["lightning_bf16"] = {k: float(v) for k, v in t.logged_metrics.items()}
+    state = hopq.HookState(codec="dynamiq")
+    plain = DDPStrategy(ddp_comm_state=state, ddp_comm_hook=hopq.ddp_hook)
+    t = trainer(plain, hopq_ddp.UNENGAGED_STEPS, logger=False)
+    _, out["plain_strategy"] = caught(t.fit, Plain(), loader)
     out["plain_strategy_calls"] = len(state.pop_stats())
     out["fabric"] = example("fabric_ddp").main(["--steps", "4", "--out", f"{tmp}/fab"])
     out["fabric_csv"] = bool(glob.glob(f"{tmp}/fab/lightning_logs/version_*/metrics.csv"))
