@@ -147,6 +147,8 @@ def test_not_engaged_warning(torch_job):
         assert f"{hopq_ddp.UNENGAGED_STEPS} optimizer steps" in msg
         assert len(res["unengaged_metrics"]) == 1
         assert "step_metrics" in res["unengaged_metrics"][0]
+        (msg,) = res["at_exit"]
+        assert "end of the program" in msg
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

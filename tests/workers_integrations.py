@@ -136,7 +136,11 @@ def detector(rank: int) -> dict[str, Any]:
     lost2 = hopq.HookState(codec="bf16")
     _train(ddp2, opt2, rank, 0)
     _, out["unengaged_metrics"] = caught(lost2.step_metrics)
-    del lost, lost2
+    # at exit, after one optimizer step (the function atexit runs)
+    lost3 = hopq.HookState(codec="bf16")
+    _train(ddp2, opt2, rank, 1)
+    _, out["at_exit"] = caught(hopq_ddp._at_exit)
+    del lost, lost2, lost3
     return out
 
 

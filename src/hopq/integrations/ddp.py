@@ -215,7 +215,7 @@ class HookState:
             out, self._step = self._step, StepMetrics()
             self.calls = []
         if out.buckets == 0 and self._steps_unengaged > 0:
-            _check_engaged(self, "state.step_metrics() found no bucket")
+            _check_engaged(self, "state.step_metrics() found no bucket after an optimizer step")
         return out
 
     def step_metrics(self, prefix: str = "hopq/") -> dict[str, float]:
@@ -461,20 +461,22 @@ def _watch(state: HookState) -> None:
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     # stays installed once there is nothing to watch (removing it here would
     # change the dict torch is iterating over): an empty set costs nothing
-    for state in list(_WATCHED):
+    with _WATCH_LOCK:
+        states = list(_WATCHED)
+    for state in states:
         if state._engaged or state._warned:
             _WATCHED.discard(state)
             continue
         state._steps_unengaged += 1
         state._world_size()  # remembered while the group exists
         if state._steps_unengaged >= UNENGAGED_STEPS:
-            _check_engaged(state, f"{state._steps_unengaged} optimizer steps")
+            _check_engaged(state, f"after {state._steps_unengaged} optimizer steps")
 
 
 def _at_exit() -> None:
     for state in list(_WATCHED):
         if state._steps_unengaged > 0:
-            _check_engaged(state, "the end of the program")
+            _check_engaged(state, "at the end of the program, after optimizer steps")
 
 
 def _check_engaged(state: HookState, when: str) -> None:
@@ -514,7 +516,7 @@ def not_engaged_message(state: HookState, world: int, when: str) -> str:
     hint = "; ".join(hints)
     return (
         f"hopq: the DDP hook of HookState(codec={state.codec.name!r}) is not engaged: it was "
-        f"never called by {when} on a group of {world} ranks, so the gradients are averaged "
+        f"never called ({when}) on a group of {world} ranks, so the gradients are averaged "
         "without hopq (by DDP's own uncompressed all-reduce, or not at all). Register it on "
         "the DDP-wrapped model: ddp_model.register_comm_hook(state, hopq.ddp_hook)"
         + (f"; {hint}" if hint else "")
