@@ -14,7 +14,7 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench,cpu,triton]"
+	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench,cpu,triton,integrations]"
 	touch $@
 
 $(TSTAMP): pyproject.toml constraints-dev.txt
@@ -29,7 +29,7 @@ test-torch-only: $(TSTAMP)
 	$(TVENV)/bin/python tests/torch_only.py
 
 test: setup test-torch-only
-	$(BIN)/ruff check src tests
-	$(BIN)/ruff format --check src tests
+	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff format --check src tests examples
 	$(BIN)/mypy src
 	$(BIN)/python -m pytest tests

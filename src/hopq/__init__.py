@@ -2,7 +2,14 @@
 
 from hopq.codecs import Codec, available_codecs, get_codec
 from hopq.comm import RunStats, all_reduce, reduce_scatter
-from hopq.errors import CodecError, HopqError, MismatchError, PayloadError, TransportError
+from hopq.errors import (
+    CodecError,
+    HookNotEngagedWarning,
+    HopqError,
+    MismatchError,
+    PayloadError,
+    TransportError,
+)
 from hopq.integrations import HookState, StepMetrics, ddp_hook
 from hopq.sim import SimResult, simulate
 
@@ -11,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Codec",
     "CodecError",
+    "HookNotEngagedWarning",
     "HookState",
     "StepMetrics",
     "HopqError",

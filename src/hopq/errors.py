@@ -24,3 +24,9 @@ class CodecError(HopqError, RuntimeError):
     """A codec broke its contract (e.g. it produced a payload of a size its plan
     does not allow): raised on the rank where it happened; its peers get a
     TransportError saying which rank failed."""
+
+
+class HookNotEngagedWarning(UserWarning):
+    """A ``HookState`` on a group of several ranks whose hook was never called
+    although training went on: the gradients are averaged without hopq (by the
+    framework's own all-reduce, uncompressed). The message says how to register it."""

@@ -14,21 +14,26 @@ paths give the same bits.
 
 # No "from __future__ import annotations": DDP compares the hook's annotations
 # with dist.GradBucket and Future[Tensor] as objects.
+import atexit
+import io
 import threading
 import time
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hopq.codecs.base import Codec
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats, bits_per_coordinate
 from hopq.comm.topology import get_schedule
+from hopq.errors import HookNotEngagedWarning
 from hopq.options import check_finite, check_int
 
 #: Records kept when nobody pops them (``state.calls`` must not grow forever).
@@ -37,21 +42,73 @@ MAX_KEPT_CALLS = 4096
 
 @dataclass(frozen=True)
 class StepMetrics:
-    """One training step's communication, summed over its buckets."""
+    """This rank's communication in one training step, summed over its buckets
+    (or in several steps: ``a + b``). ``as_dict()`` gives the flat scalars that
+    ``HookState.step_metrics()`` returns, ready for any logger."""
 
-    buckets: int
-    numel: int
+    #: Training steps summed here (1 for one ``pop_step()``).
+    steps: int = 1
+    buckets: int = 0
+    numel: int = 0
     #: Bytes this rank sent (payload and statistics).
-    bytes_sent: float
-    bits_per_coordinate: float
+    bytes_sent: float = 0.0
     #: Seconds the communication thread (or the hook) worked on the buckets.
-    seconds: float
+    seconds: float = 0.0
     #: Of those, seconds spent waiting on the network.
-    comm_seconds: float
+    comm_seconds: float = 0.0
+    world_size: int = 1
+    #: Squared error and squared norm of the exact average, summed over buckets
+    #: (``HookState.measure_error``; 0 when not measured).
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """Bits per coordinate of all the buckets together (weighted by size);
+        NaN when no bucket went through (a gradient-accumulation micro-step)."""
+        return bits_per_coordinate(self.bytes_sent, self.world_size, self.numel)
 
     @property
     def codec_seconds(self) -> float:
         return self.seconds - self.comm_seconds
+
+    @property
+    def vnmse(self) -> float:
+        """||result - exact||^2 / ||exact||^2 over the buckets; NaN when not measured."""
+        return self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
+
+    def __add__(self, other: "StepMetrics") -> "StepMetrics":
+        if not isinstance(other, StepMetrics):
+            return NotImplemented
+        return StepMetrics(
+            self.steps + other.steps,
+            self.buckets + other.buckets,
+            self.numel + other.numel,
+            self.bytes_sent + other.bytes_sent,
+            self.seconds + other.seconds,
+            self.comm_seconds + other.comm_seconds,
+            max(self.world_size, other.world_size),
+            self.err_sq + other.err_sq,
+            self.ref_sq + other.ref_sq,
+        )
+
+    def as_dict(self, prefix: str = "hopq/") -> dict[str, float]:
+        """Flat scalars, per step (means over ``steps``): ``bits_per_coordinate``
+        (from the bytes, weighted by bucket size), ``bytes_sent``,
+        ``codec_seconds``, ``comm_seconds``, ``buckets``, ``numel``, and
+        ``vnmse`` when it was measured. Keys start with ``prefix``."""
+        k = max(self.steps, 1)
+        out = {
+            "bits_per_coordinate": self.bits_per_coordinate,
+            "bytes_sent": self.bytes_sent / k,
+            "codec_seconds": self.codec_seconds / k,
+            "comm_seconds": self.comm_seconds / k,
+            "buckets": self.buckets / k,
+            "numel": self.numel / k,
+        }
+        if self.ref_sq > 0:
+            out["vnmse"] = self.vnmse
+        return {prefix + key: float(v) for key, v in out.items()}
 
 
 class HookState:
@@ -110,10 +167,27 @@ class HookState:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
+        #: This step's buckets so far, summed (O(1) memory; exact even when
+        #: ``calls`` drops records).
+        self._step = StepMetrics()
+        #: Whether the hook was ever called, and optimizer steps taken in this
+        #: process since this state was built while it was not (the evidence
+        #: that training went on without it: see ``_after_optimizer_step``).
+        self._engaged = False
+        self._steps_unengaged = 0
+        self._world: int | None = None
+        self._warned = False
+        _watch(self)
 
     # -- records ------------------------------------------------------------
-    def _record(self, info: RunStats) -> None:
+    def _record(self, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> None:
+        self._engaged = True  # any path that records a bucket uses the state
+        one = StepMetrics(
+            0, 1, info.numel, info.bytes_sent, info.seconds, info.comm_seconds,
+            info.world_size, err_sq, ref_sq,
+        )  # fmt: skip
         with self._lock:
+            self._step = self._step + one
             self.calls.append(info)
             if len(self.calls) > MAX_KEPT_CALLS:
                 drop = len(self.calls) - MAX_KEPT_CALLS
@@ -127,26 +201,30 @@ class HookState:
                     )
 
     def pop_stats(self) -> list[RunStats]:
-        """The stats of every call since the last pop (e.g. one training step)."""
+        """The stats of every bucket since the last pop (e.g. one training step),
+        one ``RunStats`` each; ``step_metrics()`` sums them for you."""
         with self._lock:
             out, self.calls = self.calls, []
         return out
 
-    def step_metrics(self) -> StepMetrics:
-        """The calls since the last pop summed into one record (and popped):
-        call it once per training step, e.g. to log bits per coordinate."""
-        calls = self.pop_stats()
-        numel = sum(c.numel for c in calls)
-        sent = sum(c.bytes_sent for c in calls)
-        n = calls[0].world_size if calls else 1
-        return StepMetrics(
-            len(calls),
-            numel,
-            sent,
-            bits_per_coordinate(sent, n, numel) if numel else float("nan"),
-            sum(c.seconds for c in calls),
-            sum(c.comm_seconds for c in calls),
-        )
+    def pop_step(self) -> StepMetrics:
+        """This rank's buckets since the last ``pop_step()`` / ``step_metrics()``
+        summed into one record, and popped (the records of ``pop_stats()`` too).
+        Add records (``a + b``) to log over several steps."""
+        with self._lock:
+            out, self._step = self._step, StepMetrics()
+            self.calls = []
+        if out.buckets == 0 and self._steps_unengaged > 0:
+            _check_engaged(self, "state.step_metrics() found no bucket after an optimizer step")
+        return out
+
+    def step_metrics(self, prefix: str = "hopq/") -> dict[str, float]:
+        """This step's communication as flat scalars for any logger (and popped):
+        call it once per training step, after the optimizer step. Keys (with
+        ``prefix``): ``bits_per_coordinate``, ``bytes_sent``, ``codec_seconds``,
+        ``comm_seconds``, ``buckets``, ``numel``, and ``vnmse`` when
+        ``measure_error`` is set. ``pop_step()`` gives the same as a record."""
+        return self.pop_step().as_dict(prefix)
 
     def pop_error(self) -> tuple[float, float]:
         """(vNMSE over the buckets measured since the last pop, seconds of exact
@@ -157,12 +235,67 @@ class HookState:
             self.err_sq = self.ref_sq = self.exact_seconds = 0.0
         return out
 
+    # -- checkpoints -----------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"codec": self.codec.state_dict(), "seed": self.seed}
+        """What a resumed job needs to continue bit for bit: the seed and the
+        codec's state (round counter, adaptive parameters, DynamiQ's budget
+        shares). A ``torch.distributed.checkpoint`` Stateful (``dcp.save({"hopq":
+        state, ...})``): the codec's state is one opaque entry, because its
+        structure grows during training and DCP loads only the keys a fresh
+        state has; it is the same on every rank, so DCP keeps one copy.
+        Counters that are each rank's own (MX's saturations since the last plan,
+        THC's overflow tally) go under ``codec_local/<rank>``, one per rank."""
+        full = self.codec.state_dict()
+        agreed = self.codec.agreed_state()
+        shared, local = full, {}
+        if isinstance(agreed, dict) and set(agreed) <= set(full):
+            shared = {k: full[k] for k in agreed}
+            local = {k: v for k, v in full.items() if k not in agreed}
+        out: dict[str, Any] = {
+            "codec_name": self.codec.name,
+            "seed": self.seed,
+            "codec": _pack(shared),
+        }
+        if local:
+            out["codec_local"] = {str(self._rank()): _pack(local)}
+        return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.codec.load_state_dict(state["codec"])
+        """Restore ``state_dict()``'s output (also the older form with the
+        codec's state as a plain dict). Rank-local counters come from this
+        rank's entry; when it is missing (a checkpoint that one rank saved for
+        all), they keep their current values: the results stay correct and
+        agreed, but are bit-identical to an uninterrupted run only for codecs
+        without such counters."""
+        name = state.get("codec_name")
+        if name is not None and name != self.codec.name:
+            raise ValueError(
+                f"this checkpoint holds codec {name!r}, this HookState runs {self.codec.name!r}"
+            )
+        shared = state["codec"]
+        if isinstance(shared, (bytes, bytearray)):
+            merged = self.codec.state_dict()
+            merged.update(_unpack(bytes(shared)))
+            local = state.get("codec_local", {}).get(str(self._rank()))
+            if local is not None:
+                merged.update(_unpack(local))
+            shared = merged
+        self.codec.load_state_dict(shared)
         self.seed = int(state["seed"])
+
+    def _rank(self) -> int:
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(self.process_group)
+        return 0
+
+    def _world_size(self) -> int | None:
+        """The group's size once known (remembered: the group may be gone at exit)."""
+        if self._world is None and dist.is_available() and dist.is_initialized():
+            try:
+                self._world = dist.get_world_size(self.process_group)
+            except (RuntimeError, ValueError):  # a group this rank is not part of
+                return None
+        return self._world
 
     # -- the communication thread ---------------------------------------------
     def _executor(self) -> ThreadPoolExecutor:
@@ -186,6 +319,9 @@ class HookState:
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self._lock = threading.Lock()
+        self._world = None  # a copy sent to another process: its own group
+        if not self._engaged:
+            _watch(self)
 
 
 def _reduce(state: HookState, buf: torch.Tensor, index: int) -> None:
@@ -204,13 +340,14 @@ def _reduce(state: HookState, buf: torch.Tensor, index: int) -> None:
         buf, state.codec, state.topology, "avg", state.process_group, state.seed, index,
         timeout=state.timeout, gather_codec=state.gather_codec,
     )  # fmt: skip
+    err = ref = 0.0
     if exact is not None:
         err = float((buf.to(torch.float64) - exact).square().sum())
         ref = float(exact.square().sum())
         with state._lock:
             state.err_sq += err
             state.ref_sq += ref
-    state._record(info)
+    state._record(info, err, ref)
 
 
 def _run(
@@ -246,6 +383,7 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     all-reduce is raised by DDP in the training step's backward pass.
     """
     buf = bucket.buffer()
+    state._engaged = True
     if state.optimizer is not None:  # before the bucket is queued: the state is current
         from hopq.codecs.gcomp.optim import thresholds
 
@@ -274,3 +412,113 @@ def _unwrap(fut: "torch.futures.Future[torch.Tensor]") -> torch.Tensor:
         return fut.value()
     except Exception as e:
         raise RuntimeError(f"hopq.ddp_hook: {type(e).__name__}: {e}") from e
+
+
+def _pack(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+# -- "is the hook engaged?" ------------------------------------------------------
+# A HookState handed to a framework that never registers it (Lightning's
+# DDPStrategy on CPU, Accelerate's DistributedDataParallelKwargs(comm_hook=...))
+# leaves training running on the framework's own all-reduce, silently. The
+# evidence that training went on without the hook is optimizer steps: every
+# torch optimizer runs the global step post-hook below. A state warns once, when
+# it was never called and its group has several ranks, after UNENGAGED_STEPS
+# optimizer steps in this process since it was built, when ``step_metrics()``
+# finds no bucket after an optimizer step, or at exit after any. A state built
+# without training (tests, a single process, a group of one) never warns.
+
+#: Optimizer steps without a call after which a state warns. Not 1: a state may
+#: be built before other models train in the same process (a GAN's critic steps
+#: several times before the generator's first backward).
+UNENGAGED_STEPS = 10
+
+#: States not yet called nor warned about (weak: a dropped state is forgotten).
+_WATCHED: "weakref.WeakSet[HookState]" = weakref.WeakSet()
+_STEP_HOOK: Any = None
+_AT_EXIT = False
+_WATCH_LOCK = threading.Lock()
+
+
+def _watch(state: HookState) -> None:
+    global _STEP_HOOK, _AT_EXIT
+    with _WATCH_LOCK:
+        _WATCHED.add(state)
+        if _STEP_HOOK is None:
+            _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+        if not _AT_EXIT:
+            atexit.register(_at_exit)
+            _AT_EXIT = True
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    # stays installed once there is nothing to watch (removing it here would
+    # change the dict torch is iterating over): an empty set costs nothing
+    with _WATCH_LOCK:
+        states = list(_WATCHED)
+    for state in states:
+        if state._engaged or state._warned:
+            _WATCHED.discard(state)
+            continue
+        state._steps_unengaged += 1
+        state._world_size()  # remembered while the group exists
+        if state._steps_unengaged >= UNENGAGED_STEPS:
+            _check_engaged(state, f"after {state._steps_unengaged} optimizer steps")
+
+
+def _at_exit() -> None:
+    for state in list(_WATCHED):
+        if state._steps_unengaged > 0:
+            _check_engaged(state, "at the end of the program, after optimizer steps")
+
+
+def _check_engaged(state: HookState, when: str) -> None:
+    """Warn (once) if this state was never called and its group has several ranks."""
+    if state._engaged or state._warned:
+        return
+    world = state._world_size()
+    if world is None or world <= 1:
+        return
+    state._warned = True
+    _WATCHED.discard(state)
+    warnings.warn(not_engaged_message(state, world, when), HookNotEngagedWarning, stacklevel=2)
+
+
+def not_engaged_message(state: HookState, world: int, when: str) -> str:
+    import sys
+
+    hints = []
+    if "lightning" in sys.modules or "pytorch_lightning" in sys.modules:
+        hints.append(
+            "Lightning's DDPStrategy(ddp_comm_hook=...) registers hooks only on CUDA devices "
+            "and Fabric's passes them to DDP as an unknown argument: use "
+            "hopq.integrations.lightning.HopqDDPStrategy(state) or "
+            "hopq.integrations.fabric.HopqDDPStrategy(state)"
+        )
+    if "accelerate" in sys.modules:
+        hints.append(
+            "Accelerate ignores DistributedDataParallelKwargs(comm_hook=<a function>) (it takes "
+            "only its built-in hooks): call hopq.integrations.accelerate.register_hook("
+            "accelerator, model, state) after accelerator.prepare"
+        )
+    if "transformers" in sys.modules:
+        hints.append(
+            "the HF Trainer has no hook option: hopq.integrations.transformers.attach("
+            "trainer, state) registers it when training begins"
+        )
+    hint = "; ".join(hints)
+    return (
+        f"hopq: the DDP hook of HookState(codec={state.codec.name!r}) is not engaged: it was "
+        f"never called ({when}) on a group of {world} ranks, so the gradients are averaged "
+        "without hopq (by DDP's own uncompressed all-reduce, or not at all). Register it on "
+        "the DDP-wrapped model: ddp_model.register_comm_hook(state, hopq.ddp_hook)"
+        + (f"; {hint}" if hint else "")
+        + ". See docs/integrations/frameworks.md."
+    )

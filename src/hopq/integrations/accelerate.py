@@ -1,0 +1,79 @@
+"""Hugging Face Accelerate: register the hopq hook on the model ``prepare`` wrapped.
+
+Accelerate's ``DistributedDataParallelKwargs(comm_hook=...)`` takes only its own
+enum of torch's built-in hooks; any other value (``hopq.ddp_hook``) is looked
+up, not found, and silently dropped. Register on the prepared model instead::
+
+    from hopq.integrations.accelerate import register_hook
+    accelerator = Accelerator(cpu=True)          # or on GPUs
+    model, opt, data = accelerator.prepare(model, opt, data)
+    state = register_hook(accelerator, model, hopq.HookState(codec="dynamiq"))
+    ...
+    accelerator.log(state.step_metrics(), step=step)
+
+Several CPU processes: ``accelerate launch --cpu --num_processes 2 script.py``
+(or ``torchrun --nproc_per_node 2 script.py`` with ``Accelerator(cpu=True)``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from hopq.integrations.ddp import HookState, ddp_hook
+
+try:
+    from accelerate.utils import DDPCommunicationHookType
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "hopq.integrations.accelerate needs Accelerate: pip install accelerate "
+        "(or pip install 'hopq[integrations]')"
+    ) from e
+
+
+def check_kwargs(accelerator: Any) -> None:
+    """Raise if the accelerator's ``DistributedDataParallelKwargs`` names a hook
+    Accelerate will ignore (anything but its ``DDPCommunicationHookType``), or
+    one of its built-in hooks, which would then hold DDP's only hook slot."""
+    handler = getattr(accelerator, "ddp_handler", None)
+    hook = getattr(handler, "comm_hook", DDPCommunicationHookType.NO)
+    if hook == DDPCommunicationHookType.NO:
+        return
+    if not isinstance(hook, DDPCommunicationHookType):
+        raise ValueError(
+            f"DistributedDataParallelKwargs(comm_hook={getattr(hook, '__qualname__', hook)}) is "
+            "silently ignored by Accelerate (it takes only DDPCommunicationHookType values): "
+            "leave comm_hook out and call hopq.integrations.accelerate.register_hook(accelerator, "
+            "model, state) after accelerator.prepare"
+        )
+    raise ValueError(
+        f"DistributedDataParallelKwargs(comm_hook={hook}) registers torch's own hook, and DDP "
+        "takes one hook per model: leave comm_hook out to use hopq's"
+    )
+
+
+def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynamiq") -> HookState:
+    """Register hopq's hook on ``model`` as ``accelerator.prepare`` returned it
+    (DDP-wrapped when there are several processes) and return the state.
+
+    Raises when the model is not DDP (FSDP, DeepSpeed: those do not use DDP
+    hooks) in a multi-process run, or when the accelerator's kwargs carry a
+    hook (see :func:`check_kwargs`). In a single process there is nothing to
+    average and nothing is registered.
+    """
+    if isinstance(state, str):
+        state = HookState(codec=state)
+    if not isinstance(state, HookState):
+        raise TypeError(f"expected a hopq.HookState or a codec name, got {state!r}")
+    check_kwargs(accelerator)
+    if isinstance(model, DistributedDataParallel):
+        model.register_comm_hook(state, ddp_hook)
+        return state
+    if accelerator.num_processes > 1:
+        raise TypeError(
+            f"register_hook needs the DDP model accelerator.prepare returns; got "
+            f"{type(model).__name__} (distributed type {accelerator.distributed_type}). "
+            "Pass the prepared model; FSDP and DeepSpeed do not use DDP hooks"
+        )
+    return state

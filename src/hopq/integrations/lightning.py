@@ -1,0 +1,91 @@
+"""Lightning (``lightning.pytorch``): a DDP strategy that registers the hopq hook.
+
+Lightning's own ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` registers
+communication hooks only when the root device is CUDA; on CPU it trains with
+DDP's uncompressed all-reduce and says nothing. :class:`HopqDDPStrategy`
+registers the hook on every device type, right after Lightning wraps the model::
+
+    from hopq.integrations.lightning import HopqDDPStrategy
+    trainer = Trainer(strategy=HopqDDPStrategy(hopq.HookState(codec="dynamiq")), ...)
+
+Log the communication from the LightningModule with
+``self.log_dict(trainer.strategy.hook_state.step_metrics())`` in
+``on_train_batch_end``, or add :class:`HopqMetrics` to the callbacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from hopq.integrations.ddp import HookState, ddp_hook
+
+try:
+    from lightning.pytorch import Callback
+    from lightning.pytorch.strategies import DDPStrategy
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "hopq.integrations.lightning needs Lightning: pip install lightning "
+        "(or pip install 'hopq[integrations]')"
+    ) from e
+
+
+def _state(state: HookState | str) -> HookState:
+    if isinstance(state, str):
+        return HookState(codec=state)
+    if not isinstance(state, HookState):
+        raise TypeError(f"expected a hopq.HookState or a codec name, got {state!r}")
+    return state
+
+
+class HopqDDPStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with hopq's DDP hook, on CPU and GPU alike.
+
+    ``state``: a :class:`hopq.HookState` (or a codec name, for its defaults).
+    Every other argument is ``DDPStrategy``'s (``find_unused_parameters``,
+    ``static_graph``, ``bucket_cap_mb``, ``process_group_backend``,
+    ``start_method``, ...), except the hook arguments, which this strategy
+    owns. With ``start_method="spawn"`` each process gets its own copy of the
+    state: read the metrics in the training processes (the LightningModule or
+    a callback), not in the launching one.
+    """
+
+    strategy_name = "hopq_ddp"
+
+    def __init__(self, state: HookState | str = "dynamiq", **kwargs: Any) -> None:
+        taken = [k for k in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper") if k in kwargs]
+        if taken:
+            raise TypeError(
+                f"HopqDDPStrategy registers hopq's hook itself; do not pass {', '.join(taken)}"
+            )
+        super().__init__(**kwargs)
+        self.hook_state = _state(state)
+
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # wraps the model in DDP; registers nothing here
+        assert isinstance(self.model, DistributedDataParallel)
+        self.model.register_comm_hook(self.hook_state, ddp_hook)
+
+
+class HopqMetrics(Callback):
+    """Logs ``hook_state.step_metrics()`` (bits per coordinate, bytes, seconds,
+    buckets) after every training batch with ``LightningModule.log_dict``, so they
+    reach whatever logger the Trainer has. The state is the strategy's
+    (:class:`HopqDDPStrategy`) unless given. ``prefix``: the keys' prefix."""
+
+    def __init__(
+        self, state: HookState | None = None, prefix: str = "hopq/", prog_bar: bool = False
+    ) -> None:
+        self.state = state
+        self.prefix = prefix
+        self.prog_bar = prog_bar
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        state = self.state or getattr(trainer.strategy, "hook_state", None)
+        if state is None:
+            raise TypeError("HopqMetrics needs a HookState, or a HopqDDPStrategy in the Trainer")
+        m = state.pop_step()
+        if m.buckets == 0:  # a gradient-accumulation micro-batch: nothing moved yet
+            return
+        pl_module.log_dict(m.as_dict(self.prefix), on_step=True, prog_bar=self.prog_bar)

@@ -1,0 +1,97 @@
+"""Hugging Face ``transformers.Trainer``: a callback that registers the hopq hook
+when training begins and adds hopq's metrics to the Trainer's own log entries.
+
+The Trainer has no option for a DDP communication hook and wraps the model in
+DDP only inside ``train()``. :func:`attach` adds a :class:`HopqCallback` that
+registers the hook on ``trainer.model_wrapped`` in ``on_train_begin`` and, in
+``on_log``, merges the communication since the last log entry into the entry
+being logged, so the Trainer's loss stays and every reporter (TensorBoard,
+W&B, ...) gets ``hopq/bits_per_coordinate`` and the rest beside it::
+
+    from hopq.integrations.transformers import attach
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    attach(trainer, hopq.HookState(codec="dynamiq"))
+    trainer.train()
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch.nn.parallel import DistributedDataParallel
+
+from hopq.integrations.ddp import HookState, StepMetrics, ddp_hook
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "hopq.integrations.transformers needs transformers: pip install transformers "
+        "(or pip install 'hopq[integrations]')"
+    ) from e
+
+
+class HopqCallback(TrainerCallback):
+    """Registers ``state``'s hook on ``trainer.model_wrapped`` at train begin and
+    merges the metrics (per optimizer step, averaged over the steps since the
+    last log entry; this rank's) into the Trainer's training log entries.
+
+    Use :func:`attach`, which also puts the callback first, so that its
+    ``on_log`` runs before the reporting callbacks read the entry.
+    """
+
+    def __init__(self, state: HookState, trainer: Any, prefix: str = "hopq/") -> None:
+        if not isinstance(state, HookState):
+            raise TypeError(f"expected a hopq.HookState, got {state!r}")
+        self.state = state
+        self.prefix = prefix
+        self._trainer = weakref.ref(trainer)
+        self._hooked: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+        self._window: StepMetrics | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        if trainer is None:
+            raise RuntimeError("HopqCallback: its Trainer is gone")
+        model = trainer.model_wrapped
+        if isinstance(model, DistributedDataParallel):
+            if model not in self._hooked:  # a second train() reuses the wrapped model
+                model.register_comm_hook(self.state, ddp_hook)
+                self._hooked.add(model)
+        elif args.world_size > 1:
+            raise TypeError(
+                f"HopqCallback: the Trainer wrapped the model in {type(model).__name__}, not "
+                "DDP (FSDP and DeepSpeed do not use DDP hooks)"
+            )
+        self._window = None
+        handler = trainer.callback_handler
+        if handler.callbacks[0] is not self:  # a new list: call_event's loop is unaffected
+            handler.callbacks = [self] + [c for c in handler.callbacks if c is not self]
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step = self.state.pop_step()
+        self._window = step if self._window is None else self._window + step
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if logs is None or "loss" not in logs or self._window is None:
+            return  # evaluation entries and the final summary keep their own keys
+        metrics = self._window.as_dict(self.prefix)
+        self._window = None
+        logs.update(metrics)
+        # Trainer.log stored a copy in log_history before calling the callbacks
+        hist = state.log_history
+        if hist and hist[-1].get("step") == state.global_step and "loss" in hist[-1]:
+            hist[-1].update(metrics)
+
+
+def attach(trainer: Any, state: HookState | str = "dynamiq", prefix: str = "hopq/") -> HookState:
+    """Add a :class:`HopqCallback` to ``trainer`` (first among its callbacks) and
+    return the state; call before ``trainer.train()``."""
+    if isinstance(state, str):
+        state = HookState(codec=state)
+    cb = HopqCallback(state, trainer, prefix)
+    trainer.callback_handler.callbacks.insert(0, cb)
+    return state
