@@ -16,9 +16,7 @@ paths give the same bits.
 # with dist.GradBucket and Future[Tensor] as objects.
 import threading
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,34 +25,15 @@ import torch.distributed as dist
 from hopq.codecs.base import Codec
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import all_reduce
-from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats, bits_per_coordinate
+from hopq.comm.engine import DEFAULT_TIMEOUT_S
 from hopq.comm.topology import get_schedule
+from hopq.integrations.records import MAX_KEPT_CALLS, CallRecords, StepMetrics
 from hopq.options import check_finite, check_int
 
-#: Records kept when nobody pops them (``state.calls`` must not grow forever).
-MAX_KEPT_CALLS = 4096
+__all__ = ["MAX_KEPT_CALLS", "HookState", "StepMetrics", "ddp_hook"]
 
 
-@dataclass(frozen=True)
-class StepMetrics:
-    """One training step's communication, summed over its buckets."""
-
-    buckets: int
-    numel: int
-    #: Bytes this rank sent (payload and statistics).
-    bytes_sent: float
-    bits_per_coordinate: float
-    #: Seconds the communication thread (or the hook) worked on the buckets.
-    seconds: float
-    #: Of those, seconds spent waiting on the network.
-    comm_seconds: float
-
-    @property
-    def codec_seconds(self) -> float:
-        return self.seconds - self.comm_seconds
-
-
-class HookState:
+class HookState(CallRecords):
     """State of the hopq DDP hook.
 
     ``process_group`` may be None (the default group) and is resolved at the
@@ -64,6 +43,8 @@ class HookState:
     ``overlap`` (default True): run the buckets on a communication thread while
     the backward pass goes on (see the module's docstring).
     """
+
+    records_owner = "HookState"
 
     def __init__(
         self,
@@ -97,9 +78,8 @@ class HookState:
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.overlap = overlap
         #: Stats of every bucket since the last pop (the most recent
-        #: MAX_KEPT_CALLS when nobody pops them).
-        self.calls: list[RunStats] = []
-        self._dropped = 0
+        #: MAX_KEPT_CALLS when nobody pops them): ``calls``.
+        self._init_records()
         #: When set, the hook also runs an exact float64 all-reduce of each bucket
         #: and accumulates the compressed result's error against it (vNMSE).
         self.measure_error = False
@@ -107,46 +87,8 @@ class HookState:
         self.ref_sq = 0.0
         #: Seconds spent on those exact all-reduces (to leave out of step timings).
         self.exact_seconds = 0.0
-        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
-
-    # -- records ------------------------------------------------------------
-    def _record(self, info: RunStats) -> None:
-        with self._lock:
-            self.calls.append(info)
-            if len(self.calls) > MAX_KEPT_CALLS:
-                drop = len(self.calls) - MAX_KEPT_CALLS
-                del self.calls[:drop]
-                self._dropped += drop
-                if self._dropped == drop:
-                    warnings.warn(
-                        f"hopq: HookState keeps the last {MAX_KEPT_CALLS} bucket records; "
-                        "call state.pop_stats() or state.step_metrics() once per step",
-                        stacklevel=2,
-                    )
-
-    def pop_stats(self) -> list[RunStats]:
-        """The stats of every call since the last pop (e.g. one training step)."""
-        with self._lock:
-            out, self.calls = self.calls, []
-        return out
-
-    def step_metrics(self) -> StepMetrics:
-        """The calls since the last pop summed into one record (and popped):
-        call it once per training step, e.g. to log bits per coordinate."""
-        calls = self.pop_stats()
-        numel = sum(c.numel for c in calls)
-        sent = sum(c.bytes_sent for c in calls)
-        n = calls[0].world_size if calls else 1
-        return StepMetrics(
-            len(calls),
-            numel,
-            sent,
-            bits_per_coordinate(sent, n, numel) if numel else float("nan"),
-            sum(c.seconds for c in calls),
-            sum(c.comm_seconds for c in calls),
-        )
 
     def pop_error(self) -> tuple[float, float]:
         """(vNMSE over the buckets measured since the last pop, seconds of exact
