@@ -83,6 +83,10 @@ class StatsExchange(Protocol):
     #: codec cuts its own). Set by the engine for calls over rank shards
     #: (``reduce_scatter(shards=...)``); codecs with ``chunk_local`` honour it.
     bounds: tuple[int, ...] | None
+    #: 2 for an all-reduce, 1 for a reduce-scatter: bits per coordinate then
+    #: count (n-1)/n x d coordinates, so that a statistics exchange (an
+    #: all-reduce either way) weighs twice as much per coordinate.
+    phases: int
 
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         """Uncompressed all-reduce of a small tensor, the same shape on every rank.
@@ -105,8 +109,10 @@ class LocalStats:
         key: int | None = None,
         microshards: int = 1,
         bounds: tuple[int, ...] | None = None,
+        phases: int = 2,
     ) -> None:
         self.rank, self.world_size, self.n_chunks = 0, world_size, n_chunks
+        self.phases = phases
         self.seed, self.round, self.key = seed, round, key
         self.microshards = microshards
         self.bounds = bounds

@@ -201,6 +201,8 @@ class _StatsExchange:
         self.agreement = agreement
         #: The schedule chunks' bounds the call asks the codec for (rank shards).
         self.bounds: tuple[int, ...] | None = None
+        #: 2 for an all-reduce, 1 for a reduce-scatter (set by run()).
+        self.phases = 2
         #: The most pairwise combinations in a row on the schedule
         #: (``Schedule.reduce_depths``; codecs whose combination can double a
         #: magnitude, like gqsgd-exp, scale their leaves by it); set by run().
@@ -618,6 +620,7 @@ def run(
     stats.reduce_depth = max(schedule.reduce_depths(), default=0)
     bounds = layout.bounds if layout is not None and codec.chunk_local else None
     stats.bounds = bounds
+    stats.phases = 2 if gather else 1
     if layout is not None and bounds is not None and not gather:
         schedule = layout.reduce_scatter  # the reduce phase, then the deliveries
     plan = codec.plan(x, stats)

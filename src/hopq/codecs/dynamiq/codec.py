@@ -136,12 +136,15 @@ class DynamiQ(Codec[DynamiQPlan]):
         mu = glob[0] / stats.world_size
         F64 = glob[1].cpu().double()
         budget = self._budget_for(stats.key, d)
-        widths = allocate(cfg, F64, d, budget)
+        # a reduce-scatter moves each coordinate once: the exchange weighs double
+        weight = 2.0 if stats.phases == 1 else 1.0
+        widths = allocate(cfg, F64, d, budget, weight)
         if stats.key is not None and cfg.share_budget:
             self._step_stats[stats.key] = (d, F64)
         return build_plan(
-            cfg, d, widths, stats.n_chunks, mu, budget, stats.microshards, bounds, sg_starts
-        )
+            cfg, d, widths, stats.n_chunks, mu, budget, stats.microshards, bounds, sg_starts,
+            weight,
+        )  # fmt: skip
 
     def _budget_for(self, key: int | None, d: int) -> float:
         """Bits per coordinate for this call. A keyed call whose key already ran

@@ -100,6 +100,7 @@ def build_plan(
     microshards: int = 1,
     bounds: tuple[int, ...] | None = None,
     sg_starts: tuple[int, ...] = (),
+    stats_weight: float = 1.0,
 ) -> DynamiQPlan:
     """The plan of ``d`` coordinates whose super-groups got ``widths`` (original
     order), cut into ``n_chunks`` schedule chunks of ``microshards`` parts each.
@@ -140,7 +141,7 @@ def build_plan(
             off += nb
             k = e
         segments.append(tuple(segs))
-    total_bits = 8 * sum(sg_bytes) + STATS_BITS * m
+    total_bits = 8 * sum(sg_bytes) + stats_weight * STATS_BITS * m
     return DynamiQPlan(
         numel=d,
         work_numel=m * S,
