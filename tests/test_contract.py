@@ -247,7 +247,7 @@ def test_reduce_scatter_equal_shards(codec, topology, n):
     same = {}
     if codec == "dynamiq":  # 32 more bits per super-group: the same payload bits
         bounds = shard_layout(get_schedule(topology, n), equal_shards(1031, n)).bounds
-        m = sum(-(-(b - a) // 256) for a, b in zip(bounds, bounds[1:]))
+        m = sum(-(-(b - a) // 256) for a, b in zip(bounds, bounds[1:], strict=False))
         same = {"budget": hopq.get_codec(codec).config.budget - 32 * m / 1031}
     full = hopq.simulate(
         xs, hopq.get_codec(codec, **same), topology, seed=2, op="avg", shards="equal"

@@ -121,13 +121,15 @@ def test_shard_layout_gives_every_rank_its_shard(topology, n):
     for numel in (0, n - 1, 1000, 1003):
         shards = equal_shards(numel, n)
         assert shards[0] == 0 and shards[-1] == numel
-        assert max(b - a for a, b in zip(shards, shards[1:])) - min(
-            b - a for a, b in zip(shards, shards[1:])
-        ) <= 1
+        assert (
+            max(b - a for a, b in zip(shards, shards[1:], strict=False))
+            - min(b - a for a, b in zip(shards, shards[1:], strict=False))
+            <= 1
+        )
         lay = shard_layout(s, shards)
         b = lay.bounds
         assert len(b) == s.n_chunks + 1 and b[0] == 0 and b[-1] == numel
-        assert all(x <= y for x, y in zip(b, b[1:]))
+        assert all(x <= y for x, y in zip(b, b[1:], strict=False))
         rs = lay.reduce_scatter
         reduce_steps = [st for st in s.steps if st[0].phase is Phase.REDUCE]
         assert list(rs.steps[: len(reduce_steps)]) == reduce_steps

@@ -73,7 +73,9 @@ def fsdp_codecs(rank: int, n: int, runs: list[dict[str, Any]], steps: int) -> di
     """Native FSDP, then one training per run ({codec, topology, divide, reduce_dtype})."""
     Capturing = _capturing_class()
     model = build(n)
-    out: dict[Any, Any] = {"init": {k: v.full_tensor().clone() for k, v in model.state_dict().items()}}
+    out: dict[Any, Any] = {
+        "init": {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    }
     out["native"] = train(model, rank, steps)
     for i, run in enumerate(runs):
         model = build(n)

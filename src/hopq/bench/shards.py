@@ -92,7 +92,9 @@ def synthetic_layers(workers: int, seed: int) -> list[list[torch.Tensor]]:
     out = []
     for i in range(workers):
         torch.manual_seed(seed * 7919 + i + 1)
-        out.append([sc * (sig + t.sample(sig.shape)) for sig, sc in zip(signal, scales, strict=True)])
+        out.append(
+            [sc * (sig + t.sample(sig.shape)) for sig, sc in zip(signal, scales, strict=True)]
+        )
     return out
 
 
@@ -152,7 +154,9 @@ def run(o: ShardOptions) -> str:
                 local = simulate(
                     xs, get_codec("dynamiq"), "ring", seed=o.seed, op="avg", shards="equal"
                 )
-                rs = simulate_reduce_scatter(xs, get_codec("dynamiq"), "ring", seed=o.seed, op="avg")
+                rs = simulate_reduce_scatter(
+                    xs, get_codec("dynamiq"), "ring", seed=o.seed, op="avg"
+                )
                 # each shard by its own DynamiQ (its own budget)
                 err = ref = sent = moved = 0.0
                 exact = torch.stack([x.double() for x in xs]).mean(0)
@@ -169,13 +173,13 @@ def run(o: ShardOptions) -> str:
                 label = f"{d}, {lay}"
                 d_all = xs[0].numel()
                 bits = 8 * sent / moved if moved else 0.0
-                for what, b, v in (
+                for what, bpc, v in (
                     ("whole vector", whole.bits_per_coord, whole.vnmse),
                     ("chunk-local", local.bits_per_coord, local.vnmse),
                     ("reduce-scatter", rs.bits_per_coord, rs.vnmse),
                     ("budget per shard", bits, per),
                 ):
-                    rows.append([label, n, d_all, what, f"{b:.3f}", _fmt(v)])
+                    rows.append([label, n, d_all, what, f"{bpc:.3f}", _fmt(v)])
                 print(markdown_table(HEADER, rows[-4:]), file=sys.stderr, flush=True)
     head = [f"Machine: {machine()}", ""]
     head += [f"- **{d}**: {desc}" for d, (_, desc) in sets.items()]

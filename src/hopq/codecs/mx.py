@@ -33,8 +33,8 @@ from hopq.codecs.base import (
     ReduceOp,
     StatsExchange,
     StatsOp,
-    check_payload,
     check_bounds,
+    check_payload,
     from_segments,
     nested_chunks,
     segment_starts,
@@ -195,7 +195,11 @@ class MXCodec(Codec[MXPlan]):
         out.copy_(torch.where(safe, div(v * s, fmt.max), v * div(s, fmt.max)))
 
     def finish(self, plan: MXPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
-        y = y[: plan.numel] if plan.bounds is None else from_segments(y, plan.bounds, self.config.block)
+        y = (
+            y[: plan.numel]
+            if plan.bounds is None
+            else from_segments(y, plan.bounds, self.config.block)
+        )
         return div_(y, world_size) if op is ReduceOp.AVG else y
 
     def state_dict(self) -> dict[str, Any]:

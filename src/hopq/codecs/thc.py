@@ -36,8 +36,8 @@ from hopq.codecs.base import (
     ReduceOp,
     StatsExchange,
     StatsOp,
-    check_payload,
     check_bounds,
+    check_payload,
     from_segments,
     nested_chunks,
     segment_starts,
@@ -191,7 +191,7 @@ class THC(Codec[THCPlan]):
         signed = to_segments(x, bounds, max(H, 2), x.dtype)
         signed *= self._signs(signed.numel(), seed, round, x.device)
         out = torch.empty_like(signed)
-        for s, e in zip(starts, starts[1:]):
+        for s, e in zip(starts, starts[1:], strict=False):
             if e > s:
                 out[s:e] = fwht(signed[s:e].view(H, -1).t().contiguous()).reshape(-1)
         return out
@@ -200,7 +200,7 @@ class THC(Codec[THCPlan]):
         """The inverse of :meth:`_rotate_chunks`, in the caller's layout."""
         H = plan.block
         out = torch.empty_like(vals)
-        for s, e in zip(plan.starts, plan.starts[1:]):
+        for s, e in zip(plan.starts, plan.starts[1:], strict=False):
             if e > s:
                 out[s:e] = fwht(vals[s:e].view(-1, H)).t().reshape(-1)
         out *= self._signs(out.numel(), plan.seed, plan.round, vals.device)
@@ -212,7 +212,7 @@ class THC(Codec[THCPlan]):
         d = x.numel()
         bounds = check_bounds(stats, d)
         # with chunk bounds, each chunk is rotated on its own: H from the longest
-        span = d if bounds is None else max(b - a for a, b in zip(bounds, bounds[1:]))
+        span = d if bounds is None else max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
         # the largest power of two <= d / 16, capped: padding stays under ~6% of d
         H = min(cfg.hadamard_block, 1 << max(0, (max(span, 1) // 16).bit_length() - 1))
         # chunks of whole blocks and even sizes (12-bit lanes pack in pairs)

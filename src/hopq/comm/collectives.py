@@ -239,14 +239,18 @@ def reduce_scatter_with_stats(
     return torch.cat([y[s:e] for s, e in stats.owned]).to(tensor.dtype), stats
 
 
-def resolve_shards(shards: str | Sequence[int], numel: int, world_size: int) -> tuple[int, ...] | None:
+def resolve_shards(
+    shards: str | Sequence[int], numel: int, world_size: int
+) -> tuple[int, ...] | None:
     """``reduce_scatter``'s ``shards`` as n + 1 offsets (None: the topology's)."""
     if isinstance(shards, str):
         if shards == "topology":
             return None
         if shards == "equal":
             return equal_shards(numel, world_size)
-        raise ValueError(f"shards must be 'equal', 'topology' or {world_size + 1} offsets, got {shards!r}")
+        raise ValueError(
+            f"shards must be 'equal', 'topology' or {world_size + 1} offsets, got {shards!r}"
+        )
     out = tuple(check_int("shards", s, lo=0) for s in shards)
     if (
         len(out) != world_size + 1

@@ -53,8 +53,8 @@ import torch
 
 from hopq.codecs.base import Codec, HopContext, Plan, ReduceOp, StatsOp
 from hopq.comm import agreement, framing
-from hopq.comm.framing import Deadline, Where
 from hopq.comm.agreement import digest
+from hopq.comm.framing import Deadline, Where
 from hopq.comm.topology import Phase, Schedule, Transfer, shard_layout
 from hopq.comm.transport import Handle, Transport, all_gather
 from hopq.errors import CodecError

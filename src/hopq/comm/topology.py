@@ -276,19 +276,26 @@ def shard_layout(schedule: Schedule, shards: tuple[int, ...]) -> ShardLayout:
     """Chunk boundaries and the reduce-scatter schedule that give rank r the
     final sums of ``shards[r]:shards[r + 1]`` (see :class:`ShardLayout`)."""
     n, K = schedule.world_size, schedule.n_chunks
-    if len(shards) != n + 1 or shards[0] != 0 or any(a > b for a, b in zip(shards, shards[1:])):
+    if (
+        len(shards) != n + 1
+        or shards[0] != 0
+        or any(a > b for a, b in zip(shards, shards[1:], strict=False))
+    ):
         raise ValueError(
             f"shards must be {n + 1} non-decreasing offsets from 0 (rank r gets "
             f"shards[r]:shards[r + 1]), got {shards}"
         )
     owner = schedule.owner
     bounds: list[int]
-    if all(a <= b for a, b in zip(owner, owner[1:])):
+    if all(a <= b for a, b in zip(owner, owner[1:], strict=False)):
         owning = sorted(set(owner))
         # the span of each owning rank: its shard and the shards of the chunkless
         # ranks joined to it (those before it down to the previous owner, and
         # after the last owner, those at the end)
-        start = {q: shards[prev + 1] if i else 0 for i, (q, prev) in enumerate(zip(owning, [-1, *owning]))}
+        start = {
+            q: shards[prev + 1] if i else 0
+            for i, (q, prev) in enumerate(zip(owning, [-1, *owning], strict=False))
+        }
         end = {q: shards[q + 1] for q in owning}
         end[owning[-1]] = shards[n]
         bounds = [0]

@@ -189,7 +189,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
             return None
         fut: torch.futures.Future[Any] = torch.futures.Future()
         fut.set_result([output_tensor])
-        return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined,no-any-return]
+        return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
     # -- statistics and state ----------------------------------------------------
     @property
@@ -214,6 +214,4 @@ class FSDPReduceScatter(_ReduceScatterBase):
         self._shared.seed = int(state["seed"])
 
     def __repr__(self) -> str:
-        return (
-            f"FSDPReduceScatter({self.codec.name!r}, topology={self.topology!r}, key={self.key})"
-        )
+        return f"FSDPReduceScatter({self.codec.name!r}, topology={self.topology!r}, key={self.key})"

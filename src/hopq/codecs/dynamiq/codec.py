@@ -165,9 +165,7 @@ class DynamiQ(Codec[DynamiQPlan]):
     def prepare(self, plan: DynamiQPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         S = self.config.supergroup_size
         kern = self.kernels(x.device)
-        gather = (
-            kern.gather_rows if kern is not None and x.dtype == torch.float32 else gather_rows
-        )
+        gather = kern.gather_rows if kern is not None and x.dtype == torch.float32 else gather_rows
         if plan.bounds is None:
             return gather(x, plan.perm, plan.mu, S)
         flat = x.reshape(-1)

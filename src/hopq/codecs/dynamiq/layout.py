@@ -125,7 +125,9 @@ def build_plan(
     else:
         chunks_sg = []
         for lo, hi in zip(sg_starts, sg_starts[1:], strict=False):
-            chunks_sg += [(lo + a, lo + b) for a, b in nested_split(sg_bytes[lo:hi], 1, microshards)]
+            chunks_sg += [
+                (lo + a, lo + b) for a, b in nested_split(sg_bytes[lo:hi], 1, microshards)
+            ]
     segments = []
     for lo, hi in chunks_sg:
         segs = []
