@@ -167,3 +167,28 @@ def test_example_runs_under_torchrun():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "bits per coordinate" in proc.stdout
+
+
+def test_refusals_and_views(monkeypatch):
+    import hopq.integrations.fsdp as fsdp
+
+    monkeypatch.setattr(fsdp, "HAVE_FSDP_API", False)
+    with pytest.raises(ImportError, match=r"torch >= 2\.9.*this is torch"):
+        hopq.FSDPReduceScatter()
+    monkeypatch.undo()
+    comm = hopq.FSDPReduceScatter("dynamiq", budget=4.0)
+    assert comm.codec.config.budget == 4.0
+    view = comm.for_key(5)
+    assert view.key == 5 and view.codec is comm.codec and view.calls is comm.calls
+
+    class Group:
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="not 2 x"):
+        comm(torch.empty(3), torch.empty(5), Group(), "avg")
+    with pytest.raises(ValueError, match="no FSDP module"):
+        comm.install(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unknown topology"):
+        hopq.FSDPReduceScatter(topology="star")
+    assert comm.allocate((2, 3), dtype=torch.bfloat16, device=torch.device("cpu")).shape == (2, 3)
