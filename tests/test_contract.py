@@ -356,3 +356,16 @@ def test_reduce_scatter_chunk_local_plans():
     # a codec that ignores bounds must not be asked: bounds must fit the call
     with pytest.raises(ValueError, match="bounds"):
         hopq.get_codec("bf16").plan(x, LocalStats(n_chunks=2, bounds=(0, 80)))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_reduce_scatter_microshards_change_nothing(codec):
+    """Over rank shards too, microshards and pipelining never change the bits."""
+    xs = _inputs(3, 6007, seed=3)
+    for topo in ("ring", "butterfly"):
+        ref = hopq.simulate_reduce_scatter(xs, codec, topo, microshards=1, pipeline=False)
+        for u, pipeline in ((3, True), (2, False)):
+            got = hopq.simulate_reduce_scatter(xs, codec, topo, microshards=u, pipeline=pipeline)
+            assert got.stats[0].microshards == u
+            for a, b in zip(ref.outputs, got.outputs, strict=True):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (topo, u)
