@@ -54,7 +54,7 @@ if triton is not None:
     )
     _M1, _M2 = tl.constexpr(M1), tl.constexpr(M2)
 
-    def _stable_jit(ints: list[str], byte_ptrs: list[str]):  # type: ignore[no-untyped-def]
+    def _stable_jit(ints: list[str], byte_ptrs: list[str]):  # type: ignore[no-untyped-def,unused-ignore]
         """triton.jit that compiles one variant per constexpr set: Triton
         specializes integer arguments on == 1 and % 16 == 0 and pointers on
         16-byte alignment, and a run's segment sizes and payload offsets take
