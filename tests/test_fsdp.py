@@ -96,6 +96,10 @@ def test_every_codec_trains_like_native_fsdp(two, codec):
             assert step.bits_per_coordinate == pytest.approx(WIRE[codec], rel=1e-9)
         if codec == "dynamiq":  # its budget holds in a reduce-scatter's accounting
             assert step.bits_per_coordinate <= hopq.get_codec(codec).config.budget + 1e-9
+    if codec == "dynamiq":  # the step's budget was split across the three keys
+        shares = got["shares"]
+        assert sorted(shares) == [1, 2, 3]
+        assert len({round(bits, 6) for _, bits in shares.values()}) > 1
     # the simulator replays a real call bit for bit; its error is the codec's
     sim = _replay(runs, res, i, 2)
     # the same forward before the first update; then within the codec's error:

@@ -94,6 +94,8 @@ def fsdp_codecs(rank: int, n: int, runs: list[dict[str, Any]], steps: int) -> di
         res["first"] = CAPTURED[0]
         res["ops"] = sorted({str(c[3]) for c in CAPTURED})
         res["keys"] = [c[0] for c in CAPTURED]
+        # DynamiQ's per-key budget shares, split from the last finished step
+        res["shares"] = dict(getattr(comm.codec, "_shares", {}))
         out[i] = res
     # the interface's async path hands back a completed work
     comm = hopq.FSDPReduceScatter("bf16")
