@@ -6,7 +6,7 @@ import torch
 
 import hopq
 from hopq.codecs.base import HopContext, LocalStats, ReduceOp, even_chunks
-from hopq.comm.topology import TOPOLOGIES
+from hopq.comm.topology import TOPOLOGIES, equal_shards, get_schedule, shard_layout
 from hopq.errors import PayloadError
 
 CODECS = hopq.available_codecs()
@@ -231,3 +231,141 @@ def test_bad_configurations_fail_at_construction():
         hopq.HookState(codec="bf16", topology="butterfy")
     with pytest.raises(ValueError, match="gather stage"):
         hopq.simulate(_inputs(2, 8), "bf16", gather_codec="dynamiq")
+
+
+# -- reduce-scatter over rank shards (FSDP's layout) ------------------------------
+@pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_reduce_scatter_equal_shards(codec, topology, n):
+    """Rank r gets the r-th equal slice, bit for bit the all-reduce over the same
+    chunks, for every codec (permuting ones included) and topology. DynamiQ's
+    plan differs there: a reduce-scatter's statistics weigh double in its budget,
+    so it is compared with an all-reduce whose budget leaves the same payload."""
+    xs = _inputs(n, 1031, seed=10 + n)
+    rs = hopq.simulate_reduce_scatter(xs, hopq.get_codec(codec), topology, seed=2, op="avg")
+    same = {}
+    if codec == "dynamiq":  # 32 more bits per super-group: the same payload bits
+        bounds = shard_layout(get_schedule(topology, n), equal_shards(1031, n)).bounds
+        m = sum(-(-(b - a) // 256) for a, b in zip(bounds, bounds[1:], strict=False))
+        same = {"budget": hopq.get_codec(codec).config.budget - 32 * m / 1031}
+    full = hopq.simulate(
+        xs, hopq.get_codec(codec, **same), topology, seed=2, op="avg", shards="equal"
+    )
+    assert full.identical
+    assert rs.shards == equal_shards(1031, n)
+    for r in range(n):
+        a, b = rs.shards[r], rs.shards[r + 1]
+        assert rs.outputs[r].shape == (b - a,)
+        assert torch.equal(rs.outputs[r].view(torch.int32), full.outputs[r][a:b].view(torch.int32))
+        assert rs.stats[r].phases == ("reduce",)
+    assert rs.vnmse == pytest.approx(full.vnmse, rel=1e-12, abs=1e-30)
+    mag = torch.stack([x.double().abs() for x in xs]).sum(0) / n
+    bound = hopq.get_codec(codec).error_bound(mag, full.hops_per_chunk)
+    if bound is not None:
+        exact = torch.stack([x.double() for x in xs]).sum(0) / n
+        assert ((torch.cat(rs.outputs).double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if hopq.get_codec(c).layout_preserving])
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_reduce_scatter_is_the_all_reduce_slice(codec, topology, n):
+    """A layout-preserving codec's equal shards are slice r of the plain all-reduce
+    bit for bit where the topology's own chunks are the shards (a size that every
+    alignment divides; butterfly's fold moves chunks for n = 3)."""
+    if topology == "butterfly" and n & (n - 1):
+        pytest.skip("the fold gives chunks of 2/3 and 1/3: no plain all-reduce cuts at n shards")
+    d = 64 * 3 * n
+    xs = _inputs(n, d, seed=n)
+    rs = hopq.simulate_reduce_scatter(xs, hopq.get_codec(codec), topology, seed=5)
+    full = hopq.simulate(xs, hopq.get_codec(codec), topology, seed=5)
+    for r in range(n):
+        a, b = r * d // n, (r + 1) * d // n
+        assert torch.equal(rs.outputs[r].view(torch.int32), full.outputs[0][a:b].view(torch.int32))
+
+
+def test_reduce_scatter_bits_and_deliveries():
+    xs = _inputs(4, 4000)
+    for codec, bits in (("fp32", 32), ("bf16", 16), ("fp16", 16)):
+        for topo in ("ring", "semiloop", "biring", "butterfly"):
+            r = hopq.simulate_reduce_scatter(xs, codec, topo)
+            assert r.bits_per_coord == pytest.approx(bits, rel=1e-9), (codec, topo)
+    # three ranks on a butterfly: folded rank 0 gets its shard from rank 1
+    r = hopq.simulate_reduce_scatter(xs[:3], "bf16", "butterfly")
+    sent = [s.payload_bytes for s in r.stats]
+    assert sent[1] > sent[2] and sent[0] > 0
+    # the tree's root sends every rank the whole final payload
+    r = hopq.simulate_reduce_scatter(xs[:3], "fp32", "tree")
+    assert r.stats[0].payload_bytes == 2 * 4 * 4000
+
+
+def test_reduce_scatter_shards_and_ops():
+    import torch.distributed as dist
+
+    xs = _inputs(3, 100)
+    exact = torch.stack(xs).sum(0)
+    # explicit shards, empty ones included
+    r = hopq.simulate_reduce_scatter(xs, "fp32", "ring", shards=(0, 0, 70, 100))
+    assert [o.numel() for o in r.outputs] == [0, 70, 30]
+    assert torch.allclose(torch.cat(r.outputs), exact, atol=1e-5)
+    for bad in ((0, 50, 100), (0, 60, 50, 100), (1, 2, 3, 100), "rank"):
+        with pytest.raises(ValueError, match="shards"):
+            hopq.simulate_reduce_scatter(xs, "fp32", "ring", shards=bad)
+    # torch's ops: SUM, AVG, PREMUL_SUM(f) = sum of f x_i; others refused
+    ref = hopq.simulate_reduce_scatter(xs, "fp32", "ring", op="avg").outputs
+    got = hopq.simulate_reduce_scatter(xs, "fp32", "ring", op=dist.ReduceOp.AVG).outputs
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    got = hopq.simulate_reduce_scatter(xs, "fp32", "ring", op=dist.ReduceOp(dist.ReduceOp.SUM))
+    assert torch.allclose(torch.cat(got.outputs), exact, atol=1e-5)
+    pre = hopq.simulate(xs, "fp32", "ring", op=dist.ReduceOp.PREMUL_SUM(0.25))
+    scaled = hopq.simulate([x * 0.25 for x in xs], "fp32", "ring", op="sum")
+    assert torch.equal(pre.outputs[0], scaled.outputs[0]) and pre.vnmse < 1e-12
+    t = hopq.simulate(xs, "fp32", "ring", op=dist.ReduceOp.PREMUL_SUM(torch.tensor(0.25)))
+    assert torch.equal(t.outputs[0], scaled.outputs[0])
+    for op in (dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT, "max"):
+        with pytest.raises(ValueError, match="op must be"):
+            hopq.simulate(xs, "fp32", "ring", op=op)
+    # the topology's own shards need a layout-preserving codec
+    with pytest.raises(ValueError, match="shards='equal'"):
+        hopq.reduce_scatter(xs[0], "dynamiq")
+
+
+def test_reduce_scatter_chunk_local_plans():
+    """What each codec does with chunk bounds (FSDP shards of 40 entries)."""
+    x = torch.randn(80)
+    st = LocalStats(n_chunks=2, world_size=2, bounds=(0, 40, 80))
+    # MX: blocks of 32 start at each shard; a shard's last block is partial
+    p = hopq.get_codec("mxfp8").plan(x, st)
+    assert p.chunks == ((0, 64), (64, 128)) and p.work_numel == 128
+    # THC: each shard rotated on its own (padded to whole Hadamard blocks)
+    p = hopq.get_codec("thc").plan(x, st)
+    assert p.chunks == ((0, p.work_numel // 2), (p.work_numel // 2, p.work_numel))
+    # DynamiQ: super-groups start at each shard and are reordered inside it
+    big = torch.randn(3000) * torch.logspace(-3, 1, 3000)
+    st = LocalStats(n_chunks=2, world_size=2, bounds=(0, 1000, 3000))
+    p = hopq.get_codec("dynamiq").plan(big, st)
+    assert p.sg_starts == (0, 4, 12) and p.chunks[0] == (0, 4 * 256)
+    assert sorted(p.perm[:4].tolist()) == [0, 1, 2, 3]
+    assert sorted(p.perm[4:].tolist()) == list(range(4, 12))
+    # OmniReduce: blocks cut inside each shard, chunk c = shard c's selected blocks
+    p = hopq.get_codec("omnireduce", block=16).plan(x, LocalStats(2, 2, bounds=(0, 40, 80)))
+    idx = p.index
+    first = p.chunks[0][1]
+    assert (idx[:first] < 40).all() and (idx[first:] >= 40).all()
+    # a codec that ignores bounds must not be asked: bounds must fit the call
+    with pytest.raises(ValueError, match="bounds"):
+        hopq.get_codec("bf16").plan(x, LocalStats(n_chunks=2, bounds=(0, 80)))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_reduce_scatter_microshards_change_nothing(codec):
+    """Over rank shards too, microshards and pipelining never change the bits."""
+    xs = _inputs(3, 6007, seed=3)
+    for topo in ("ring", "butterfly"):
+        ref = hopq.simulate_reduce_scatter(xs, codec, topo, microshards=1, pipeline=False)
+        for u, pipeline in ((3, True), (2, False)):
+            got = hopq.simulate_reduce_scatter(xs, codec, topo, microshards=u, pipeline=pipeline)
+            assert got.stats[0].microshards == u
+            for a, b in zip(ref.outputs, got.outputs, strict=True):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (topo, u)

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hopq.comm.topology import TOPOLOGIES, Phase, get_schedule
+from hopq.comm.topology import TOPOLOGIES, Phase, equal_shards, get_schedule, shard_layout
 
 
 def _replay(s):
@@ -110,3 +110,51 @@ def test_unknown_topology():
         get_schedule("torus", 4)
     with pytest.raises(ValueError):
         get_schedule("ring", 0)
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("n", range(1, 17))
+def test_shard_layout_gives_every_rank_its_shard(topology, n):
+    """Over rank shards, each rank ends the reduce-scatter with the final sums of
+    exactly its shard: the chunks it is the sink of, plus the ones delivered."""
+    s = get_schedule(topology, n)
+    for numel in (0, n - 1, 1000, 1003):
+        shards = equal_shards(numel, n)
+        assert shards[0] == 0 and shards[-1] == numel
+        assert (
+            max(b - a for a, b in zip(shards, shards[1:], strict=False))
+            - min(b - a for a, b in zip(shards, shards[1:], strict=False))
+            <= 1
+        )
+        lay = shard_layout(s, shards)
+        b = lay.bounds
+        assert len(b) == s.n_chunks + 1 and b[0] == 0 and b[-1] == numel
+        assert all(x <= y for x, y in zip(b, b[1:], strict=False))
+        rs = lay.reduce_scatter
+        reduce_steps = [st for st in s.steps if st[0].phase is Phase.REDUCE]
+        assert list(rs.steps[: len(reduce_steps)]) == reduce_steps
+        assert rs.compression_chains() == s.compression_chains()
+        _, final = _replay(rs)
+        for r in range(n):
+            have = set()
+            for c in final[r]:
+                have.update(range(b[c], b[c + 1]))
+            assert set(range(shards[r], shards[r + 1])) <= have, (r, shards, b)
+        if topology in ("ring", "semiloop", "biring") or (
+            topology == "butterfly" and not n & (n - 1)
+        ):
+            assert not lay.deliveries  # every rank is the sink of its own shard
+            for c, o in enumerate(s.owner):
+                assert shards[o] <= b[c] <= b[c + 1] <= shards[o + 1]
+
+
+def test_shard_layout_deliveries_and_refusals():
+    lay = shard_layout(get_schedule("butterfly", 3), equal_shards(99, 3))
+    assert lay.bounds == (0, 66, 99)
+    assert [(t.src, t.dst, t.chunks) for t in lay.deliveries] == [(1, 0, (0,))]
+    lay = shard_layout(get_schedule("tree", 4), equal_shards(8, 4))
+    assert [(t.src, t.dst) for t in lay.deliveries] == [(0, 1), (0, 2), (0, 3)]
+    assert equal_shards(10, 4) == (0, 3, 6, 8, 10)
+    for bad in ((0, 5), (1, 5, 10), (0, 6, 5)):
+        with pytest.raises(ValueError, match="shards"):
+            shard_layout(get_schedule("ring", 2), bad)

@@ -1,5 +1,7 @@
 """hopq: compressed gradient synchronization inside multi-hop all-reduce."""
 
+from typing import TYPE_CHECKING, Any
+
 from hopq.codecs import Codec, available_codecs, get_codec
 from hopq.comm import RunStats, all_reduce, reduce_scatter
 from hopq.errors import (
@@ -11,7 +13,10 @@ from hopq.errors import (
     TransportError,
 )
 from hopq.integrations import HookState, StepMetrics, ddp_hook
-from hopq.sim import SimResult, simulate
+from hopq.sim import SimResult, SimShards, simulate, simulate_reduce_scatter
+
+if TYPE_CHECKING:
+    from hopq.integrations.fsdp import FSDPReduceScatter
 
 __version__ = "0.1.0"
 
@@ -19,6 +24,7 @@ __all__ = [
     "Codec",
     "CodecError",
     "HookNotEngagedWarning",
+    "FSDPReduceScatter",
     "HookState",
     "StepMetrics",
     "HopqError",
@@ -26,6 +32,7 @@ __all__ = [
     "PayloadError",
     "RunStats",
     "SimResult",
+    "SimShards",
     "TransportError",
     "all_reduce",
     "available_codecs",
@@ -33,4 +40,14 @@ __all__ = [
     "get_codec",
     "reduce_scatter",
     "simulate",
+    "simulate_reduce_scatter",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # FSDP2's modules take over a second to import: only when asked for
+    if name == "FSDPReduceScatter":
+        from hopq.integrations.fsdp import FSDPReduceScatter
+
+        return FSDPReduceScatter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

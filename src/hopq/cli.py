@@ -148,6 +148,7 @@ def parser() -> tuple[
     from hopq.bench.gqsgd import GQSGDOptions
     from hopq.bench.kernels import KernelOptions
     from hopq.bench.ranges import RangeOptions
+    from hopq.bench.shards import ShardOptions
     from hopq.bench.vnmse import VnmseOptions
     from hopq.train.job import TrainOptions
 
@@ -189,6 +190,8 @@ def parser() -> tuple[
          "EQuARX's Fig. 7 (error per schedule and stage) and Fig. 6 (time vs bf16) analogues"),
         ("ranges", RangeOptions, "hopq.bench.ranges",
          "the range of magnitudes each codec handles; finite in, finite out"),
+        ("shards", ShardOptions, "hopq.bench.shards",
+         "DynamiQ over FSDP's rank shards (chunk-local) vs the whole vector: vNMSE and bits"),
     )  # fmt: skip
     bsub = bench.add_subparsers(
         dest="bench", required=True, metavar="{" + ",".join(t[0] for t in table) + "}"

@@ -18,7 +18,7 @@ import torch
 from hopq.codecs.base import Codec, ReduceOp
 from hopq.comm import engine
 from hopq.comm.agreement import digest
-from hopq.comm.collectives import check_call
+from hopq.comm.collectives import Op, check_call, resolve_shards
 from hopq.comm.topology import get_schedule
 from hopq.comm.transport import SIM_TIMEOUT_S, make_inprocess_group
 from hopq.errors import TransportError
@@ -49,6 +49,8 @@ class SimResult:
     #: Whether all ranks hold the same bits.
     identical: bool
     stats: list[engine.RunStats]
+    #: The rank shards the chunks were cut at, or None.
+    shards: tuple[int, ...] | None = None
 
 
 def simulate(
@@ -56,13 +58,14 @@ def simulate(
     codec: str | Codec[Any] = "bf16",
     topology: str = "ring",
     seed: int = 0,
-    op: str | ReduceOp = "sum",
+    op: Op = "sum",
     key: int | None = None,
     *,
     gather_codec: str | Codec[Any] | None = None,
     microshards: int | None = None,
     pipeline: bool = True,
     timeout: float = SIM_TIMEOUT_S,
+    shards: str | Sequence[int] | None = None,
 ) -> SimResult:
     """All-reduce ``tensors[i]`` as the input of virtual rank i.
 
@@ -73,7 +76,84 @@ def simulate(
     ``key`` names the tensor as ``hopq.all_reduce``'s does (a DDP bucket index);
     ``gather_codec``, ``pipeline`` and ``timeout`` too. ``microshards`` forces the
     number of messages per chunk and step (default: by size, as a real run).
+    ``shards`` ("equal" or n + 1 offsets) cuts the schedule's chunks at rank
+    shards, as ``hopq.reduce_scatter(shards=...)`` does (see
+    :func:`simulate_reduce_scatter`); ``op`` may be torch's ReduceOp too.
     """
+    return _simulate(
+        tensors, codec, topology, seed, op, key, gather_codec=gather_codec,
+        microshards=microshards, pipeline=pipeline, timeout=timeout, shards=shards, gather=True,
+    )  # fmt: skip
+
+
+@dataclass
+class SimShards:
+    """What :func:`simulate_reduce_scatter` returns."""
+
+    #: Every virtual rank's shard of the reduced vector, in the inputs' dtype.
+    outputs: list[torch.Tensor]
+    #: n + 1 offsets: rank r's shard is ``shards[r]:shards[r + 1]`` of the flat vector.
+    shards: tuple[int, ...]
+    #: ||out - exact||^2 / ||exact||^2 over the concatenated shards.
+    vnmse: float
+    bytes_sent: list[float]
+    #: 8 x bytes / ((n-1)/n x d), averaged over ranks (16 for bf16).
+    bits_per_coord: float
+    stats: list[engine.RunStats]
+
+
+def simulate_reduce_scatter(
+    tensors: Sequence[torch.Tensor],
+    codec: str | Codec[Any] = "bf16",
+    topology: str = "ring",
+    seed: int = 0,
+    op: Op = "sum",
+    key: int | None = None,
+    *,
+    shards: str | Sequence[int] = "equal",
+    microshards: int | None = None,
+    pipeline: bool = True,
+    timeout: float = SIM_TIMEOUT_S,
+) -> SimShards:
+    """``hopq.reduce_scatter(tensors[i], shards=shards)`` on n virtual ranks: rank
+    r's output is its shard of the flattened, reduced vector (codec state
+    handled as in :func:`simulate`)."""
+    res = _simulate(
+        tensors, codec, topology, seed, op, key, gather_codec=None, microshards=microshards,
+        pipeline=pipeline, timeout=timeout, shards=shards, gather=False,
+    )  # fmt: skip
+    assert res.shards is not None
+    return SimShards(
+        outputs=res.outputs,
+        shards=res.shards,
+        vnmse=res.vnmse,
+        bytes_sent=res.bytes_sent,
+        # a reduce-scatter's denominator, even where a codec without chunk_local
+        # ran a whole all-reduce
+        bits_per_coord=sum(
+            engine.bits_per_coordinate(s.bytes_sent, len(tensors), s.numel, phases=1)
+            for s in res.stats
+        )
+        / len(tensors),
+        stats=res.stats,
+    )
+
+
+def _simulate(
+    tensors: Sequence[torch.Tensor],
+    codec: str | Codec[Any],
+    topology: str,
+    seed: int,
+    op: Op,
+    key: int | None,
+    *,
+    gather_codec: str | Codec[Any] | None,
+    microshards: int | None,
+    pipeline: bool,
+    timeout: float,
+    shards: str | Sequence[int] | None,
+    gather: bool,
+) -> SimResult:
     n = len(tensors)
     if n < 1:
         raise ValueError("simulate needs at least one worker tensor")
@@ -82,8 +162,13 @@ def simulate(
         if t.shape != shape or t.dtype != dtype or t.device != tensors[0].device:
             raise ValueError("all worker tensors must share shape, dtype and device")
     call = check_call(tensors[0], codec, topology, op, seed, key, timeout, gather_codec)
-    proto, gproto, op = call.codec, call.gather_codec, call.op
+    proto, gproto, red = call.codec, call.gather_codec, call.op
     schedule = get_schedule(topology, n)
+    bounds = None
+    if shards is not None:
+        bounds = resolve_shards(shards, tensors[0].numel(), n)
+        if bounds is None:
+            raise ValueError("the simulator takes shards='equal' or n + 1 offsets")
     transports = make_inprocess_group(n)
     codecs = _RANKS.get(proto, [])
     if len(codecs) != n or digest(codecs[0].state_dict()) != digest(proto.state_dict()):
@@ -100,12 +185,15 @@ def simulate(
                 schedule,
                 transports[r],
                 seed=call.seed,
-                op=op,
+                op=red,
                 key=call.key,
                 timeout=call.timeout,
                 gather_codec=None if gcodecs is None else gcodecs[r],
                 microshards=microshards,
                 pipeline=pipeline,
+                gather=gather,
+                shards=bounds,
+                premul=call.premul,
             )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
@@ -127,16 +215,25 @@ def simulate(
     if gproto is not None and gcodecs is not None:
         gproto.load_state_dict(gcodecs[0].state_dict())
     _RANKS[proto] = codecs
-    outputs = [y.view(shape).to(dtype) for y, _ in done]
     stats = [s for _, s in done]
-    exact = torch.stack([t.reshape(-1).double() for t in tensors]).sum(0)
-    if op is ReduceOp.AVG:
+    exact = torch.stack([t.reshape(-1).double() for t in tensors])
+    if call.premul is not None:
+        exact = exact * call.premul
+    exact = exact.sum(0)
+    if red is ReduceOp.AVG:
         exact /= n
-    err = (done[0][0].double() - exact).square().sum().item()
+    if gather:
+        outputs = [y.view(shape).to(dtype) for y, _ in done]
+        got = done[0][0]
+        bits0 = done[0][0].view(torch.int32)  # bitwise: NaN payloads compare too
+        identical = all(torch.equal(bits0, y.view(torch.int32)) for y, _ in done[1:])
+    else:  # each rank's shard
+        outputs = [torch.cat([y[a:b] for a, b in s.owned]).to(dtype) for y, s in done]
+        got = torch.cat(outputs).double()
+        identical = True
+    err = (got.double() - exact).square().sum().item()
     ref = exact.square().sum().item()
     vnmse = err / ref if ref else (0.0 if err == 0 else float("inf"))
-    bits0 = done[0][0].view(torch.int32)  # bitwise: NaN payloads compare too
-    identical = all(torch.equal(bits0, y.view(torch.int32)) for y, _ in done[1:])
     bits = sum(s.bits_per_coord for s in stats) / n
     return SimResult(
         outputs=outputs,
@@ -146,4 +243,5 @@ def simulate(
         hops_per_chunk=stats[0].hops_per_chunk,
         identical=identical,
         stats=stats,
+        shards=bounds,
     )

@@ -78,6 +78,15 @@ class StatsExchange(Protocol):
     #: bucket index), or None. Codecs may keep per-key state with it (DynamiQ
     #: splits a step's bit budget across the keys).
     key: int | None
+    #: Where the caller wants the schedule chunks to start and end, as
+    #: ``n_chunks + 1`` offsets into the caller's flat vector, or None (the
+    #: codec cuts its own). Set by the engine for calls over rank shards
+    #: (``reduce_scatter(shards=...)``); codecs with ``chunk_local`` honour it.
+    bounds: tuple[int, ...] | None
+    #: 2 for an all-reduce, 1 for a reduce-scatter: bits per coordinate then
+    #: count (n-1)/n x d coordinates, so that a statistics exchange (an
+    #: all-reduce either way) weighs twice as much per coordinate.
+    phases: int
 
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         """Uncompressed all-reduce of a small tensor, the same shape on every rank.
@@ -99,10 +108,14 @@ class LocalStats:
         round: int = 0,
         key: int | None = None,
         microshards: int = 1,
+        bounds: tuple[int, ...] | None = None,
+        phases: int = 2,
     ) -> None:
         self.rank, self.world_size, self.n_chunks = 0, world_size, n_chunks
+        self.phases = phases
         self.seed, self.round, self.key = seed, round, key
         self.microshards = microshards
+        self.bounds = bounds
 
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         return t.clone()
@@ -182,6 +195,70 @@ def nested_chunks(
     return tuple(out)
 
 
+def segment_starts(bounds: tuple[int, ...], block: int = 1) -> tuple[int, ...]:
+    """Where each segment ``bounds[c]:bounds[c + 1]`` of the caller's vector starts
+    in a working vector that pads every segment to whole blocks of ``block``
+    entries (``len(bounds)`` offsets; the last is the working vector's length)."""
+    out = [0]
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        out.append(out[-1] + -(-(b - a) // block) * block)
+    return tuple(out)
+
+
+def split_parts(
+    starts: tuple[int, ...], microshards: int = 1, align: int = 1
+) -> tuple[tuple[int, int], ...]:
+    """Schedule chunk c = ``starts[c]:starts[c + 1]`` cut into ``microshards``
+    parts (:func:`even_chunks`, boundaries ``align`` apart from the chunk's start)."""
+    out: list[tuple[int, int]] = []
+    for s, e in zip(starts, starts[1:], strict=False):
+        out += [(s + a, s + b) for a, b in even_chunks(e - s, microshards, align)]
+    return tuple(out)
+
+
+def check_bounds(stats: StatsExchange, numel: int) -> tuple[int, ...] | None:
+    """``stats.bounds`` after checking that they fit this call (None: none asked)."""
+    b = stats.bounds
+    if b is None:
+        return None
+    if len(b) != stats.n_chunks + 1 or b[0] != 0 or b[-1] != numel:
+        raise ValueError(
+            f"chunk bounds {b} do not cut {numel} entries into {stats.n_chunks} schedule chunks"
+        )
+    return b
+
+
+def plan_chunks(numel: int, stats: StatsExchange, align: int = 1) -> tuple[tuple[int, int], ...]:
+    """The plan chunks of a codec whose working vector is the caller's own
+    (:func:`nested_chunks`), or the schedule chunks the engine asks for
+    (``stats.bounds``), each cut into ``stats.microshards`` parts."""
+    b = check_bounds(stats, numel)
+    if b is None:
+        return nested_chunks(numel, stats.n_chunks, stats.microshards, align)
+    return split_parts(b, stats.microshards, align)
+
+
+def to_segments(
+    x: torch.Tensor, bounds: tuple[int, ...], block: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``x`` flattened to ``dtype`` with every segment ``bounds[c]:bounds[c + 1]``
+    zero-padded to whole blocks (the layout of :func:`segment_starts`)."""
+    flat = x.reshape(-1)
+    starts = segment_starts(bounds, block)
+    out = torch.zeros(starts[-1], dtype=dtype, device=x.device)
+    for c in range(len(bounds) - 1):
+        a, b = bounds[c], bounds[c + 1]
+        out[starts[c] : starts[c] + b - a] = flat[a:b]
+    return out
+
+
+def from_segments(y: torch.Tensor, bounds: tuple[int, ...], block: int) -> torch.Tensor:
+    """The inverse of :func:`to_segments`: the caller's entries, padding dropped."""
+    starts = segment_starts(bounds, block)
+    parts = [y[s : s + bounds[c + 1] - bounds[c]] for c, s in enumerate(starts[:-1])]
+    return torch.cat(parts) if parts else y[:0]
+
+
 def even_chunks(numel: int, n_chunks: int, align: int = 1) -> tuple[tuple[int, int], ...]:
     """Split [0, numel) into ``n_chunks`` contiguous ranges whose boundaries are
     multiples of ``align`` (the last range takes the remainder); sizes differ by
@@ -237,6 +314,13 @@ class Codec(ABC, Generic[P]):
     #: (no permutation or transform across chunk boundaries): reduce_scatter
     #: can then hand each rank its own slice.
     layout_preserving: ClassVar[bool] = False
+    #: Whether it honours ``StatsExchange.bounds``: schedule chunk c then holds
+    #: exactly the caller's entries ``bounds[c]:bounds[c + 1]`` (however the
+    #: codec pads, permutes or transforms them inside the chunk), so that those
+    #: entries of ``finish``'s result depend on chunk c's final payload alone.
+    #: This is what a reduce-scatter over rank shards needs; a codec without it
+    #: is run as an all-reduce there, and each rank keeps its shard.
+    chunk_local: ClassVar[bool] = False
     #: Rounds its adaptive state needs to settle from its initial value (OmniReduce's
     #: k): benchmarks that measure one round on fixed gradients run these first.
     warmup_rounds: ClassVar[int] = 0

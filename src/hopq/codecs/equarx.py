@@ -67,8 +67,10 @@ from hopq.codecs.base import (
     Plan,
     ReduceOp,
     StatsExchange,
+    check_bounds,
     check_payload,
     even_chunks,
+    split_parts,
     view_as_dtype,
 )
 from hopq.codecs.registry import register
@@ -169,6 +171,7 @@ class EQuARXCodec(Codec[Plan]):
     config_class = EQuARXConfig
     config: EQuARXConfig
     layout_preserving: ClassVar[bool] = True
+    chunk_local: ClassVar[bool] = True
     gather_stage: ClassVar[bool] = True
 
     # -- plan ----------------------------------------------------------------
@@ -179,7 +182,12 @@ class EQuARXCodec(Codec[Plan]):
         )
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan:
-        chunks = equarx_chunks(x.numel(), stats.n_chunks, stats.microshards, self.config.minishard)
+        b = check_bounds(stats, x.numel())
+        chunks = (
+            equarx_chunks(x.numel(), stats.n_chunks, stats.microshards, self.config.minishard)
+            if b is None
+            else split_parts(b, stats.microshards, self.config.minishard)
+        )
         return self._plan(x.numel(), chunks)
 
     def plan_gather(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> Plan:

@@ -63,7 +63,7 @@ from hopq.codecs.base import (
     StatsExchange,
     StatsOp,
     check_payload,
-    nested_chunks,
+    plan_chunks,
 )
 from hopq.codecs.registry import register
 from hopq.errors import PayloadError
@@ -155,6 +155,7 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
     config_class = GQSGDLinearConfig
     config: GQSGDLinearConfig
     layout_preserving: ClassVar[bool] = True
+    chunk_local: ClassVar[bool] = True
     first_stats_nbytes: ClassVar[int | None] = 8
 
     def nonfinite_block(self) -> int:
@@ -166,7 +167,7 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
         lane, L = linear_layout(cfg.bits, cfg.min_levels, n)
         N = global_max(x, stats)
         d = x.numel()
-        chunks = nested_chunks(d, stats.n_chunks, stats.microshards, align=2)
+        chunks = plan_chunks(d, stats, align=2)
         return GQSGDLinearPlan(
             numel=d,
             work_numel=d,
@@ -361,6 +362,7 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
     config_class = GQSGDExpConfig
     config: GQSGDExpConfig
     layout_preserving: ClassVar[bool] = True
+    chunk_local: ClassVar[bool] = True
     first_stats_nbytes: ClassVar[int | None] = 8
 
     def nonfinite_block(self) -> int:
@@ -383,7 +385,7 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
             )
         N = global_max(x, stats)
         d = x.numel()
-        chunks = nested_chunks(d, stats.n_chunks, stats.microshards)
+        chunks = plan_chunks(d, stats)
         return GQSGDExpPlan(
             numel=d,
             work_numel=d,

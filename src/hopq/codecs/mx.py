@@ -33,8 +33,13 @@ from hopq.codecs.base import (
     ReduceOp,
     StatsExchange,
     StatsOp,
+    check_bounds,
     check_payload,
+    from_segments,
     nested_chunks,
+    segment_starts,
+    split_parts,
+    to_segments,
 )
 from hopq.codecs.registry import register
 from hopq.numerics import fp_formats as fpf
@@ -76,6 +81,10 @@ class MXConfig(CodecConfig):
 class MXPlan(Plan):
     scale: torch.Tensor  # float32 per block of the working vector
     mu: float
+    #: The caller's schedule-chunk bounds when the engine asked for them: every
+    #: chunk then starts its own blocks (its last block may be partial, padded
+    #: with zeros in the working vector). None: blocks from the vector's start.
+    bounds: tuple[int, ...] | None = None
 
 
 class MXCodec(Codec[MXPlan]):
@@ -85,6 +94,7 @@ class MXCodec(Codec[MXPlan]):
     config_class = MXConfig
     config: MXConfig
     layout_preserving: ClassVar[bool] = True
+    chunk_local: ClassVar[bool] = True
     #: mu moves by a factor 2^(-1/1000) per quiet round: it settles over thousands of
     #: training rounds, which a one-round benchmark does not emulate (it measures mu = n).
     warmup_rounds: ClassVar[int] = 0
@@ -109,7 +119,8 @@ class MXCodec(Codec[MXPlan]):
         cfg = self.config
         d = x.numel()
         B = cfg.block
-        nb = -(-d // B)
+        bounds = check_bounds(stats, d)
+        nb = -(-d // B) if bounds is None else segment_starts(bounds, B)[-1] // B
         # last round's saturation, summed over every encode of every rank
         counts = torch.tensor(
             [float(self.overflow), float(self.encoded)], dtype=torch.float64, device=x.device
@@ -121,7 +132,7 @@ class MXCodec(Codec[MXPlan]):
             self.last_overflow_ratio = glob[0] / glob[1]
             self.mu *= 2.0 if self.last_overflow_ratio > cfg.overflow_threshold else cfg.shrink
         self.overflow = self.encoded = 0
-        blocks = pad_to_blocks(x, B)
+        blocks = pad_to_blocks(x, B) if bounds is None else to_segments(x, bounds, B).view(nb, B)
         amax = blocks.abs().amax(1)
         # rounded up to bfloat16, saturating rather than overflowing (finite in,
         # finite out); a NaN or Inf block keeps its poison
@@ -132,7 +143,11 @@ class MXCodec(Codec[MXPlan]):
             scale = fpf.keep_finite(fpf.round_up_pow2(raw), gm, fpf.POW2_MAX)
         else:
             scale = fpf.keep_finite(fpf.round_up_bf16(raw).float(), gm, fpf.BF16_MAX)
-        chunks = nested_chunks(nb * B, stats.n_chunks, stats.microshards, align=B)
+        chunks = (
+            nested_chunks(nb * B, stats.n_chunks, stats.microshards, align=B)
+            if bounds is None
+            else split_parts(segment_starts(bounds, B), stats.microshards, align=B)
+        )
         return MXPlan(
             numel=d,
             work_numel=nb * B,
@@ -140,9 +155,12 @@ class MXCodec(Codec[MXPlan]):
             payload_nbytes=tuple(self._payload_nbytes(e - s) for s, e in chunks),
             scale=scale,
             mu=self.mu,
+            bounds=bounds,
         )
 
     def prepare(self, plan: MXPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        if plan.bounds is not None:
+            return to_segments(x, plan.bounds, self.config.block)
         out = torch.zeros(plan.work_numel, dtype=torch.float32, device=x.device)
         out[: plan.numel] = x.reshape(-1)
         return out
@@ -177,7 +195,11 @@ class MXCodec(Codec[MXPlan]):
         out.copy_(torch.where(safe, div(v * s, fmt.max), v * div(s, fmt.max)))
 
     def finish(self, plan: MXPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
-        y = y[: plan.numel]
+        y = (
+            y[: plan.numel]
+            if plan.bounds is None
+            else from_segments(y, plan.bounds, self.config.block)
+        )
         return div_(y, world_size) if op is ReduceOp.AVG else y
 
     def state_dict(self) -> dict[str, Any]:

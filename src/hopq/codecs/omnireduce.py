@@ -18,7 +18,18 @@ from typing import Any, ClassVar
 
 import torch
 
-from hopq.codecs.base import CodecConfig, Plan, ReduceOp, StatsExchange, StatsOp, nested_chunks
+from hopq.codecs.base import (
+    CodecConfig,
+    Plan,
+    ReduceOp,
+    StatsExchange,
+    StatsOp,
+    check_bounds,
+    nested_chunks,
+    segment_starts,
+    split_parts,
+    to_segments,
+)
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import WireCodec, working_copy
 from hopq.numerics.blocks import pad_to_blocks
@@ -50,6 +61,9 @@ class OmniPlan(Plan):
     blocks: torch.Tensor  # indices of the union's blocks, ascending
     union: int
     k: int
+    #: With chunk bounds: the caller's position of every working-vector entry
+    #: (blocks then start at each chunk's start, its last block possibly short).
+    index: torch.Tensor | None = None
 
 
 @register(
@@ -60,6 +74,10 @@ class OmniReduce(WireCodec[OmniPlan]):
     config_class = OmniReduceConfig
     config: OmniReduceConfig
     layout_preserving: ClassVar[bool] = False
+    #: With chunk bounds (a reduce-scatter over rank shards) blocks are cut
+    #: inside each chunk and chunk c carries the selected blocks of the caller's
+    #: chunk c: chunks then differ in size, the selection stays global.
+    chunk_local: ClassVar[bool] = True
     #: k's momentum 0.8 leaves 0.8^15 = 3.5% of the initial error after 15 rounds.
     warmup_rounds: ClassVar[int] = 15
 
@@ -75,8 +93,10 @@ class OmniReduce(WireCodec[OmniPlan]):
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> OmniPlan:
         B = self.config.block
         d = x.numel()
-        nb = -(-d // B)
-        norms = pad_to_blocks(x, B).square().sum(1)
+        bounds = check_bounds(stats, d)
+        nb = -(-d // B) if bounds is None else segment_starts(bounds, B)[-1] // B
+        padded = pad_to_blocks(x, B) if bounds is None else to_segments(x, bounds, B).view(nb, B)
+        norms = padded.square().sum(1)
         K = self.target(nb) if nb else 0
         if self.k is None:
             self.k = float(K)
@@ -94,6 +114,8 @@ class OmniReduce(WireCodec[OmniPlan]):
                 self.config.momentum * self.k + (1 - self.config.momentum) * (K / size) * self.k
             )
         self.last_union = size
+        if bounds is not None:
+            return self._plan_chunks(d, bounds, blocks, stats, k)
         last = blocks.numel() and int(blocks[-1]) == nb - 1
         work = size * B - ((nb * B - d) if last else 0)
         chunks = nested_chunks(work, stats.n_chunks, stats.microshards)
@@ -101,7 +123,50 @@ class OmniReduce(WireCodec[OmniPlan]):
             d, work, chunks, tuple(2 * (e - s) for s, e in chunks), blocks=blocks, union=size, k=k
         )
 
+    def _plan_chunks(
+        self,
+        d: int,
+        bounds: tuple[int, ...],
+        blocks: torch.Tensor,
+        stats: StatsExchange,
+        k: int,
+    ) -> OmniPlan:
+        """The plan over chunk bounds: block j of chunk c covers the caller's
+        ``bounds[c] + j B`` on (the chunk's last block is short); the working
+        vector holds the selected blocks in order, chunk after chunk."""
+        B = self.config.block
+        K = len(bounds) - 1
+        starts, ends, chunk_of = [], [], []
+        for c in range(K):
+            s = torch.arange(bounds[c], bounds[c + 1], B, dtype=torch.int64)
+            starts.append(s)
+            ends.append((s + B).clamp(max=bounds[c + 1]))
+            chunk_of.append(torch.full_like(s, c))
+        sel = blocks.cpu()
+        first = torch.cat(starts)[sel] if K else sel
+        ln = torch.cat(ends)[sel] - first if K else sel
+        offs = torch.cumsum(ln, 0) - ln
+        work = int(ln.sum())
+        index = torch.repeat_interleave(first - offs, ln) + torch.arange(work)
+        per_chunk = torch.zeros(K, dtype=torch.int64)
+        if K:
+            per_chunk.index_add_(0, torch.cat(chunk_of)[sel], ln)
+        wstarts = (0, *torch.cumsum(per_chunk, 0).tolist())
+        chunks = split_parts(wstarts, stats.microshards)
+        return OmniPlan(
+            d,
+            work,
+            chunks,
+            tuple(2 * (e - s) for s, e in chunks),
+            blocks=blocks,
+            union=int(blocks.numel()),
+            k=k,
+            index=index.to(blocks.device),
+        )
+
     def _index(self, plan: OmniPlan, device: torch.device) -> torch.Tensor:
+        if plan.index is not None:
+            return plan.index.to(device)
         B = self.config.block
         idx = (plan.blocks[:, None] * B + torch.arange(B, device=device)).reshape(-1)
         return idx[: plan.work_numel]

@@ -36,8 +36,13 @@ from hopq.codecs.base import (
     ReduceOp,
     StatsExchange,
     StatsOp,
+    check_bounds,
     check_payload,
+    from_segments,
     nested_chunks,
+    segment_starts,
+    split_parts,
+    to_segments,
 )
 from hopq.codecs.registry import register
 from hopq.numerics.bitpack import pack_bits, sign_extend, unpack_bits
@@ -129,6 +134,12 @@ class THCPlan(Plan):
     rotated: torch.Tensor
     #: Whether finish() works in float64 (sums near float32's limit).
     wide: bool
+    #: The caller's schedule-chunk bounds when the engine asked for them: each
+    #: chunk is then rotated on its own (padded to whole Hadamard blocks); None:
+    #: one rotation of the whole vector.
+    bounds: tuple[int, ...] | None = None
+    #: With bounds: where each chunk starts in the working vector.
+    starts: tuple[int, ...] = ()
 
 
 @register(
@@ -139,6 +150,10 @@ class THC(Codec[THCPlan]):
     config_class = THCConfig
     config: THCConfig
     layout_preserving: ClassVar[bool] = False
+    #: With chunk bounds (a reduce-scatter over rank shards) every chunk is
+    #: rotated on its own, so a chunk's final sums decode without the others;
+    #: the scale stays global.
+    chunk_local: ClassVar[bool] = True
     #: Its only statistic, the global maximum: one float64.
     first_stats_nbytes: ClassVar[int | None] = 8
 
@@ -161,12 +176,48 @@ class THC(Codec[THCPlan]):
         signed = padded * self._signs(numel, seed, round, x.device)
         return fwht(signed.view(H, -1).t().contiguous()).reshape(-1)
 
+    def _rotate_chunks(
+        self,
+        x: torch.Tensor,
+        H: int,
+        seed: int,
+        round: int,
+        bounds: tuple[int, ...],
+        starts: tuple[int, ...],
+    ) -> torch.Tensor:
+        """:meth:`_rotate` of every chunk on its own: chunk c (padded to whole
+        blocks) is interleaved and transformed within itself; the signs follow
+        the working-vector positions."""
+        signed = to_segments(x, bounds, max(H, 2), x.dtype)
+        signed *= self._signs(signed.numel(), seed, round, x.device)
+        out = torch.empty_like(signed)
+        for s, e in zip(starts, starts[1:], strict=False):
+            if e > s:
+                out[s:e] = fwht(signed[s:e].view(H, -1).t().contiguous()).reshape(-1)
+        return out
+
+    def _unrotate_chunks(self, plan: THCPlan, vals: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`_rotate_chunks`, in the caller's layout."""
+        H = plan.block
+        out = torch.empty_like(vals)
+        for s, e in zip(plan.starts, plan.starts[1:], strict=False):
+            if e > s:
+                out[s:e] = fwht(vals[s:e].view(-1, H)).t().reshape(-1)
+        out *= self._signs(out.numel(), plan.seed, plan.round, vals.device)
+        assert plan.bounds is not None
+        return from_segments(out, plan.bounds, max(H, 2))
+
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> THCPlan:
         cfg = self.config
         d = x.numel()
+        bounds = check_bounds(stats, d)
+        # with chunk bounds, each chunk is rotated on its own: H from the longest
+        span = d if bounds is None else max(b - a for a, b in zip(bounds, bounds[1:], strict=False))
         # the largest power of two <= d / 16, capped: padding stays under ~6% of d
-        H = min(cfg.hadamard_block, 1 << max(0, (max(d, 1) // 16).bit_length() - 1))
-        work = n_blocks(d, H) * H
+        H = min(cfg.hadamard_block, 1 << max(0, (max(span, 1) // 16).bit_length() - 1))
+        # chunks of whole blocks and even sizes (12-bit lanes pack in pairs)
+        starts = () if bounds is None else segment_starts(bounds, max(H, 2))
+        work = n_blocks(d, H) * H if bounds is None else starts[-1]
         lanes = cfg.lanes_for(stats.world_size)
         flat = x.reshape(-1).to(torch.float32)
         # Rotated coordinates reach sqrt(H) times the largest entry: near float32's
@@ -175,7 +226,10 @@ class THC(Codec[THCPlan]):
         big = float(flat.abs().max()) if d else 0.0
         if math.isfinite(big) and big * math.sqrt(H) >= WIDE:
             flat = flat.double()
-        rot = self._rotate(flat, H, stats.seed, stats.round, work)
+        if bounds is None:
+            rot = self._rotate(flat, H, stats.seed, stats.round, work)
+        else:
+            rot = self._rotate_chunks(flat, H, stats.seed, stats.round, bounds, starts)
         local_max = (
             rot.abs().amax().double().reshape(1)
             if work
@@ -183,7 +237,11 @@ class THC(Codec[THCPlan]):
         )
         M = float(stats.all_reduce(local_max, StatsOp.MAX).item())
         # 12-bit lanes pack in pairs
-        chunks = nested_chunks(work, stats.n_chunks, stats.microshards, align=2)
+        chunks = (
+            nested_chunks(work, stats.n_chunks, stats.microshards, align=2)
+            if bounds is None
+            else split_parts(starts, stats.microshards, align=2)
+        )
         self.overflows = 0
         return THCPlan(
             numel=d,
@@ -201,6 +259,8 @@ class THC(Codec[THCPlan]):
             rotated=rot,
             # the inverse transform of the sums in float64 too (agreed: from M)
             wide=math.isfinite(M) and M * stats.world_size * math.sqrt(H) >= WIDE,
+            bounds=bounds,
+            starts=starts,
         )
 
     def prepare(self, plan: THCPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
@@ -261,9 +321,14 @@ class THC(Codec[THCPlan]):
             return y
         H = plan.block
         vals = y.double() * plan.step if plan.wide else y * plan.step
-        rot = fwht(vals.view(-1, H))  # the transform is its own inverse
-        rot = rot.t().reshape(-1)  # undo the interleave
-        out = (rot * self._signs(plan.work_numel, plan.seed, plan.round, y.device))[: plan.numel]
+        if plan.bounds is not None:
+            out = self._unrotate_chunks(plan, vals)
+        else:
+            rot = fwht(vals.view(-1, H))  # the transform is its own inverse
+            rot = rot.t().reshape(-1)  # undo the interleave
+            out = (rot * self._signs(plan.work_numel, plan.seed, plan.round, y.device))[
+                : plan.numel
+            ]
         if op is ReduceOp.AVG:
             out = div_(out, world_size)
         if plan.wide:  # an estimate beyond float32's range saturates (finite in, finite out)

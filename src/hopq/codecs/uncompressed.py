@@ -21,7 +21,7 @@ from hopq.codecs.base import (
     ReduceOp,
     StatsExchange,
     check_payload,
-    nested_chunks,
+    plan_chunks,
     view_as_dtype,
 )
 from hopq.codecs.registry import register
@@ -90,6 +90,7 @@ class Uncompressed(WireCodec[Plan]):
     """Send each chunk as ``wire_dtype``; no statistics exchange."""
 
     layout_preserving = True
+    chunk_local = True
     gather_stage = True
 
     def plan_gather(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> Plan:
@@ -98,7 +99,7 @@ class Uncompressed(WireCodec[Plan]):
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> Plan:
         d = x.numel()
-        chunks = nested_chunks(d, stats.n_chunks, stats.microshards)
+        chunks = plan_chunks(d, stats)
         size = torch.empty((), dtype=self.wire_dtype).element_size()
         return Plan(d, d, chunks, tuple((e - s) * size for s, e in chunks))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,7 @@ import torch
 from hopq.codecs.base import FLOAT_DTYPES, Codec, ReduceOp
 from hopq.codecs.registry import codec_info, get_codec
 from hopq.comm import engine
-from hopq.comm.topology import get_schedule
+from hopq.comm.topology import equal_shards, get_schedule
 from hopq.comm.transport import DistTransport
 from hopq.options import check_finite, check_int
 
@@ -30,6 +31,33 @@ def _transport(group: torch.distributed.ProcessGroup | None) -> DistTransport:
     return t
 
 
+#: What ``op`` may be: hopq's names, or torch.distributed's ReduceOp.
+Op = Any
+
+
+def parse_op(op: Op) -> tuple[ReduceOp, float | None]:
+    """``op`` as (hopq reduction, pre-multiplier): ``"sum"``, ``"avg"``, a
+    :class:`~hopq.codecs.base.ReduceOp`, or torch's ``dist.ReduceOp.SUM``,
+    ``AVG`` and ``PREMUL_SUM(factor)`` (the sum of ``factor * x``, which FSDP
+    passes with a gradient divide factor). Other torch ops raise ValueError:
+    hopq's compressed reductions are sums."""
+    if isinstance(op, str | ReduceOp):
+        return ReduceOp.parse(op), None
+    red = getattr(op, "op", op)  # a dist.ReduceOp object wraps a RedOpType
+    name = getattr(red, "name", None)
+    if type(red).__name__ == "RedOpType" and name in ("SUM", "AVG"):
+        return ReduceOp(name.lower()), None
+    if name == "PREMUL_SUM":
+        factor = op.factor
+        f = float(factor.item() if isinstance(factor, torch.Tensor) else factor)
+        check_finite("PREMUL_SUM factor", f)
+        return ReduceOp.SUM, f
+    raise ValueError(
+        "hopq's compressed reductions are sums: op must be 'sum', 'avg', or torch's "
+        f"ReduceOp.SUM, ReduceOp.AVG or ReduceOp.PREMUL_SUM(factor); got {op!r}"
+    )
+
+
 @dataclass(frozen=True)
 class Call:
     """A validated call: everything but the process group and the tensor's data."""
@@ -41,13 +69,15 @@ class Call:
     seed: int
     key: int | None
     timeout: float
+    #: torch's PREMUL_SUM factor (op is then SUM), or None.
+    premul: float | None = None
 
 
 def check_call(
     tensor: torch.Tensor,
     codec: str | Codec[Any],
     topology: str,
-    op: str | ReduceOp,
+    op: Op,
     seed: int,
     key: int | None,
     timeout: float,
@@ -78,14 +108,15 @@ def check_call(
     if key is not None:
         key = check_int("key", key, lo=0, hi=(1 << 62) - 1)
     timeout = check_finite("timeout", timeout, positive=True)
-    return Call(c, g, topology, ReduceOp.parse(op), seed, key, timeout)
+    red, premul = parse_op(op)
+    return Call(c, g, topology, red, seed, key, timeout, premul)
 
 
 def all_reduce(
     tensor: torch.Tensor,
     codec: str | Codec[Any] = "bf16",
     topology: str = "ring",
-    op: str | ReduceOp = "sum",
+    op: Op = "sum",
     group: torch.distributed.ProcessGroup | None = None,
     seed: int = 0,
     key: int | None = None,
@@ -98,8 +129,9 @@ def all_reduce(
 
     ``codec`` is a registered name (a fresh instance per call) or a Codec instance
     (its state, e.g. the round counter that keys the RNG, carries across calls).
-    ``op`` is ``"sum"`` (the default) or ``"avg"``. Every rank ends with
-    bit-identical values. Returns this rank's statistics.
+    ``op`` is ``"sum"`` (the default) or ``"avg"``, or torch's
+    ``dist.ReduceOp.SUM``, ``AVG`` or ``PREMUL_SUM(factor)``. Every rank ends
+    with bit-identical values. Returns this rank's statistics.
 
     Before any payload moves, the ranks check that they all make the same call;
     if not, :class:`hopq.MismatchError` is raised on every rank and the group
@@ -121,6 +153,7 @@ def all_reduce(
     y, info = engine.run(
         call.codec, flat, schedule, transport, seed=call.seed, op=call.op, scratch=in_place,
         key=call.key, timeout=call.timeout, gather_codec=call.gather_codec, pipeline=pipeline,
+        premul=call.premul,
     )  # fmt: skip
     if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
         with torch.no_grad():
@@ -132,36 +165,104 @@ def reduce_scatter(
     tensor: torch.Tensor,
     codec: str | Codec[Any] = "bf16",
     topology: str = "ring",
-    op: str | ReduceOp = "sum",
+    op: Op = "sum",
     group: torch.distributed.ProcessGroup | None = None,
     seed: int = 0,
     *,
     key: int | None = None,
     timeout: float = engine.DEFAULT_TIMEOUT_S,
+    shards: str | Sequence[int] = "topology",
 ) -> torch.Tensor:
-    """Compressed reduce-scatter: this rank's shard of the reduced, flattened tensor.
+    """Compressed reduce-scatter: this rank's shard of the reduced, flattened tensor,
+    in the tensor's dtype.
 
-    The shard is the slice of ``tensor.flatten()`` that the topology makes this
-    rank own (ring: the r-th of n near-equal slices; butterfly with a world size
-    that is not a power of two: the folded ranks own nothing and get an empty
-    tensor). It equals that slice of :func:`all_reduce`'s result bit for bit.
-    Needs a layout-preserving codec (one that does not permute across chunks).
+    ``shards`` says which shard:
+
+    * ``"equal"``: rank r gets the r-th of n rank-ordered, near-equal slices
+      (equal when n divides the size, as FSDP pads it; otherwise earlier ranks
+      get one more, like ``torch.tensor_split``), torch's ``reduce_scatter``
+      layout. Every codec works: the engine asks the codec to cut its chunks
+      at the shards (``Codec.chunk_local``; a codec without it runs an
+      all-reduce and each rank keeps its slice), and a rank that is not the
+      sink of its whole shard on this topology (butterfly's folded ranks for
+      a world size that is not a power of two; every rank but the root on the
+      tree) receives the final payloads of the rest from their sinks.
+    * n + 1 offsets: rank r gets ``shards[r]:shards[r + 1]``, as for "equal".
+    * ``"topology"`` (the default): the slice the topology makes this rank own
+      (ring: the r-th of n near-equal slices; butterfly with a world size that
+      is not a power of two: the folded ranks own nothing and get an empty
+      tensor), with nothing sent after the reduce phase. Needs a
+      layout-preserving codec (one that does not permute across chunks).
+
+    The shard equals that slice of :func:`all_reduce`'s result over the same
+    chunks bit for bit (``hopq.simulate(..., shards=...)``). ``op`` as in
+    :func:`all_reduce`. :func:`reduce_scatter_with_stats` also returns this
+    rank's :class:`~hopq.RunStats`.
     """
+    return reduce_scatter_with_stats(
+        tensor, codec, topology, op, group, seed, key=key, timeout=timeout, shards=shards
+    )[0]
+
+
+def reduce_scatter_with_stats(
+    tensor: torch.Tensor,
+    codec: str | Codec[Any] = "bf16",
+    topology: str = "ring",
+    op: Op = "sum",
+    group: torch.distributed.ProcessGroup | None = None,
+    seed: int = 0,
+    *,
+    key: int | None = None,
+    timeout: float = engine.DEFAULT_TIMEOUT_S,
+    shards: str | Sequence[int] = "topology",
+) -> tuple[torch.Tensor, engine.RunStats]:
+    """:func:`reduce_scatter`, and this rank's statistics (bits per coordinate of
+    a reduce-scatter count (n-1)/n x d coordinates, so that bf16 is 16)."""
     call = check_call(tensor, codec, topology, op, seed, key, timeout)
-    if not call.codec.layout_preserving:
+    if shards == "topology" and not call.codec.layout_preserving:
         raise ValueError(
             f"codec {call.codec.name!r} permutes the vector across chunks, so a rank's shard of "
-            "the caller's layout is spread over other ranks' chunks; use all_reduce"
+            "the caller's layout is spread over other ranks' chunks; use shards='equal' "
+            "(every codec works there) or all_reduce"
         )
     transport = _transport(group)
-    schedule = get_schedule(call.topology, transport.world_size)
-    y, info = engine.run(
+    n = transport.world_size
+    schedule = get_schedule(call.topology, n)
+    bounds = resolve_shards(shards, tensor.numel(), n)
+    y, stats = engine.run(
         call.codec, tensor.detach().reshape(-1), schedule, transport, seed=call.seed,
-        op=call.op, gather=False, key=call.key, timeout=call.timeout,
+        op=call.op, gather=False, key=call.key, timeout=call.timeout, shards=bounds,
+        premul=call.premul,
     )  # fmt: skip
-    if not info.owned:
-        return tensor.new_empty(0)
-    return torch.cat([y[s:e] for s, e in info.owned]).to(tensor.dtype)
+    if not stats.owned:
+        return tensor.new_empty(0), stats
+    return torch.cat([y[s:e] for s, e in stats.owned]).to(tensor.dtype), stats
+
+
+def resolve_shards(
+    shards: str | Sequence[int], numel: int, world_size: int
+) -> tuple[int, ...] | None:
+    """``reduce_scatter``'s ``shards`` as n + 1 offsets (None: the topology's)."""
+    if isinstance(shards, str):
+        if shards == "topology":
+            return None
+        if shards == "equal":
+            return equal_shards(numel, world_size)
+        raise ValueError(
+            f"shards must be 'equal', 'topology' or {world_size + 1} offsets, got {shards!r}"
+        )
+    out = tuple(check_int("shards", s, lo=0) for s in shards)
+    if (
+        len(out) != world_size + 1
+        or out[0] != 0
+        or out[-1] != numel
+        or any(a > b for a, b in zip(out, out[1:], strict=False))
+    ):
+        raise ValueError(
+            f"shards must be {world_size + 1} non-decreasing offsets from 0 to {numel} "
+            f"(rank r gets shards[r]:shards[r + 1]), got {out}"
+        )
+    return out
 
 
 _EXIT_HOOKED = False

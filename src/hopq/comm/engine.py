@@ -53,8 +53,9 @@ import torch
 
 from hopq.codecs.base import Codec, HopContext, Plan, ReduceOp, StatsOp
 from hopq.comm import agreement, framing
+from hopq.comm.agreement import digest
 from hopq.comm.framing import Deadline, Where
-from hopq.comm.topology import Phase, Schedule, Transfer
+from hopq.comm.topology import Phase, Schedule, Transfer, shard_layout
 from hopq.comm.transport import Handle, Transport, all_gather
 from hopq.errors import CodecError
 
@@ -101,7 +102,8 @@ class RunStats:
     comm_seconds: float = 0.0
     #: Microshards per schedule chunk.
     microshards: int = 1
-    #: [start, end) ranges of the working vector whose final sum this rank owns.
+    #: [start, end) ranges of the working vector whose final sum this rank owns
+    #: (a call over rank shards: this rank's shard of the result).
     owned: tuple[tuple[int, int], ...] = ()
 
     @property
@@ -113,14 +115,28 @@ class RunStats:
         return self.seconds - self.comm_seconds
 
     @property
+    def coords_moved(self) -> float:
+        """The coordinates an uncompressed ring moves per rank in this kind of
+        call: 2(n-1)/n x d for an all-reduce, (n-1)/n x d for a reduce-scatter."""
+        return coords_moved(self.world_size, self.numel, len(self.phases))
+
+    @property
     def bits_per_coord(self) -> float:
-        return bits_per_coordinate(self.bytes_sent, self.world_size, self.numel)
+        m = self.coords_moved
+        return 8 * self.bytes_sent / m if m else float("nan")
 
 
-def bits_per_coordinate(bytes_sent: float, world_size: int, numel: int) -> float:
+def coords_moved(world_size: int, numel: int, phases: int = 2) -> float:
+    """(n-1)/n x d per phase: what one rank of an uncompressed ring sends."""
+    return phases * (world_size - 1) / world_size * numel
+
+
+def bits_per_coordinate(bytes_sent: float, world_size: int, numel: int, phases: int = 2) -> float:
     """8 x bytes sent / (2(n-1)/n x d): 16 for uncompressed bf16 on any topology
-    (DESIGN.md, "Stated bit budget"). NaN when nothing needs to move (n = 1 or d = 0)."""
-    denom = 2 * (world_size - 1) / world_size * numel
+    (DESIGN.md, "Stated bit budget"); for a reduce-scatter (``phases=1``) the
+    denominator is (n-1)/n x d, so that bf16 is 16 there too. NaN when nothing
+    needs to move (n = 1 or d = 0)."""
+    denom = coords_moved(world_size, numel, phases)
     return 8 * bytes_sent / denom if denom else float("nan")
 
 
@@ -183,6 +199,10 @@ class _StatsExchange:
         self.deadline = deadline
         self.where = where
         self.agreement = agreement
+        #: The schedule chunks' bounds the call asks the codec for (rank shards).
+        self.bounds: tuple[int, ...] | None = None
+        #: 2 for an all-reduce, 1 for a reduce-scatter (set by run()).
+        self.phases = 2
         #: The most pairwise combinations in a row on the schedule
         #: (``Schedule.reduce_depths``; codecs whose combination can double a
         #: magnitude, like gqsgd-exp, scale their leaves by it); set by run().
@@ -508,6 +528,8 @@ def run(
     pipeline: bool = True,
     what: str | None = None,
     on_plan: Callable[[Plan], None] | None = None,
+    shards: tuple[int, ...] | None = None,
+    premul: float | None = None,
 ) -> tuple[torch.Tensor, RunStats]:
     """One compressed all-reduce (or, with ``gather=False``, reduce-scatter) of the
     flat tensor ``x`` on this rank. Returns the float32 result in ``x``'s layout
@@ -519,6 +541,18 @@ def run(
     ``gather_codec``: the codec of the all-gather stage (default: ``codec``).
     ``microshards``: messages per schedule chunk and step (default: by size).
     ``pipeline``: overlap codec work with transfers (the same bits either way).
+
+    ``shards`` (n + 1 offsets into ``x``) lays the schedule over rank shards:
+    rank r's result is ``shards[r]:shards[r + 1]`` of the reduced vector
+    (:func:`~hopq.comm.topology.shard_layout`): the codec is asked to cut its
+    schedule chunks there (``StatsExchange.bounds``), a reduce-scatter
+    delivers to each rank the final payloads of its shard that another rank
+    is the sink of, and ``info.owned`` is the rank's shard. A codec without
+    ``chunk_local`` runs the whole all-reduce instead (each rank then holds
+    everything). With ``gather=True`` the all-reduce runs over those chunks
+    (its result, cut to a shard, is what the reduce-scatter gives that rank).
+    ``premul``: reduce ``premul * x`` (torch's PREMUL_SUM), scaled before
+    anything else.
     """
     t_start = time.perf_counter()
     rank, n = transport.rank, transport.world_size
@@ -527,7 +561,22 @@ def run(
     gcodec = codec if gather_codec is None else gather_codec
     if gcodec is not codec and not gcodec.gather_stage:
         gcodec.plan_gather(0, ())  # raises its reason
+    layout = None
+    if shards is not None:
+        shards = tuple(int(s) for s in shards)
+        if shards[-1:] != (x.numel(),):
+            raise ValueError(f"shards {shards} do not end at the tensor's {x.numel()} entries")
+        layout = shard_layout(schedule, shards)
+        if not codec.chunk_local:  # the fallback: an all-reduce, each rank keeps its shard
+            gather = True
     kind = "all_reduce" if gather else "reduce_scatter"
+    # what the ranks must agree on: the kind of call and the shards
+    agreed_kind = kind if shards is None else f"{kind} over shards #{digest(shards):x}"
+    if premul is not None:
+        premul = float(premul)
+        x = x.to(torch.float32) * premul
+        scratch = True  # our own copy
+    op_name = ReduceOp(op).value if premul is None else f"premul_sum({premul!r})"
     call = transport.next_call()
     label = what or f"{kind}({codec.name}, {schedule.topology}, key={key})"
     deadline = Deadline(timeout)
@@ -540,7 +589,7 @@ def run(
     # 1. agreement (it may ride with the codec's first statistics)
     mine = agreement.fingerprint(
         call=call, x=x, codec=codec, gather_codec=gcodec, topology=schedule.topology,
-        op=ReduceOp(op).value, seed=seed, key=key, kind=kind, microshards=u,
+        op=op_name, seed=seed, key=key, kind=agreed_kind, microshards=u,
     )  # fmt: skip
     describe = {
         "numel": str(x.numel()),
@@ -550,11 +599,11 @@ def run(
         "config": repr(codec.config),
         "gather codec": gcodec.name,
         "topology": schedule.topology,
-        "op": ReduceOp(op).value,
+        "op": op_name,
         "seed": str(seed),
         "round": str(codec.round),
         "key": str(key),
-        "kind": kind,
+        "kind": agreed_kind,
         "microshards": str(u),
     }
     fold = codec.first_stats_nbytes
@@ -569,6 +618,11 @@ def run(
         Where(label, call, -1, 0, "statistics"), agreed,
     )  # fmt: skip
     stats.reduce_depth = max(schedule.reduce_depths(), default=0)
+    bounds = layout.bounds if layout is not None and codec.chunk_local else None
+    stats.bounds = bounds
+    stats.phases = 2 if gather else 1
+    if layout is not None and bounds is not None and not gather:
+        schedule = layout.reduce_scatter  # the reduce phase, then the deliveries
     plan = codec.plan(x, stats)
     if not agreed.done:  # a codec without statistics: the agreement on its own
         agreed.run()
@@ -585,7 +639,7 @@ def run(
     active = [
         i
         for i, step in enumerate(schedule.steps)
-        if gather or any(t.phase is Phase.REDUCE for t in step)
+        if gather or bounds is not None or any(t.phase is Phase.REDUCE for t in step)
     ]
     transport.reserve(_recv_bytes(st, active), work.device)
     # 3. hops
@@ -612,6 +666,8 @@ def run(
     info.owned = tuple(
         plan.chunks[st.part(c, j)] for c in schedule.owned_chunks(rank) for j in range(u)
     )
+    if layout is not None:
+        info.owned = ((layout.shards[rank], layout.shards[rank + 1]),)
     if not gather:
         info.phases = ("reduce",)
     # 4. finish

@@ -249,6 +249,101 @@ def tree(n: int) -> Schedule:
     return Schedule("tree", n, 1, tuple(steps), (0,))
 
 
+@dataclass(frozen=True)
+class ShardLayout:
+    """A schedule laid over caller-chosen shards: rank r wants the final sums of
+    ``shards[r]:shards[r + 1]`` of the caller's flat vector (in rank order).
+
+    ``bounds`` (n_chunks + 1 offsets) cut the vector into the schedule's chunks so
+    that the chunks a rank is the sink of lie inside its own shard wherever the
+    schedule allows: with owners in rank order (ring, semi-loop, bidirectional
+    ring) a rank's chunks split its shard and nothing more moves after the reduce
+    phase. A rank that owns no chunk (butterfly's folded ranks, the tree's
+    non-roots) has its shard joined to the next owning rank's chunks (the last
+    owner's, at the end), and ``reduce_scatter``'s last step delivers those
+    chunks' final payloads to it (``deliveries``: one direct transfer per sink
+    and receiver)."""
+
+    shards: tuple[int, ...]
+    bounds: tuple[int, ...]
+    #: The reduce phase of the schedule, then one GATHER step of the deliveries
+    #: (none when every rank is the sink of its whole shard).
+    reduce_scatter: Schedule
+    deliveries: tuple[Transfer, ...]
+
+
+def shard_layout(schedule: Schedule, shards: tuple[int, ...]) -> ShardLayout:
+    """Chunk boundaries and the reduce-scatter schedule that give rank r the
+    final sums of ``shards[r]:shards[r + 1]`` (see :class:`ShardLayout`)."""
+    n, K = schedule.world_size, schedule.n_chunks
+    if (
+        len(shards) != n + 1
+        or shards[0] != 0
+        or any(a > b for a, b in zip(shards, shards[1:], strict=False))
+    ):
+        raise ValueError(
+            f"shards must be {n + 1} non-decreasing offsets from 0 (rank r gets "
+            f"shards[r]:shards[r + 1]), got {shards}"
+        )
+    owner = schedule.owner
+    bounds: list[int]
+    if all(a <= b for a, b in zip(owner, owner[1:], strict=False)):
+        owning = sorted(set(owner))
+        # the span of each owning rank: its shard and the shards of the chunkless
+        # ranks joined to it (those before it down to the previous owner, and
+        # after the last owner, those at the end)
+        start = {
+            q: shards[prev + 1] if i else 0
+            for i, (q, prev) in enumerate(zip(owning, [-1, *owning], strict=False))
+        }
+        end = {q: shards[q + 1] for q in owning}
+        end[owning[-1]] = shards[n]
+        bounds = [0]
+        for q in owning:
+            mine = schedule.owned_chunks(q)
+            lo, hi = start[q], end[q]
+            units, extra = divmod(hi - lo, len(mine))
+            for i in range(len(mine)):
+                lo += units + (1 if i < extra else 0)
+                bounds.append(lo)
+    else:  # owners out of rank order: even chunks, and deliver what is elsewhere
+        total = shards[n]
+        base, extra = divmod(total, K)
+        bounds = [0]
+        for c in range(K):
+            bounds.append(bounds[-1] + base + (1 if c < extra else 0))
+    pairs: dict[tuple[int, int], list[int]] = {}
+    for c in range(K):
+        for r in range(n):
+            if r != owner[c] and max(shards[r], bounds[c]) < min(shards[r + 1], bounds[c + 1]):
+                pairs.setdefault((owner[c], r), []).append(c)
+    deliveries = tuple(
+        Transfer(src, dst, tuple(cs), Phase.GATHER) for (src, dst), cs in sorted(pairs.items())
+    )
+    reduce_steps = tuple(
+        step for step in schedule.steps if any(t.phase is Phase.REDUCE for t in step)
+    )
+    rs = Schedule(
+        schedule.topology,
+        n,
+        K,
+        reduce_steps + ((deliveries,) if deliveries else ()),
+        owner,
+    )
+    return ShardLayout(tuple(shards), tuple(bounds), rs, deliveries)
+
+
+def equal_shards(numel: int, world_size: int) -> tuple[int, ...]:
+    """Offsets of ``world_size`` rank-ordered shards of near-equal size (like
+    ``torch.tensor_split``: earlier shards one larger; equal when ``numel`` is a
+    multiple of the world size, as FSDP pads it)."""
+    base, extra = divmod(numel, world_size)
+    out = [0]
+    for r in range(world_size):
+        out.append(out[-1] + base + (1 if r < extra else 0))
+    return tuple(out)
+
+
 TOPOLOGIES: dict[str, Callable[[int], Schedule]] = {
     "ring": ring,
     "butterfly": butterfly,

@@ -21,7 +21,6 @@ import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,87 +30,16 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from hopq.codecs.base import Codec
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import all_reduce
-from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats, bits_per_coordinate
+from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
 from hopq.comm.topology import get_schedule
 from hopq.errors import HookNotEngagedWarning
+from hopq.integrations.records import MAX_KEPT_CALLS, CallRecords, StepMetrics
 from hopq.options import check_finite, check_int
 
-#: Records kept when nobody pops them (``state.calls`` must not grow forever).
-MAX_KEPT_CALLS = 4096
+__all__ = ["MAX_KEPT_CALLS", "HookState", "StepMetrics", "ddp_hook"]
 
 
-@dataclass(frozen=True)
-class StepMetrics:
-    """This rank's communication in one training step, summed over its buckets
-    (or in several steps: ``a + b``). ``as_dict()`` gives the flat scalars that
-    ``HookState.step_metrics()`` returns, ready for any logger."""
-
-    #: Training steps summed here (1 for one ``pop_step()``).
-    steps: int = 1
-    buckets: int = 0
-    numel: int = 0
-    #: Bytes this rank sent (payload and statistics).
-    bytes_sent: float = 0.0
-    #: Seconds the communication thread (or the hook) worked on the buckets.
-    seconds: float = 0.0
-    #: Of those, seconds spent waiting on the network.
-    comm_seconds: float = 0.0
-    world_size: int = 1
-    #: Squared error and squared norm of the exact average, summed over buckets
-    #: (``HookState.measure_error``; 0 when not measured).
-    err_sq: float = 0.0
-    ref_sq: float = 0.0
-
-    @property
-    def bits_per_coordinate(self) -> float:
-        """Bits per coordinate of all the buckets together (weighted by size);
-        NaN when no bucket went through (a gradient-accumulation micro-step)."""
-        return bits_per_coordinate(self.bytes_sent, self.world_size, self.numel)
-
-    @property
-    def codec_seconds(self) -> float:
-        return self.seconds - self.comm_seconds
-
-    @property
-    def vnmse(self) -> float:
-        """||result - exact||^2 / ||exact||^2 over the buckets; NaN when not measured."""
-        return self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
-
-    def __add__(self, other: "StepMetrics") -> "StepMetrics":
-        if not isinstance(other, StepMetrics):
-            return NotImplemented
-        return StepMetrics(
-            self.steps + other.steps,
-            self.buckets + other.buckets,
-            self.numel + other.numel,
-            self.bytes_sent + other.bytes_sent,
-            self.seconds + other.seconds,
-            self.comm_seconds + other.comm_seconds,
-            max(self.world_size, other.world_size),
-            self.err_sq + other.err_sq,
-            self.ref_sq + other.ref_sq,
-        )
-
-    def as_dict(self, prefix: str = "hopq/") -> dict[str, float]:
-        """Flat scalars, per step (means over ``steps``): ``bits_per_coordinate``
-        (from the bytes, weighted by bucket size), ``bytes_sent``,
-        ``codec_seconds``, ``comm_seconds``, ``buckets``, ``numel``, and
-        ``vnmse`` when it was measured. Keys start with ``prefix``."""
-        k = max(self.steps, 1)
-        out = {
-            "bits_per_coordinate": self.bits_per_coordinate,
-            "bytes_sent": self.bytes_sent / k,
-            "codec_seconds": self.codec_seconds / k,
-            "comm_seconds": self.comm_seconds / k,
-            "buckets": self.buckets / k,
-            "numel": self.numel / k,
-        }
-        if self.ref_sq > 0:
-            out["vnmse"] = self.vnmse
-        return {prefix + key: float(v) for key, v in out.items()}
-
-
-class HookState:
+class HookState(CallRecords):
     """State of the hopq DDP hook.
 
     ``process_group`` may be None (the default group) and is resolved at the
@@ -154,9 +82,8 @@ class HookState:
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.overlap = overlap
         #: Stats of every bucket since the last pop (the most recent
-        #: MAX_KEPT_CALLS when nobody pops them).
-        self.calls: list[RunStats] = []
-        self._dropped = 0
+        #: MAX_KEPT_CALLS when nobody pops them), and their sum for the step.
+        self._init_records()
         #: When set, the hook also runs an exact float64 all-reduce of each bucket
         #: and accumulates the compressed result's error against it (vNMSE).
         self.measure_error = False
@@ -164,12 +91,8 @@ class HookState:
         self.ref_sq = 0.0
         #: Seconds spent on those exact all-reduces (to leave out of step timings).
         self.exact_seconds = 0.0
-        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
-        #: This step's buckets so far, summed (O(1) memory; exact even when
-        #: ``calls`` drops records).
-        self._step = StepMetrics()
         #: Whether the hook was ever called, and optimizer steps taken in this
         #: process since this state was built while it was not (the evidence
         #: that training went on without it: see ``_after_optimizer_step``).
@@ -180,51 +103,17 @@ class HookState:
         _watch(self)
 
     # -- records ------------------------------------------------------------
+    records_owner = "HookState"
+
     def _record(self, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> None:
         self._engaged = True  # any path that records a bucket uses the state
-        one = StepMetrics(
-            0, 1, info.numel, info.bytes_sent, info.seconds, info.comm_seconds,
-            info.world_size, err_sq, ref_sq,
-        )  # fmt: skip
-        with self._lock:
-            self._step = self._step + one
-            self.calls.append(info)
-            if len(self.calls) > MAX_KEPT_CALLS:
-                drop = len(self.calls) - MAX_KEPT_CALLS
-                del self.calls[:drop]
-                self._dropped += drop
-                if self._dropped == drop:
-                    warnings.warn(
-                        f"hopq: HookState keeps the last {MAX_KEPT_CALLS} bucket records; "
-                        "call state.pop_stats() or state.step_metrics() once per step",
-                        stacklevel=2,
-                    )
-
-    def pop_stats(self) -> list[RunStats]:
-        """The stats of every bucket since the last pop (e.g. one training step),
-        one ``RunStats`` each; ``step_metrics()`` sums them for you."""
-        with self._lock:
-            out, self.calls = self.calls, []
-        return out
+        super()._record(info, err_sq, ref_sq)
 
     def pop_step(self) -> StepMetrics:
-        """This rank's buckets since the last ``pop_step()`` / ``step_metrics()``
-        summed into one record, and popped (the records of ``pop_stats()`` too).
-        Add records (``a + b``) to log over several steps."""
-        with self._lock:
-            out, self._step = self._step, StepMetrics()
-            self.calls = []
+        out = super().pop_step()
         if out.buckets == 0 and self._steps_unengaged > 0:
             _check_engaged(self, "state.step_metrics() found no bucket after an optimizer step")
         return out
-
-    def step_metrics(self, prefix: str = "hopq/") -> dict[str, float]:
-        """This step's communication as flat scalars for any logger (and popped):
-        call it once per training step, after the optimizer step. Keys (with
-        ``prefix``): ``bits_per_coordinate``, ``bytes_sent``, ``codec_seconds``,
-        ``comm_seconds``, ``buckets``, ``numel``, and ``vnmse`` when
-        ``measure_error`` is set. ``pop_step()`` gives the same as a record."""
-        return self.pop_step().as_dict(prefix)
 
     def pop_error(self) -> tuple[float, float]:
         """(vNMSE over the buckets measured since the last pop, seconds of exact

@@ -14,14 +14,17 @@ import torch
 from hopq.codecs.dynamiq.config import STATS_BITS, Allocation, DynamiQConfig
 
 
-def allocate(cfg: DynamiQConfig, F: torch.Tensor, d: int, budget: float) -> list[int]:
+def allocate(
+    cfg: DynamiQConfig, F: torch.Tensor, d: int, budget: float, stats_weight: float = 1.0
+) -> list[int]:
     """Width per super-group (original order) for ``budget`` bits per coordinate
-    over ``d`` coordinates, statistics included."""
+    over ``d`` coordinates, statistics included (``stats_weight`` times their
+    bits: 2 in a reduce-scatter, whose coordinates move once, not twice)."""
     m = F.numel()
     if m == 0:
         return []
     W = list(cfg.widths)
-    budget_bits = budget * d - STATS_BITS * m
+    budget_bits = budget * d - stats_weight * STATS_BITS * m
     F = torch.nan_to_num(F, nan=math.inf)
     zero = (F == 0) if cfg.zero_class else torch.zeros(m, dtype=torch.bool)
     live = ~zero

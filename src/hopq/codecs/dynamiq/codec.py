@@ -7,7 +7,16 @@ from typing import Any, ClassVar
 
 import torch
 
-from hopq.codecs.base import Codec, CodecConfig, HopContext, ReduceOp, StatsExchange, StatsOp
+from hopq.codecs.base import (
+    Codec,
+    CodecConfig,
+    HopContext,
+    ReduceOp,
+    StatsExchange,
+    StatsOp,
+    check_bounds,
+    segment_starts,
+)
 from hopq.codecs.base import check_payload as _check_payload
 from hopq.codecs.dynamiq import reference
 from hopq.codecs.dynamiq.allocation import allocate, split_budget
@@ -72,6 +81,10 @@ class DynamiQ(Codec[DynamiQPlan]):
     config_class = DynamiQConfig
     config: DynamiQConfig
     layout_preserving: ClassVar[bool] = False
+    #: With chunk bounds (a reduce-scatter over rank shards): super-groups start
+    #: at each chunk's start and are reordered inside their chunk; the
+    #: statistics exchange and the bit allocation stay global.
+    chunk_local: ClassVar[bool] = True
 
     def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
         super().__init__(config, **overrides)
@@ -108,15 +121,30 @@ class DynamiQ(Codec[DynamiQPlan]):
         d = x.numel()
         kern = self.kernels(x.device)
         flat = x.reshape(-1).to(torch.float32)
-        local = (kern.supergroup_stats if kern is not None else reference.supergroup_stats)(flat, S)
+        sg_stats = kern.supergroup_stats if kern is not None else reference.supergroup_stats
+        bounds = check_bounds(stats, d)
+        sg_starts: tuple[int, ...] = ()
+        if bounds is None:
+            local = sg_stats(flat, S)
+        else:  # super-groups start at every chunk's start
+            sg_starts = tuple(s // S for s in segment_starts(bounds, S))
+            parts = [
+                sg_stats(flat[a:b], S) for a, b in zip(bounds, bounds[1:], strict=False) if b > a
+            ]
+            local = torch.cat(parts, 1) if parts else flat.new_zeros(2, 0)
         glob = stats.all_reduce(local.to(torch.bfloat16), StatsOp.SUM).float()
         mu = glob[0] / stats.world_size
         F64 = glob[1].cpu().double()
         budget = self._budget_for(stats.key, d)
-        widths = allocate(cfg, F64, d, budget)
+        # a reduce-scatter moves each coordinate once: the exchange weighs double
+        weight = 2.0 if stats.phases == 1 else 1.0
+        widths = allocate(cfg, F64, d, budget, weight)
         if stats.key is not None and cfg.share_budget:
             self._step_stats[stats.key] = (d, F64)
-        return build_plan(cfg, d, widths, stats.n_chunks, mu, budget, stats.microshards)
+        return build_plan(
+            cfg, d, widths, stats.n_chunks, mu, budget, stats.microshards, bounds, sg_starts,
+            weight,
+        )  # fmt: skip
 
     def _budget_for(self, key: int | None, d: int) -> float:
         """Bits per coordinate for this call. A keyed call whose key already ran
@@ -137,9 +165,23 @@ class DynamiQ(Codec[DynamiQPlan]):
     def prepare(self, plan: DynamiQPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         S = self.config.supergroup_size
         kern = self.kernels(x.device)
-        if kern is not None and x.dtype == torch.float32:
-            return kern.gather_rows(x, plan.perm, plan.mu, S)
-        return gather_rows(x, plan.perm, plan.mu, S)
+        gather = kern.gather_rows if kern is not None and x.dtype == torch.float32 else gather_rows
+        if plan.bounds is None:
+            return gather(x, plan.perm, plan.mu, S)
+        flat = x.reshape(-1)
+        parts = [
+            gather(flat[a:b], plan.perm[lo:hi] - lo, plan.mu[lo:hi], S)
+            for (a, b), (lo, hi) in self._segments(plan)
+        ]
+        return torch.cat(parts) if parts else flat.new_zeros(0, dtype=torch.float32)
+
+    @staticmethod
+    def _segments(plan: DynamiQPlan) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """With chunk bounds: per non-empty chunk, its caller range and its
+        super-group range."""
+        assert plan.bounds is not None
+        b, g = plan.bounds, plan.sg_starts
+        return [((b[c], b[c + 1]), (g[c], g[c + 1])) for c in range(len(b) - 1) if b[c + 1] > b[c]]
 
     def finish(
         self, plan: DynamiQPlan, y: torch.Tensor, op: ReduceOp, world_size: int
@@ -147,8 +189,20 @@ class DynamiQ(Codec[DynamiQPlan]):
         S = self.config.supergroup_size
         kern = self.kernels(y.device)
         scatter = kern.scatter_rows if kern is not None else scatter_rows
-        out = scatter(y, plan.perm, plan.mu, S, world_size, op is ReduceOp.AVG, plan.numel)
-        return saturate_finite_rows(out, plan.mu, S)
+        avg = op is ReduceOp.AVG
+        if plan.bounds is None:
+            out = scatter(y, plan.perm, plan.mu, S, world_size, avg, plan.numel)
+            return saturate_finite_rows(out, plan.mu, S)
+        parts = [
+            saturate_finite_rows(
+                scatter(y[lo * S : hi * S], plan.perm[lo:hi] - lo, plan.mu[lo:hi], S,
+                        world_size, avg, b - a),
+                plan.mu[lo:hi],
+                S,
+            )
+            for (a, b), (lo, hi) in self._segments(plan)
+        ]  # fmt: skip
+        return torch.cat(parts) if parts else y[:0]
 
     # -- the four hop operations ---------------------------------------------
     def _run_segment(

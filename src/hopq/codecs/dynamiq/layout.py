@@ -48,6 +48,12 @@ class DynamiQPlan(Plan):
     planned_bits: float
     #: Whether even the narrowest allocation exceeded the budget (tiny tensors).
     over_budget: bool
+    #: The caller's schedule-chunk bounds when the engine asked for them
+    #: (chunk-local layout: super-groups start at each chunk's start, and the
+    #: reorder stays inside the chunk); None: one layout over the whole vector.
+    bounds: tuple[int, ...] | None = None
+    #: With bounds: the first super-group of each chunk (and the total at the end).
+    sg_starts: tuple[int, ...] = ()
 
     def chunk_segments(self, chunk: int) -> tuple[tuple[Segment, ...], int]:
         """The segments of ``chunk`` and the reordered index of its first super-group."""
@@ -92,17 +98,36 @@ def build_plan(
     mu: torch.Tensor,
     budget: float,
     microshards: int = 1,
+    bounds: tuple[int, ...] | None = None,
+    sg_starts: tuple[int, ...] = (),
+    stats_weight: float = 1.0,
 ) -> DynamiQPlan:
     """The plan of ``d`` coordinates whose super-groups got ``widths`` (original
-    order), cut into ``n_chunks`` schedule chunks of ``microshards`` parts each."""
+    order), cut into ``n_chunks`` schedule chunks of ``microshards`` parts each.
+
+    With ``bounds`` (the caller's chunk bounds; ``sg_starts`` the first
+    super-group of each chunk), chunk c is the super-groups of the caller's
+    chunk c, reordered among themselves: chunks then differ in bytes."""
     S = cfg.supergroup_size
     m = len(widths)
-    order = sorted(range(m), key=lambda j: widths[j])  # stable: by width, then position
+    if bounds is None:
+        order = sorted(range(m), key=lambda j: widths[j])  # stable: by width, then position
+    else:
+        order = []
+        for lo, hi in zip(sg_starts, sg_starts[1:], strict=False):
+            order += sorted(range(lo, hi), key=lambda j: widths[j])
     sorted_widths = tuple(widths[j] for j in order)
     perm = torch.tensor(order, dtype=torch.int64, device=mu.device)
     cost = {w: cfg.sg_bits(w) // 8 for w in set(sorted_widths)}
     sg_bytes = [cost[w] for w in sorted_widths]
-    chunks_sg = nested_split(sg_bytes, n_chunks, microshards)
+    if bounds is None:
+        chunks_sg = nested_split(sg_bytes, n_chunks, microshards)
+    else:
+        chunks_sg = []
+        for lo, hi in zip(sg_starts, sg_starts[1:], strict=False):
+            chunks_sg += [
+                (lo + a, lo + b) for a, b in nested_split(sg_bytes[lo:hi], 1, microshards)
+            ]
     segments = []
     for lo, hi in chunks_sg:
         segs = []
@@ -118,7 +143,7 @@ def build_plan(
             off += nb
             k = e
         segments.append(tuple(segs))
-    total_bits = 8 * sum(sg_bytes) + STATS_BITS * m
+    total_bits = 8 * sum(sg_bytes) + stats_weight * STATS_BITS * m
     return DynamiQPlan(
         numel=d,
         work_numel=m * S,
@@ -131,4 +156,6 @@ def build_plan(
         segments=tuple(segments),
         planned_bits=total_bits / d if d else 0.0,
         over_budget=bool(d) and total_bits > budget * d + 1e-9,
+        bounds=bounds,
+        sg_starts=sg_starts,
     )

@@ -41,7 +41,7 @@ from hopq.codecs.base import (
     ReduceOp,
     StatsExchange,
     StatsOp,
-    nested_chunks,
+    plan_chunks,
 )
 from hopq.codecs.gcomp import format as fmt
 from hopq.codecs.gcomp import reference as ref
@@ -107,6 +107,7 @@ class GComp(Codec[GCompPlan]):
     config_class = GCompConfig
     config: GCompConfig
     layout_preserving: ClassVar[bool] = True
+    chunk_local: ClassVar[bool] = True
     variable_size: ClassVar[bool] = True
 
     def __init__(self, config: GCompConfig | None = None, **overrides: Any) -> None:
@@ -155,7 +156,7 @@ class GComp(Codec[GCompPlan]):
             raise ValueError(
                 f"gcomp: thresholds for key {stats.key} have {thr.numel()} entries, the tensor {d}"
             )
-        chunks = nested_chunks(d, stats.n_chunks, stats.microshards)
+        chunks = plan_chunks(d, stats)
         sizes = tuple(fmt.bound(e - s, cfg.chunk_values, cfg.n_theta) for s, e in chunks)
         return GCompPlan(
             d, d, chunks, sizes, table, thr, cfg.fixed_level, cfg.chunk_values, k, rebuilt

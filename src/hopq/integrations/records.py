@@ -1,0 +1,152 @@
+"""Bounded per-call statistics that the framework integrations keep (the DDP
+hook's buckets, FSDP's reduce-scatters), summed per training step."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from dataclasses import dataclass
+
+from hopq.comm.engine import RunStats
+
+#: Records kept when nobody pops them (``calls`` must not grow forever).
+MAX_KEPT_CALLS = 4096
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """This rank's communication in one training step, summed over its calls
+    (DDP buckets, FSDP reduce-scatters), or over several steps: ``a + b``.
+    ``as_dict()`` gives the flat scalars that ``step_metrics()`` returns, ready
+    for any logger."""
+
+    #: Training steps summed here (1 for one ``pop_step()``).
+    steps: int = 1
+    buckets: int = 0
+    numel: int = 0
+    #: Bytes this rank sent (payload and statistics).
+    bytes_sent: float = 0.0
+    #: Seconds the communication thread (or the hook) worked on the calls.
+    seconds: float = 0.0
+    #: Of those, seconds spent waiting on the network.
+    comm_seconds: float = 0.0
+    #: The coordinates an uncompressed ring would have sent for these calls
+    #: (2(n-1)/n x d per all-reduce, (n-1)/n x d per reduce-scatter).
+    coords_moved: float = 0.0
+    #: Squared error and squared norm of the exact average, summed over calls
+    #: (``HookState.measure_error``; 0 when not measured).
+    err_sq: float = 0.0
+    ref_sq: float = 0.0
+
+    @classmethod
+    def of(cls, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> StepMetrics:
+        """One call's record (``steps`` 0: it is part of a step)."""
+        return cls(
+            0, 1, info.numel, info.bytes_sent, info.seconds, info.comm_seconds,
+            info.coords_moved, err_sq, ref_sq,
+        )  # fmt: skip
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """8 x bytes sent / the coordinates an uncompressed ring moves, over all
+        the calls together (weighted by size): 16 for bf16. NaN when no call
+        went through (a gradient-accumulation micro-step)."""
+        return 8 * self.bytes_sent / self.coords_moved if self.coords_moved else float("nan")
+
+    @property
+    def codec_seconds(self) -> float:
+        return self.seconds - self.comm_seconds
+
+    @property
+    def vnmse(self) -> float:
+        """||result - exact||^2 / ||exact||^2 over the calls; NaN when not measured."""
+        return self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
+
+    def __add__(self, other: StepMetrics) -> StepMetrics:
+        if not isinstance(other, StepMetrics):
+            return NotImplemented
+        return StepMetrics(
+            self.steps + other.steps,
+            self.buckets + other.buckets,
+            self.numel + other.numel,
+            self.bytes_sent + other.bytes_sent,
+            self.seconds + other.seconds,
+            self.comm_seconds + other.comm_seconds,
+            self.coords_moved + other.coords_moved,
+            self.err_sq + other.err_sq,
+            self.ref_sq + other.ref_sq,
+        )
+
+    def as_dict(self, prefix: str = "hopq/") -> dict[str, float]:
+        """Flat scalars, per step (means over ``steps``): ``bits_per_coordinate``
+        (from the bytes, weighted by call size), ``bytes_sent``,
+        ``codec_seconds``, ``comm_seconds``, ``buckets``, ``numel``, and
+        ``vnmse`` when it was measured. Keys start with ``prefix``."""
+        k = max(self.steps, 1)
+        out = {
+            "bits_per_coordinate": self.bits_per_coordinate,
+            "bytes_sent": self.bytes_sent / k,
+            "codec_seconds": self.codec_seconds / k,
+            "comm_seconds": self.comm_seconds / k,
+            "buckets": self.buckets / k,
+            "numel": self.numel / k,
+        }
+        if self.ref_sq > 0:
+            out["vnmse"] = self.vnmse
+        return {prefix + key: float(v) for key, v in out.items()}
+
+
+class CallRecords:
+    """The calls of a state: a lock-protected list of :class:`~hopq.RunStats`
+    (the most recent ``MAX_KEPT_CALLS`` when nobody pops them) and their running
+    sum for the step (O(1) memory, exact even when records are dropped)."""
+
+    #: Who keeps them, for the warning when records are dropped.
+    records_owner = "the state"
+
+    def _init_records(self) -> None:
+        #: Stats of every call since the last pop.
+        self.calls: list[RunStats] = []
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self._step = StepMetrics()
+
+    def _record(self, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> None:
+        one = StepMetrics.of(info, err_sq, ref_sq)
+        with self._lock:
+            self._step = self._step + one
+            self.calls.append(info)
+            if len(self.calls) > MAX_KEPT_CALLS:
+                drop = len(self.calls) - MAX_KEPT_CALLS
+                del self.calls[:drop]
+                self._dropped += drop
+                if self._dropped == drop:
+                    warnings.warn(
+                        f"hopq: {self.records_owner} keeps the last {MAX_KEPT_CALLS} call "
+                        "records; call pop_stats() or step_metrics() once per step",
+                        stacklevel=3,
+                    )
+
+    def pop_stats(self) -> list[RunStats]:
+        """The stats of every call since the last pop (e.g. one training step),
+        one ``RunStats`` each; ``step_metrics()`` sums them for you."""
+        with self._lock:
+            out, self.calls = self.calls, []
+        return out
+
+    def pop_step(self) -> StepMetrics:
+        """The calls since the last ``pop_step()`` / ``step_metrics()`` summed
+        into one record, and popped (the records of ``pop_stats()`` too). Add
+        records (``a + b``) to log over several steps."""
+        with self._lock:
+            out, self._step = self._step, StepMetrics()
+            self.calls = []
+        return out
+
+    def step_metrics(self, prefix: str = "hopq/") -> dict[str, float]:
+        """This step's communication as flat scalars for any logger (and popped):
+        call it once per training step, after the optimizer step. Keys (with
+        ``prefix``): ``bits_per_coordinate``, ``bytes_sent``, ``codec_seconds``,
+        ``comm_seconds``, ``buckets``, ``numel``, and ``vnmse`` when measured.
+        ``pop_step()`` gives the same as a record."""
+        return self.pop_step().as_dict(prefix)

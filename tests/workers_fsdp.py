@@ -1,0 +1,106 @@
+"""Worker bodies for the FSDP2 tests (imported by spawned Gloo ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import hopq
+from hopq.comm.collectives import parse_op
+
+#: Every reduce-scatter this process ran through :class:`Capturing`, in order:
+#: (key, input, output, op as hopq's (reduction, pre-multiplier)).
+CAPTURED: list[tuple[int | None, torch.Tensor, torch.Tensor, Any]] = []
+
+
+def _capturing_class() -> type:
+    class Capturing(hopq.FSDPReduceScatter):
+        """The real thing, keeping what went in and out (for the simulator)."""
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+            inp = input_tensor.detach().clone()
+            out = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            CAPTURED.append((self.key, inp, output_tensor.detach().clone(), parse_op(op)))
+            return out
+
+    return Capturing
+
+
+def build(n: int, widths: tuple[int, ...] = (40, 96, 72, 5)) -> torch.nn.Module:
+    """A small MLP, every Linear its own FSDP module, on a CPU device mesh. The
+    sizes are not multiples of 3: FSDP pads them for three ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(widths, widths[1:], strict=False):
+        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+    model = torch.nn.Sequential(*layers[:-1])
+    mesh = init_device_mesh("cpu", (n,))
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def train(
+    model: torch.nn.Module, rank: int, steps: int, comm: Any = None, widths=(40, 96, 72, 5)
+) -> dict[str, Any]:
+    """SGD steps on per-rank data; losses, per-step records and the full parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + rank)
+    losses, records = [], []
+    for _ in range(steps):
+        x = torch.randn(8, widths[0], generator=g)
+        y = torch.randn(8, widths[-1], generator=g)
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if comm is not None:
+            calls = list(comm.calls)
+            records.append((calls, comm.pop_step()))  # pops the calls too
+    full = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    return {"losses": losses, "records": records, "params": full}
+
+
+def fsdp_codecs(rank: int, n: int, runs: list[dict[str, Any]], steps: int) -> dict[Any, Any]:
+    """Native FSDP, then one training per run ({codec, topology, divide, reduce_dtype})."""
+    Capturing = _capturing_class()
+    model = build(n)
+    out: dict[Any, Any] = {
+        "init": {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    }
+    out["native"] = train(model, rank, steps)
+    for i, run in enumerate(runs):
+        model = build(n)
+        if run.get("divide"):
+            for m in model.modules():
+                if hasattr(m, "set_gradient_divide_factor"):
+                    m.set_gradient_divide_factor(run["divide"])
+        if run.get("force_sum"):
+            for m in model.modules():
+                if hasattr(m, "set_force_sum_reduction_for_comms"):
+                    m.set_force_sum_reduction_for_comms(True)
+        comm = Capturing(run["codec"], run.get("topology", "ring"), seed=7)
+        out[("installed", i)] = comm.install(model)
+        del CAPTURED[:]
+        res = train(model, rank, steps, comm)
+        res["first"] = CAPTURED[0]
+        res["ops"] = sorted({str(c[3]) for c in CAPTURED})
+        res["keys"] = [c[0] for c in CAPTURED]
+        # DynamiQ's per-key budget shares, split from the last finished step
+        res["shares"] = dict(getattr(comm.codec, "_shares", {}))
+        out[i] = res
+    # the interface's async path hands back a completed work
+    comm = hopq.FSDPReduceScatter("bf16")
+    o = comm.allocate((3,), dtype=torch.float32, device=torch.device("cpu"))
+    work = comm(o, torch.ones(3 * n), dist.group.WORLD, dist.ReduceOp.SUM, async_op=True)
+    work.wait()
+    out["async"] = o.clone()
+    return out
