@@ -344,8 +344,8 @@ def loss_section(
                     f"{base[-1]:.4f}",
                     *(f"{mad[m]:.2e}" for m in LOSS_METHODS[1:]),
                     *(f"{var[m]:.2e}" for m in LOSS_METHODS[1:]),
-                    f"{cut_q:.1%}",
-                    f"{cut_s:.1%}",
+                    f"{cut_q:.2%}",
+                    f"{cut_s:.2%}",
                 ]
             )
     header = [
