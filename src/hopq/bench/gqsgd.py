@@ -242,7 +242,7 @@ def run(o: GQSGDOptions) -> str:
             markdown_table(["implementation", "M coords/s", "x float add"], krows),
         ]
     if "quality" in o.parts:
-        parts.append("Training quality (the paper's Table 4):" + quality_section(o))
+        parts.append("Training quality (the paper's Table 4):\n" + quality_section(o))
     return "\n\n".join(parts)
 
 
