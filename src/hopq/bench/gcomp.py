@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from hopq.bench.quality import set_grad
 from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.gcomp import GComp
 from hopq.codecs.gcomp import format as fmt
@@ -250,14 +251,7 @@ def train_sizes(
             loss = wl.loss(wl.model, wl.batch(o.seed, r, step, o.batch))
             loss.backward()
             losses.append(loss.item())
-            grads.append(
-                torch.cat(
-                    [
-                        (torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1)
-                        for p in params
-                    ]
-                )
-            )
+            grads.append(workloads.flat_grad(wl.model))
         g = torch.stack(grads).mean(0)
         thr = thresholds(opt, params)  # before the step: what the DDP hook does
         nb, eb, lb, mb = _encode_sizes(rebuilt, g, thr)
@@ -276,10 +270,7 @@ def train_sizes(
                 float((g == 0).float().mean()),
             )
         )
-        off = 0
-        for p in params:
-            p.grad = g[off : off + p.numel()].view_as(p).clone()
-            off += p.numel()
+        set_grad(params, g)
         opt.step()
         if step % 10 == 0 or step == o.steps - 1:
             s = out[-1]

@@ -71,13 +71,8 @@ class Curve:
     seconds: float
 
 
-def _flat_grad(params: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(
-        [(torch.zeros_like(p) if p.grad is None else p.grad).reshape(-1) for p in params]
-    )
-
-
-def _set_grad(params: list[torch.Tensor], g: torch.Tensor) -> None:
+def set_grad(params: list[torch.Tensor], g: torch.Tensor) -> None:
+    """Hand the flat gradient ``g`` (``workloads.flat_grad``'s layout) back to ``params``."""
     off = 0
     for p in params:
         p.grad = g[off : off + p.numel()].view_as(p).clone()
@@ -130,11 +125,11 @@ def train(
             loss = wl.loss(models[i], wl.batch(cfg.seed, r, step, cfg.batch))
             loss.backward()
             step_losses.append(loss.item())
-            grads.append(_flat_grad(plist[i]))
+            grads.append(workloads.flat_grad(models[i]))
         losses.append(sum(step_losses) / len(step_losses))
         if local:
             for ps, g, opt in zip(plist, grads, opts, strict=True):
-                _set_grad(ps, g)
+                set_grad(ps, g)
                 opt.step()
             if (step + 1) % sync_every == 0:
                 with torch.no_grad():
@@ -153,7 +148,7 @@ def train(
                 res = simulate(grads, inst, cfg.topology, seed=cfg.seed * 7919 + step, op="avg")
                 g = res.outputs[0]
                 bits.append(res.bits_per_coord)
-            _set_grad(plist[0], g)
+            set_grad(plist[0], g)
             opts[0].step()
         if say is not None and (step % 10 == 0 or step == cfg.steps - 1):
             say(
