@@ -14,6 +14,7 @@ from hopq.codecs.base import HopContext, LocalStats, ReduceOp
 from hopq.codecs.gqsgd import (
     EMAX,
     GQSGDExp,
+    GQSGDLinear,
     bytes_to_codes,
     codes_to_bytes,
     exp_quantize,
@@ -254,12 +255,24 @@ def test_cpu_kernel_matches_reference_bit_for_bit():
 def test_simulation_with_kernel_equals_reference(topology):
     _cpu_kernels()
     g = torch.Generator().manual_seed(2)
+    codecs = [
+        lambda b: GQSGDExp(backend=b),
+        lambda b: GQSGDLinear(backend=b),
+        lambda b: GQSGDLinear(bits=4, backend=b),
+    ]
     for n in (3, 4, 5):
-        xs = [torch.randn(3001, generator=g) for _ in range(n)]
-        ref = hopq.simulate(xs, GQSGDExp(backend="reference"), topology, seed=5, microshards=2)
-        got = hopq.simulate(xs, GQSGDExp(backend="cpu"), topology, seed=5, microshards=2)
-        assert got.identical
-        assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))
+        # heavy-tailed magnitudes reach the bottom of the exponent range; signed zeros
+        xs = [
+            torch.randn(3001, generator=g) * torch.rand(3001, generator=g) ** 12 for _ in range(n)
+        ]
+        xs[0][:40] = 0.0
+        xs[1][40:50] = -0.0
+        xs[2][50] = -1e-38
+        for make in codecs:
+            ref = hopq.simulate(xs, make("reference"), topology, seed=5, microshards=2)
+            got = hopq.simulate(xs, make("cpu"), topology, seed=5, microshards=2)
+            assert got.identical
+            assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))
 
 
 def test_cpu_kernel_rejects_corrupt_payloads_like_the_reference():

@@ -120,6 +120,20 @@ def _nan(plan: Plan, device: torch.device) -> torch.Tensor:
     return torch.full((plan.numel,), float("nan"), device=device)
 
 
+class Backend(str, Enum):
+    #: The numba kernels (:mod:`hopq.kernels.gqsgd_cpu`) for CPU tensors when
+    #: numba is installed, else the reference.
+    AUTO = "auto"
+    REFERENCE = "reference"
+    CPU = "cpu"
+
+
+def _kernels(codec: str, backend: Backend, device: torch.device) -> GQSGDExpKernels | None:
+    """The kernel module for tensors on ``device``, or None for the reference."""
+    module: GQSGDExpKernels | None = resolve(codec, backend.value, device.type)
+    return module
+
+
 # ---------------------------------------------------------------------------
 # linear dithering
 # ---------------------------------------------------------------------------
@@ -129,8 +143,12 @@ class GQSGDLinearConfig(CodecConfig):
     min_levels: int = option(
         1, "fewest per-rank levels before the integer lane widens (8, then 16 bits)"
     )
+    backend: Backend = option(
+        Backend.AUTO, "implementation of the leaf quantization (same bits)", choices=Backend
+    )
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "backend", Backend(self.backend))
         if self.bits not in (4, 8):
             raise ValueError(f"gqsgd-linear: bits must be 4 or 8, got {self.bits}")
         check_int("gqsgd-linear: min_levels", self.min_levels, lo=1, hi=(1 << (self.bits - 1)) - 1)
@@ -190,12 +208,12 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
         N = plan.scale
         if not math.isfinite(N) or N == 0 or not plan.numel:
             return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
+        key = stream_key(plan.seed, plan.round, LINEAR_STREAM, plan.rank)
+        k = _kernels("gqsgd-linear", self.config.backend, x.device)
+        if k is not None and flat.dtype == torch.float32:
+            return k.linear_quantize(flat, plan.levels / N, plan.levels, key)
         v = flat.double() * (plan.levels / N)
-        u = uniform(
-            v.numel(),
-            stream_key(plan.seed, plan.round, LINEAR_STREAM, plan.rank),
-            device=x.device,
-        )
+        u = uniform(v.numel(), key, device=x.device)
         lo = torch.floor(v)
         q = lo + (u.double() < v - lo).double()
         return q.clamp_(-plan.levels, plan.levels).to(torch.float32)
@@ -314,24 +332,18 @@ def bytes_to_codes(p: torch.Tensor) -> torch.Tensor:
     return torch.where(v >= 0x80, -e, e)
 
 
-class ExpBackend(str, Enum):
-    #: The numba kernel (:mod:`hopq.kernels.gqsgd_cpu`) for CPU tensors when
-    #: numba is installed, else the reference.
-    AUTO = "auto"
-    REFERENCE = "reference"
-    CPU = "cpu"
-
-
 @dataclass(frozen=True)
 class GQSGDExpConfig(CodecConfig):
     """8 bits, sign + 7-bit exponent (the paper's E 8-bit)."""
 
-    backend: ExpBackend = option(
-        ExpBackend.AUTO, "implementation of the exponential reduce (same bits)", choices=ExpBackend
+    backend: Backend = option(
+        Backend.AUTO,
+        "implementation of the leaf quantization and the exponential reduce (same bits)",
+        choices=Backend,
     )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "backend", ExpBackend(self.backend))
+        object.__setattr__(self, "backend", Backend(self.backend))
 
 
 @dataclass
@@ -370,10 +382,7 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
 
     def kernels(self, device: torch.device) -> GQSGDExpKernels | None:
         """The kernel module for tensors on ``device``, or None for the reference."""
-        module: GQSGDExpKernels | None = resolve(
-            "gqsgd-exp", self.config.backend.value, device.type
-        )
-        return module
+        return _kernels("gqsgd-exp", self.config.backend, device)
 
     def plan(self, x: torch.Tensor, stats: StatsExchange) -> GQSGDExpPlan:
         chain = _chain(stats)
@@ -405,10 +414,12 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
         plan.depth.clear()
         if not math.isfinite(N) or N == 0 or not plan.numel:
             return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
+        key = stream_key(plan.seed, plan.round, EXP_STREAM, plan.rank)
+        k = self.kernels(x.device)
+        if k is not None and x.dtype == torch.float32:
+            return k.exp_quantize(x.reshape(-1), N, plan.chain, key)
         flat = x.reshape(-1).double()
-        u = uniform(
-            flat.numel(), stream_key(plan.seed, plan.round, EXP_STREAM, plan.rank), device=x.device
-        )
+        u = uniform(flat.numel(), key, device=x.device)
         e = exp_quantize(flat.abs() / N, u, plan.chain)
         return torch.where(flat < 0, -e, e).to(torch.float32)
 

@@ -15,6 +15,7 @@ dynamiq        ``cpu``     :mod:`hopq.kernels.dynamiq_cpu` (numba)     ``hopq[cp
 gcomp          ``cpu``     :mod:`hopq.kernels.gcomp_cpu` (numba)       ``hopq[cpu]``
 dynamiq        ``triton``  :mod:`hopq.kernels.dynamiq_triton`          ``hopq[triton]``
 gqsgd-exp      ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
+gqsgd-linear   ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
 ============  ==========  ========================================  ===================
 """
 
@@ -91,6 +92,9 @@ _BACKENDS: list[KernelBackend] = [
     KernelBackend("gcomp", "cpu", "hopq.kernels.gcomp_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
     KernelBackend(
         "gqsgd-exp", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
+    ),
+    KernelBackend(
+        "gqsgd-linear", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
     ),
 ]
 
@@ -210,8 +214,21 @@ class DynamiQKernels(Protocol):
 
 
 class GQSGDExpKernels(Protocol):
-    """What a gqsgd-exp kernel module provides (``gqsgd_cpu``): the exponential
-    reduce of :mod:`hopq.codecs.gqsgd`, bit for bit."""
+    """What a Global-QSGD kernel module provides (``gqsgd_cpu``): both codecs'
+    leaf quantization and the exponential reduce of :mod:`hopq.codecs.gqsgd`,
+    bit for bit."""
+
+    def linear_quantize(
+        self, x: torch.Tensor, factor: float, levels: int, key: tuple[int, int]
+    ) -> torch.Tensor:
+        """gqsgd-linear's leaf integers (float32)."""
+        ...
+
+    def exp_quantize(
+        self, x: torch.Tensor, scale: float, chain: int, key: tuple[int, int]
+    ) -> torch.Tensor:
+        """gqsgd-exp's leaf codes (signed exponents, float32)."""
+        ...
 
     def exp_reduce(
         self,

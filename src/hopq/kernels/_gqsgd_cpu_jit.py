@@ -67,3 +67,59 @@ def exp_reduce(acc, body, k0, k1, start, emin, out, write_out):
                 (r * (one if r > zero else -one)) | (np.int32(128) if r < zero else zero)
             )
     return bad
+
+
+@njit(inline="always")
+def _uniform(i, k0, k1):
+    """The reference's uniform(): 24 bits of lowbias32(lowbias32(i ^ k0) ^ k1)."""
+    return np.float32(_mix(_mix(i ^ k0) ^ k1) >> U32(8)) * np.float32(2.0**-24)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def linear_quantize(x, factor, levels, k0, k1, out):
+    """out <- gqsgd-linear's leaf integers (as float32): x * factor (float64)
+    rounded down or up with the element's uniform, clamped to [-levels, levels]."""
+    k0 = U32(k0)
+    k1 = U32(k1)
+    lim = np.float64(levels)
+    for i in range(x.size):
+        v = np.float64(x[i]) * factor
+        lo = np.floor(v)
+        u = np.float64(_uniform(U32(i), k0, k1))
+        q = lo + (1.0 if u < v - lo else 0.0)
+        out[i] = np.float32(min(max(q, -lim), lim))
+
+
+_BLOCK = 4096
+_FRAC = np.uint64((1 << 52) - 1)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def exp_quantize(x, scale, chain, k0, k1, out):
+    """out <- gqsgd-exp's leaf codes (signed exponents as float32): natural
+    dithering of t = |x| / scale scaled by 2^-chain (the reference's
+    exp_quantize). frexp(t) = (m, E) is read from t's bits, a block at a time:
+    E = biased exponent - 1022 and 2 m - 1 = the 52-bit fraction, exactly
+    (a subnormal t reads E = -1022, which still lands in the bottom case,
+    the only one that uses t then: t 2^(127 - chain) = ldexp, exact)."""
+    k0 = U32(k0)
+    k1 = U32(k1)
+    p2 = 2.0 ** (127 - chain)
+    t = np.empty(_BLOCK, np.float64)
+    bits = t.view(np.uint64)
+    for b0 in range(0, x.size, _BLOCK):
+        nb = min(_BLOCK, x.size - b0)
+        for j in range(nb):
+            t[j] = abs(np.float64(x[b0 + j])) / scale
+        for j in range(nb):
+            i = b0 + j
+            w = bits[j]
+            E = np.int32(w >> np.uint64(52)) - np.int32(1022)
+            frac = np.float64(w & _FRAC) * 2.0**-52
+            e_hi = np.int32(chain) - E
+            u = np.float64(_uniform(U32(i), k0, k1))
+            e_mid = e_hi if u < frac else e_hi + np.int32(1)
+            e_bot = np.int32(127) if u < t[j] * p2 else np.int32(0)
+            e = e_bot if e_hi >= np.int32(127) else e_mid
+            e = e if t[j] > 0.0 else np.int32(0)
+            out[i] = np.float32(-e if x[i] < np.float32(0.0) else e)
