@@ -315,3 +315,24 @@ def test_training_quality_in_the_loop():
         GQSGDOptions(parts=("nope",))
     with pytest.raises(ValueError, match="optimizer"):
         SimTraining(optimizer="lion")
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_linear_hop_rejects_sums_beyond_the_limit(backend):
+    if backend == "cpu":
+        _cpu_kernels()
+    c = GQSGDLinear(backend=backend)
+    x = torch.randn(100)
+    plan = c.plan(x, LocalStats(world_size=4))
+    work = c.prepare(plan, x)
+    ctx = HopContext(0, 0, 0, 1, 0, 4)
+    p = c.encode(plan, work.clone(), ctx)
+    q = p.clone()
+    q[3] = 127  # one lane beyond 4 ranks x 31 levels
+    with pytest.raises(PayloadError):
+        c.decode_accumulate_encode(plan, q, work.clone(), ctx)
+    full = torch.full_like(work, float(plan.levels * 3 + 1))  # the sum overshoots
+    with pytest.raises(PayloadError):
+        c.decode_accumulate(plan, p.clone().fill_(plan.levels), full, ctx)
+    got = c.decode_accumulate_encode(plan, p, work.clone(), ctx)
+    assert torch.equal(got, c.encode(plan, work * 2, ctx))

@@ -223,9 +223,9 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
 
     def encode(self, plan: GQSGDLinearPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         b = plan.lane_bits
+        if b == 8:  # exact integers in [-127, 127]
+            return chunk.to(torch.int8).view(torch.uint8)
         i = chunk.to(torch.int64)
-        if b == 8:
-            return i.to(torch.int8).view(torch.uint8)
         if b == 4:
             return pack_bits((i & 0xF).to(torch.uint8), 4)
         return pack_bits(i, 16)
@@ -251,9 +251,40 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
     ) -> None:
         out.copy_(self._unpack(plan, payload, out.numel(), ctx.chunk))
 
+    def _hop8(
+        self, plan: GQSGDLinearPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext,
+        encode: bool,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """The numba hop on 8-bit lanes, or None (the caller runs the reference)."""
+        k = _kernels("gqsgd-linear", self.config.backend, acc.device)
+        if k is None or plan.lane_bits != 8 or not acc.is_contiguous():
+            return None
+        check_payload(
+            payload, plan.payload_nbytes[ctx.chunk], f"gqsgd-linear chunk {ctx.chunk} payload"
+        )
+        out = torch.empty_like(payload)
+        if k.linear_hop8(acc, payload, self._limit(plan), out):
+            raise PayloadError(
+                f"gqsgd-linear chunk {ctx.chunk}: a partial sum beyond {self._limit(plan)}, "
+                f"more than {plan.world_size} ranks of {plan.levels} levels can add up to "
+                "(a corrupt payload, or a contribution counted twice)"
+            )
+        return out if encode else payload
+
+    def decode_accumulate_encode(
+        self, plan: GQSGDLinearPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        out = self._hop8(plan, payload, local, ctx, encode=True)
+        if out is not None:
+            return out
+        self.decode_accumulate(plan, payload, local, ctx)
+        return self.encode(plan, local, ctx)
+
     def decode_accumulate(
         self, plan: GQSGDLinearPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
     ) -> None:
+        if self._hop8(plan, payload, acc, ctx, encode=False) is not None:
+            return
         acc.add_(self._unpack(plan, payload, acc.numel(), ctx.chunk))  # exact integers
         if acc.numel() and float(acc.abs().max()) > self._limit(plan):
             raise PayloadError(

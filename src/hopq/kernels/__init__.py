@@ -230,6 +230,12 @@ class GQSGDExpKernels(Protocol):
         """gqsgd-exp's leaf codes (signed exponents, float32)."""
         ...
 
+    def linear_hop8(
+        self, acc: torch.Tensor, body: torch.Tensor, limit: int, out: torch.Tensor | None = None
+    ) -> int:
+        """gqsgd-linear's hop on int8 lanes; returns the number of out-of-range lanes."""
+        ...
+
     def exp_reduce(
         self,
         acc: torch.Tensor,

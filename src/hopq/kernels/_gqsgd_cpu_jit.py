@@ -123,3 +123,19 @@ def exp_quantize(x, scale, chain, k0, k1, out):
             e = e_bot if e_hi >= np.int32(127) else e_mid
             e = e if t[j] > 0.0 else np.int32(0)
             out[i] = np.float32(-e if x[i] < np.float32(0.0) else e)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def linear_hop8(acc, body, limit, out):
+    """acc (float32 integers) += the int8 lanes of ``body``; ``out`` <- the sums
+    as int8 bytes. Returns how many received lanes or sums lie beyond +-limit
+    (the caller raises PayloadError)."""
+    bad = np.int32(0)
+    lim = np.int32(limit)
+    for i in range(acc.size):
+        v = np.int32(np.int8(body[i]))
+        s = np.int32(acc[i]) + v
+        bad += np.int32(abs(v) > lim) | np.int32(abs(s) > lim)
+        acc[i] = np.float32(s)
+        out[i] = np.uint8(s & np.int32(0xFF))
+    return bad

@@ -74,3 +74,18 @@ def exp_quantize(x: torch.Tensor, scale: float, chain: int, key: tuple[int, int]
     a, out = _leaf_args(x)
     jit(a, float(scale), int(chain), key[0], key[1], out.numpy())
     return out
+
+
+def linear_hop8(
+    acc: torch.Tensor, body: torch.Tensor, limit: int, out: torch.Tensor | None = None
+) -> int:
+    """gqsgd-linear's hop on 8-bit lanes: acc (contiguous float32 integers) +=
+    the int8 lanes of ``body`` in place, ``out`` (uint8) <- the sums' lanes.
+    Returns the number of lanes or sums beyond +-limit (a corrupt payload)."""
+    from hopq.kernels._gqsgd_cpu_jit import linear_hop8 as jit
+
+    if not (acc.is_contiguous() and acc.dtype == torch.float32 and body.dtype == torch.uint8):
+        raise TypeError("gqsgd_cpu.linear_hop8: contiguous float32 acc and uint8 body")
+    a = acc.numpy()
+    o = out.numpy() if out is not None else np.empty(a.size, np.uint8)
+    return int(jit(a, body.contiguous().numpy(), limit, o))
