@@ -336,3 +336,17 @@ def test_linear_hop_rejects_sums_beyond_the_limit(backend):
         c.decode_accumulate(plan, p.clone().fill_(plan.levels), full, ctx)
     got = c.decode_accumulate_encode(plan, p, work.clone(), ctx)
     assert torch.equal(got, c.encode(plan, work * 2, ctx))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_kernels_saturate_like_the_reference(op):
+    """Sums of values near float32's max: the kernels' decode saturates where
+    the reference's does, bit for bit."""
+    _cpu_kernels()
+    g = torch.Generator().manual_seed(1)
+    xs = [(torch.rand(2001, generator=g) * 2 - 1) * 3e38 for _ in range(4)]
+    for make in (GQSGDLinear, GQSGDExp):
+        ref = hopq.simulate(xs, make(backend="reference"), "tree", seed=3, op=op)
+        got = hopq.simulate(xs, make(backend="cpu"), "tree", seed=3, op=op)
+        assert torch.isfinite(got.outputs[0]).all()
+        assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))

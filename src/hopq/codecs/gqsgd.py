@@ -300,6 +300,10 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
             return _nan(plan, y.device)
         if N == 0:
             return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
+        k = _kernels("gqsgd-linear", self.config.backend, y.device)
+        if k is not None and y.dtype == torch.float32:
+            n = world_size if op is ReduceOp.AVG else 1
+            return k.linear_finish(y, N / plan.levels, n, _FLOAT_MAX)
         out = y.double() * (N / plan.levels)
         if op is ReduceOp.AVG:
             out = div(out, world_size)
@@ -565,6 +569,10 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
             return _nan(plan, y.device)
         if N == 0:
             return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
+        k = self.kernels(y.device)
+        if k is not None and y.dtype == torch.float32:
+            n = world_size if op is ReduceOp.AVG else 1
+            return k.exp_finish(y, N, plan.chain, n, _FLOAT_MAX)
         c = y.to(torch.int32)
         e = c.abs()
         mag = torch.ldexp(torch.full_like(y, N, dtype=torch.float64), (plan.chain - e).double())

@@ -236,6 +236,18 @@ class GQSGDExpKernels(Protocol):
         """gqsgd-linear's hop on int8 lanes; returns the number of out-of-range lanes."""
         ...
 
+    def linear_finish(
+        self, y: torch.Tensor, factor: float, divisor: float, limit: float
+    ) -> torch.Tensor:
+        """gqsgd-linear's decode of the integer sums."""
+        ...
+
+    def exp_finish(
+        self, y: torch.Tensor, scale: float, chain: int, divisor: float, limit: float
+    ) -> torch.Tensor:
+        """gqsgd-exp's decode of the signed exponent codes."""
+        ...
+
     def exp_reduce(
         self,
         acc: torch.Tensor,

@@ -139,3 +139,44 @@ def linear_hop8(acc, body, limit, out):
         acc[i] = np.float32(s)
         out[i] = np.uint8(s & np.int32(0xFF))
     return bad
+
+
+@njit(inline="always")
+def _saturate(v, limit):
+    """float32(v), saturated at +-limit where rounding a finite v overflows
+    (the reference's keep_finite)."""
+    r = np.float32(v)
+    if np.isinf(r) and np.isfinite(v):
+        r = np.float32(limit) if v > 0.0 else np.float32(-limit)
+    return r
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def linear_finish(y, factor, divisor, limit, out):
+    """out <- float32(y * factor / divisor) (float64 arithmetic, divisor 1: no
+    division), saturated: gqsgd-linear's decode of the integer sums."""
+    for i in range(y.size):
+        v = np.float64(y[i]) * factor
+        if divisor != 1.0:
+            v = v / divisor
+        out[i] = _saturate(v, limit)
+
+
+@njit(nogil=True, cache=True, boundscheck=False)
+def exp_finish(y, scale, chain, divisor, limit, out):
+    """out <- float32(sign 2^(chain - e) scale / divisor) for the signed exponent
+    codes y (0: zero), saturated: gqsgd-exp's decode. 2^(chain - e) scale is
+    exact in float64 (chain - e in [chain - 127, chain - 1]), as the reference's
+    ldexp."""
+    pw = np.empty(128, np.float64)
+    for e in range(128):
+        pw[e] = scale * 2.0 ** (chain - e)
+    for i in range(y.size):
+        c = np.int32(y[i])
+        e = abs(c)
+        v = 0.0
+        if e > 0:
+            v = -pw[e] if c < 0 else pw[e]
+            if divisor != 1.0:
+                v = v / divisor
+        out[i] = _saturate(v, limit)

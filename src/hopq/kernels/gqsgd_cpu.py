@@ -89,3 +89,31 @@ def linear_hop8(
     a = acc.numpy()
     o = out.numpy() if out is not None else np.empty(a.size, np.uint8)
     return int(jit(a, body.contiguous().numpy(), limit, o))
+
+
+def _finish_args(y: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    if y.dtype != torch.float32 or y.device.type != "cpu":
+        raise TypeError("gqsgd_cpu: float32 CPU sums")
+    flat = y.reshape(-1).contiguous()
+    return flat.numpy(), torch.empty(flat.numel(), dtype=torch.float32)
+
+
+def linear_finish(y: torch.Tensor, factor: float, divisor: float, limit: float) -> torch.Tensor:
+    """float32(y * factor / divisor) in float64 arithmetic, saturated at +-limit."""
+    from hopq.kernels._gqsgd_cpu_jit import linear_finish as jit
+
+    a, out = _finish_args(y)
+    jit(a, float(factor), float(divisor), float(limit), out.numpy())
+    return out
+
+
+def exp_finish(
+    y: torch.Tensor, scale: float, chain: int, divisor: float, limit: float
+) -> torch.Tensor:
+    """The values of signed exponent codes y, sign 2^(chain - e) scale / divisor,
+    as float32 saturated at +-limit."""
+    from hopq.kernels._gqsgd_cpu_jit import exp_finish as jit
+
+    a, out = _finish_args(y)
+    jit(a, float(scale), int(chain), float(divisor), float(limit), out.numpy())
+    return out
