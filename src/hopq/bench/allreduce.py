@@ -164,12 +164,11 @@ def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
     return out
 
 
-def run(o: Options) -> str:
-    """Run the benchmark; return the report (markdown)."""
+def measure(o: Options) -> tuple[dict[tuple[str, int], float], str]:
+    """Times of every (method, size) of ``o`` (seconds, median of the slowest
+    rank's), the ring step's latency as ("step", 0), and where they ran."""
     from hopq.cluster.network import EmulatedNetwork, unavailable_reason
 
-    if o.agreement_cost:
-        return _agreement_report(o)
     n = o.world_size
     where = "loopback"
     if o.rate_mbit > 0:
@@ -184,6 +183,15 @@ def run(o: Options) -> str:
             where = f"an emulated network, {o.rate_mbit:g} Mbit/s per worker (tc tbf)"
     else:
         res = run_workers(n, _worker, o)[0]
+    return res, where
+
+
+def run(o: Options) -> str:
+    """Run the benchmark; return the report (markdown)."""
+    if o.agreement_cost:
+        return _agreement_report(o)
+    n = o.world_size
+    res, where = measure(o)
     methods = [NATIVE] + [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
     rows = []
     for size in _sizes(o):

@@ -9,9 +9,17 @@
 3. (``--parts quality``) the paper's Table 4 analogue: a workload trained with
    each codec in the loop (:mod:`hopq.bench.quality`, the tree all-reduce)
    over several seeds; the held-out loss after a fixed number of steps.
-2. The exponential reduce's throughput on one CPU core: the numba kernel's fused
-   hop (decode, validate, reduce, re-encode), the PyTorch reference, and a
-   float32 add (torch, one thread) as the ceiling, in M coordinates per second.
+2. The kernels' throughput on one CPU core: the exponential reduce's fused hop
+   (decode, validate, reduce, re-encode), the linear hop on int8 lanes, both
+   leaf quantizers and the PyTorch reference of the reduce, beside a float32 add
+   (torch, one thread) as the ceiling, in M coordinates per second.
+4. (``--parts costmodel``) the paper's section 7 model against the emulated
+   network: its all-reduce times T (no compression) and T^ (Global-QSGD) on
+   the tree, with its constants measured here (alpha: a ring step; beta: the
+   link; gamma, gamma^: a float add and each codec's reduce on one core; delta:
+   each codec's quantize + decode per byte, 0 as the paper assumes and as
+   measured), its speed-up condition (A.5), and the times measured by
+   ``hopq bench allreduce`` at two link rates in the same run.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from hopq.options import check_int, option
 from hopq.reporting import Progress, machine, markdown_table
 from hopq.sim import simulate
 
-PARTS = ("variance", "kernels", "quality")
+PARTS = ("variance", "kernels", "quality", "costmodel")
 #: Table 4's contenders: (label, codec name, its options); None: no compression.
 QUALITY_CODECS: tuple[tuple[str, str | None, dict[str, Any]], ...] = (
     ("no compression (fp32)", None, {}),
@@ -61,6 +69,11 @@ class GQSGDOptions:
     quality_steps: int = option(60, "training steps of the quality table")
     quality_workers: int = option(4, "simulated workers of the quality table")
     quality_batch: int = option(4, "sequences per worker of the quality table")
+    model_rates: tuple[float, ...] = option(
+        (1000.0, 100.0), "cost model: per-worker link rates (Mbit/s), the paper's P2P and SHM"
+    )
+    model_world: int = option(4, "cost model: Gloo ranks (the paper's 4 GPUs)")
+    model_bytes: int = option(16 << 20, "cost model: float32 bytes per rank")
 
     def __post_init__(self) -> None:
         bad = set(self.parts) - set(PARTS)
@@ -161,6 +174,8 @@ def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
 
             k = n / _best(hop, o.repeats) / 1e6
             rows.append(["numba fused hop (decode, reduce, encode)", f"{k:.0f}", f"{k / add:.2f}"])
+            for label, rate in _other_kernels(n, o.repeats):
+                rows.append([label, f"{rate:.0f}", f"{rate / add:.2f}"])
         else:
             rows.append(["numba fused hop", "numba not installed", ""])
         m = min(n, 1 << 21)
@@ -169,6 +184,154 @@ def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
         return rows
     finally:
         torch.set_num_threads(threads)
+
+
+def _other_kernels(n: int, repeats: int) -> list[tuple[str, float]]:
+    """M coordinates/s (one core) of gqsgd_cpu's other kernels on n coordinates."""
+    from hopq.kernels import gqsgd_cpu
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, generator=g)
+    lanes = torch.randint(-31, 32, (n,), generator=g, dtype=torch.int8).view(torch.uint8)
+    acc0 = torch.randint(-31, 32, (n,), generator=g).to(torch.float32)
+    out = torch.empty(n, dtype=torch.uint8)
+    accs = [acc0.clone() for _ in range(repeats + 1)]
+    codes = torch.randint(1, 40, (n,), generator=g).to(torch.float32)
+    key = (0x1234567, 0x89ABCDE)
+    fns = [
+        ("numba linear hop (int8 lanes: add, check, encode)",
+         lambda: gqsgd_cpu.linear_hop8(accs.pop(), lanes, 124, out)),
+        ("numba linear leaf quantize", lambda: gqsgd_cpu.linear_quantize(x, 7.0, 31, key)),
+        ("numba exp leaf quantize", lambda: gqsgd_cpu.exp_quantize(x, 5.0, 3, key)),
+        ("numba linear decode (finish)", lambda: gqsgd_cpu.linear_finish(acc0, 0.1, 4, 3e38)),
+        ("numba exp decode (finish)", lambda: gqsgd_cpu.exp_finish(codes, 5.0, 3, 4, 3e38)),
+    ]  # fmt: skip
+    rows = []
+    for label, f in fns:
+        f()  # compile / warm
+        rows.append((label, n / _best(f, repeats) / 1e6))
+    return rows
+
+
+def _one_core_rates(n: int = 1 << 22) -> dict[str, float]:
+    """Bytes per second on one core: gamma (a float32 add, of fp32 bytes), each
+    codec's reduce (gamma^, of its 1-byte codes) and its quantize + decode
+    (1 / delta, of fp32 bytes), and the codecs' plans (global max)."""
+    from hopq.codecs.base import LocalStats
+    from hopq.codecs.gqsgd import GQSGDLinear
+    from hopq.kernels import gqsgd_cpu
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)
+        out: dict[str, float] = {"gamma": 4 * n / _best(lambda: x.add_(y), 5)}
+        lin = _other_kernels(n, 3)[0][1]
+        out["gamma^ gqsgd-linear"] = lin * 1e6  # 1 byte per coordinate
+        e = torch.randint(4, 40, (2, n), generator=g, dtype=torch.int32)
+        body = codes_to_bytes(e[1])
+        acc = e[0].to(torch.float32)
+        o8 = torch.empty(n, dtype=torch.uint8)
+        red = n / _best(lambda: gqsgd_cpu.exp_reduce(acc.clone(), body, (1, 2), 0, 2, o8), 3)
+        out["gamma^ gqsgd-exp"] = red
+        for name, codec in (("gqsgd-linear", GQSGDLinear()), ("gqsgd-exp", GQSGDExp())):
+            st = LocalStats(world_size=4)
+
+            def whole(c: Any = codec, s: Any = st) -> None:
+                plan = c.plan(x, s)
+                c.finish(plan, c.prepare(plan, x), ReduceOp.AVG, 4)
+
+            out[f"delta {name}"] = _best(whole, 3) / (4 * n)  # seconds per fp32 byte
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def paper_model(
+    n: int, S: float, alpha: float, beta: float, gamma: float, rho: float = 1.0,
+    gamma_hat: float | None = None, delta: float = 0.0,
+) -> float:  # fmt: skip
+    """Global-QSGD's section 7 (appendix A) all-reduce time on a tree of n:
+    2 log(n) alpha + 2 log(n) S^/beta + log(n) S^/gamma^ + delta S, S^ = S / rho
+    (rho = 1, gamma^ = gamma, delta = 0: the uncompressed baseline T)."""
+    L = math.ceil(math.log2(n))
+    Sh = S / rho
+    return 2 * L * alpha + 2 * L * Sh / beta + L * Sh / (gamma_hat or gamma) + delta * S
+
+
+def speedup_condition(beta: float, gamma: float, rho: float, omega: float) -> bool:
+    """The paper's (A.5): compression pays when beta (rho - omega) > 2 gamma (1 - rho)."""
+    return beta * (rho - omega) > 2 * gamma * (1 - rho)
+
+
+def costmodel_section(o: GQSGDOptions) -> str:
+    from hopq.bench.allreduce import NATIVE, measure
+    from hopq.bench.allreduce import Options as AROptions
+
+    n, size = o.model_world, o.model_bytes
+    cores = os.cpu_count() or 1
+    rates = _one_core_rates()
+    gamma = rates["gamma"]
+    codecs = ("gqsgd-linear", "gqsgd-exp")
+    rows = []
+    for mbit in o.model_rates:
+        res, where = measure(
+            AROptions(
+                world_size=n, min_bytes=size, max_bytes=size, codecs=("fp32",) + codecs,
+                topologies=("tree", "ring"), budget_s=2.0, rate_mbit=mbit,
+            )
+        )  # fmt: skip
+        alpha, beta = res[("step", 0)], mbit * 1e6 / 8
+        base_model = paper_model(n, size, alpha, beta, gamma)
+        base = res[("fp32/tree", size)]
+        rows.append(
+            [f"{mbit:g}", "fp32 (none)", f"{base_model:.3f}", "", f"{base:.3f}", "", "",
+             f"{res[(NATIVE, size)]:.3f}", ""]
+        )  # fmt: skip
+        for c in codecs:
+            gh = rates[f"gamma^ {c}"]
+            omega = gamma / gh
+            t0 = paper_model(n, size, alpha, beta, gamma, 4.0, gh)
+            # ranks sharing the cores: each rank's codec work takes n / cores as long
+            td = paper_model(n, size, alpha, beta, gamma, 4.0, gh, rates[f"delta {c}"] * n / cores)
+            tree, ring = res[(f"{c}/tree", size)], res[(f"{c}/ring", size)]
+            cond = speedup_condition(beta, gamma, 4.0, omega)
+            rows.append(
+                [
+                    f"{mbit:g}", c, f"{t0:.3f} ({base_model / t0:.2f}x)",
+                    f"{td:.3f} ({base_model / td:.2f}x)",
+                    f"{tree:.3f} ({base / tree:.2f}x)", f"{omega:.2f}",
+                    f"{'yes' if cond else 'no'} / {'yes' if base / tree > 1 else 'no'}",
+                    f"{ring:.3f}", f"{res[(NATIVE, size)] / ring:.2f}x",
+                ]
+            )  # fmt: skip
+    delta = ", ".join(f"{c} {rates[f'delta {c}'] * 1e9:.2f} ns" for c in codecs)
+    return (
+        f"{n} Gloo ranks, {size / 2**20:g} MiB of float32 per rank, on {where.split(',')[0]} "
+        f"({machine()}); model constants measured in this run: alpha = the ring step "
+        f"({res[('step', 0)] * 1e6:.0f} us at the last rate), beta = the link, gamma = a "
+        f"float32 add on one core ({gamma / 1e9:.2f} GB/s), gamma^ = each codec's reduce on "
+        f"one core (gqsgd-linear {rates['gamma^ gqsgd-linear'] / 1e9:.2f} GB/s, gqsgd-exp "
+        f"{rates['gamma^ gqsgd-exp'] / 1e9:.2f} GB/s of codes), delta = quantize + decode per "
+        f"fp32 byte ({delta}; times {n}/{cores} for ranks sharing cores), rho = 4. "
+        "Speed-ups in the model and on the tree are against fp32 on the tree; the ring "
+        f"columns against `{NATIVE}` (Gloo's ring).\n\n"
+        + markdown_table(
+            [
+                "Mbit/s",
+                "codec",
+                "model T^ (s), delta = 0",
+                "model, delta measured",
+                "measured tree (s)",
+                "omega",
+                "A.5 predicts / measured a speed-up",
+                "measured ring (s)",
+                f"ring vs {NATIVE}",
+            ],
+            rows,
+        )  # fmt: skip
+    )
 
 
 def quality_section(o: GQSGDOptions, say: Any = None) -> str:
@@ -243,6 +406,10 @@ def run(o: GQSGDOptions) -> str:
         ]
     if "quality" in o.parts:
         parts.append("Training quality (the paper's Table 4):\n" + quality_section(o))
+    if "costmodel" in o.parts:
+        parts.append(
+            "The paper's cost model (section 7) against the network:\n" + costmodel_section(o)
+        )
     return "\n\n".join(parts)
 
 
