@@ -350,3 +350,23 @@ def test_kernels_saturate_like_the_reference(op):
         got = hopq.simulate(xs, make(backend="cpu"), "tree", seed=3, op=op)
         assert torch.isfinite(got.outputs[0]).all()
         assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))
+
+
+def test_paper_cost_model():
+    """Section 7's model and its speed-up condition (A.5): with rho = 4, a reduce
+    no slower than a float add (omega <= 4) always pays; omega = 79 (the paper's
+    exponential reduce) pays only below beta = 6 gamma / 75."""
+    from hopq.bench.gqsgd import paper_model, speedup_condition
+
+    n, S, alpha, beta, gamma = 4, 1e6, 1e-5, 1e8, 1e10
+    base = paper_model(n, S, alpha, beta, gamma)
+    assert base == pytest.approx(4 * alpha + 4 * S / beta + 2 * S / gamma)
+    fast = paper_model(n, S, alpha, beta, gamma, rho=4.0, gamma_hat=gamma)
+    assert fast == pytest.approx(4 * alpha + S / beta + 0.5 * S / gamma)
+    assert paper_model(n, S, alpha, beta, gamma, 4.0, gamma, delta=1e-9) == pytest.approx(
+        fast + 1e-3
+    )
+    assert all(speedup_condition(b, gamma, 4.0, 1.0) for b in (1e3, 1e9, 1e15))
+    edge = 6 * gamma / 75
+    assert speedup_condition(0.99 * edge, gamma, 4.0, 79.0)
+    assert not speedup_condition(1.01 * edge, gamma, 4.0, 79.0)
