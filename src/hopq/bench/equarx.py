@@ -150,6 +150,7 @@ TIMED = (
     Method("equarx biring RS+AG", "biring", "equarx"),
     Method("equarx full-loop RS only", "ring", "equarx", "bf16"),
     Method("equarx full-loop AG only", "ring", "bf16", "equarx"),
+    Method("naive FP8 E5M2 cast", "ring", "equarx", None, (("element", "e5m2"), ("scale", "none"))),
 )
 
 
