@@ -144,7 +144,9 @@ class GQSGDLinearConfig(CodecConfig):
         1, "fewest per-rank levels before the integer lane widens (8, then 16 bits)"
     )
     backend: Backend = option(
-        Backend.AUTO, "implementation of the leaf quantization (same bits)", choices=Backend
+        Backend.AUTO,
+        "implementation of the quantization, hop and decode (same bits)",
+        choices=Backend,
     )
 
     def __post_init__(self) -> None:
