@@ -186,8 +186,12 @@ def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
         torch.set_num_threads(threads)
 
 
-def _other_kernels(n: int, repeats: int) -> list[tuple[str, float]]:
-    """M coordinates/s (one core) of gqsgd_cpu's other kernels on n coordinates."""
+LINEAR_HOP = "numba linear hop (int8 lanes: add, check, encode)"
+
+
+def _other_kernels(n: int, repeats: int, only: str | None = None) -> list[tuple[str, float]]:
+    """M coordinates/s (one core) of gqsgd_cpu's other kernels on n coordinates
+    (``only``: just the one with that label)."""
     from hopq.kernels import gqsgd_cpu
 
     g = torch.Generator().manual_seed(1)
@@ -199,8 +203,7 @@ def _other_kernels(n: int, repeats: int) -> list[tuple[str, float]]:
     codes = torch.randint(1, 40, (n,), generator=g).to(torch.float32)
     key = (0x1234567, 0x89ABCDE)
     fns = [
-        ("numba linear hop (int8 lanes: add, check, encode)",
-         lambda: gqsgd_cpu.linear_hop8(accs.pop(), lanes, 124, out)),
+        (LINEAR_HOP, lambda: gqsgd_cpu.linear_hop8(accs.pop(), lanes, 124, out)),
         ("numba linear leaf quantize", lambda: gqsgd_cpu.linear_quantize(x, 7.0, 31, key)),
         ("numba exp leaf quantize", lambda: gqsgd_cpu.exp_quantize(x, 5.0, 3, key)),
         ("numba linear decode (finish)", lambda: gqsgd_cpu.linear_finish(acc0, 0.1, 4, 3e38)),
@@ -208,6 +211,8 @@ def _other_kernels(n: int, repeats: int) -> list[tuple[str, float]]:
     ]  # fmt: skip
     rows = []
     for label, f in fns:
+        if only is not None and label != only:
+            continue
         f()  # compile / warm
         rows.append((label, n / _best(f, repeats) / 1e6))
     return rows
@@ -219,6 +224,12 @@ def _one_core_rates(n: int = 1 << 22) -> dict[str, float]:
     (1 / delta, of fp32 bytes), and the codecs' plans (global max)."""
     from hopq.codecs.base import LocalStats
     from hopq.codecs.gqsgd import GQSGDLinear
+    from hopq.kernels import backend
+
+    if not backend("gqsgd-exp", "cpu").available():  # checked before numpy is imported
+        raise RuntimeError(
+            "hopq bench gqsgd --parts costmodel times the numba kernels: pip install 'hopq[cpu]'"
+        )
     from hopq.kernels import gqsgd_cpu
 
     threads = torch.get_num_threads()
@@ -227,7 +238,7 @@ def _one_core_rates(n: int = 1 << 22) -> dict[str, float]:
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)
         out: dict[str, float] = {"gamma": 4 * n / _best(lambda: x.add_(y), 5)}
-        lin = _other_kernels(n, 3)[0][1]
+        lin = _other_kernels(n, 3, only=LINEAR_HOP)[0][1]
         out["gamma^ gqsgd-linear"] = lin * 1e6  # 1 byte per coordinate
         e = torch.randint(4, 40, (2, n), generator=g, dtype=torch.int32)
         body = codes_to_bytes(e[1])
