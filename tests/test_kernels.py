@@ -130,6 +130,25 @@ def test_mixed_segments_match_reference(backend, cfg):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("width", [4, 16])
+def test_correlated_rounding_any_peer_count(backend, width):
+    """The permutation draw of correlated rounding takes different routes in the
+    CPU kernel (powers of two, other counts below 2^16, larger counts): every
+    route equals the reference, for the first and the last peer."""
+    cfg = {"widths": (width,), "budget": width + 1.0, "allocation": "fixed"}
+    ref, ker = DynamiQ(backend="reference", **cfg), DynamiQ(backend=backend, **cfg)
+    x = _data(2 * 256 + 77, "gaussian", seed=width)
+    stats = LocalStats(n_chunks=1, world_size=2, seed=7)
+    plan = ref.plan(x, stats)
+    work = ref.prepare(plan, x)
+    for peers in (2, 4, 6, 8, 12, 64, 1 << 15, (1 << 15) + 2, 40000, 1 << 16, 70001):
+        for peer in (0, peers - 1):
+            ctx = HopContext(7, 3, 0, 1, 0, 2, 1, peer, peers)
+            p_ref, p_ker = ref.encode(plan, work, ctx), ker.encode(plan, work, ctx)
+            assert torch.equal(p_ker, p_ref), f"encode differs ({peers} peers, peer {peer})"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nonfinite_input_matches_reference(backend):
     """NaN and Inf poison their super-group identically in both implementations."""
     cfg = {"widths": (4,), "budget": 5.0, "allocation": "fixed"}

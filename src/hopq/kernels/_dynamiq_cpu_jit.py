@@ -11,51 +11,76 @@ import numpy as np
 from numba import njit
 
 from hopq.kernels import Mode
-from hopq.numerics.rng import M1, M2
+from hopq.kernels._u32 import U32, hash32, uniform
 
 # plain ints: numba compiles them in as constants
 ENCODE, DECODE, DECODE_ACC = int(Mode.ENCODE), int(Mode.DECODE), int(Mode.DECODE_ACC)
 
 
-MASK = np.uint64(0xFFFFFFFF)
-U16, U15, U8 = np.uint64(16), np.uint64(15), np.uint64(8)
 ABS = np.int32(0x7FFFFFFF)
 BIG = np.float32(2.0**120)  # hopq.codecs.dynamiq.reference.BIG_SCALE
+FASTMOD_MAX = 1 << 16  # fastmod below is exact for numerators and divisors < 2^16
+POW2_MAX = 1 << 15  # (2u + 1) me stays below 2^31
+COUNT_MAX = 2  # tables of at most this many levels below the top: counted, not searched
 
 
 @njit(inline="always")
-def mix(x):
-    x = x ^ (x >> U16)
-    x = (x * np.uint64(M1)) & MASK
-    x = x ^ (x >> U15)
-    x = (x * np.uint64(M2)) & MASK
-    return x ^ (x >> U16)
+def fastmod16(a, c, d):
+    """a % d for a, d < 2^16, with c = ceil(2^32 / d) (Lemire, Kaser and Kurz
+    2019: exact when 32 >= 16 + log2(d)); multiplies instead of dividing."""
+    return np.int32((((c * np.uint64(a)) & np.uint64(0xFFFFFFFF)) * np.uint64(d)) >> np.uint64(32))
 
 
 @njit(inline="always")
-def hash32(i, k0, k1):
-    return mix(mix(np.uint64(i) ^ k0) ^ k1)
-
-
-@njit(inline="always")
-def uniform(i, k0, k1):
-    return np.float32(hash32(i, k0, k1) >> U8) * np.float32(2.0**-24)
-
-
-@njit(inline="always")
-def uniforms(ubuf, first, g0, g1, p0, p1, n, me, units):
-    """u of the reference's _uniforms for entries first .. first + len(ubuf)."""
-    for j in range(ubuf.size):
-        ubuf[j] = uniform(first + j, g0, g1)
+def uniforms(ubuf, count, first, g0, g1, p0, p1, n, me, pm, ib, tb):
+    """u of the reference's _uniforms for entries first .. first + count, into ubuf[:count].
+    ``pm[u] = (units[u] * me) % n``; ``ib``/``tb`` are int32 scratch. Split into
+    simple loops so that each vectorizes (the hashes in 8 uint32 lanes)."""
+    base = U32(first)
+    for j in range(count):
+        ubuf[j] = uniform(base + U32(j), g0, g1)
     if n > 1:
-        un = np.uint64(n)
-        nu = np.uint64(units.size)
+        nu = pm.size
+        n32 = np.int32(n)
         fn = np.float32(n)
-        for j in range(ubuf.size):
-            h = hash32(first + j, p0, p1)
-            mult = np.uint64(units[(h >> U16) % nu])
-            pi = (mult * np.uint64(me) + (h & np.uint64(0xFFFF)) % un) % un
+        if n & (n - 1) == 0 and n <= POW2_MAX:
+            # n a power of two: the units are the odd numbers below n in order
+            # (mult = 2 u + 1) and every modulo is a mask; one loop, no gather
+            m = n32 - np.int32(1)
+            hm = np.int32(nu - 1)
+            me32 = np.int32(me)
+            for j in range(count):
+                h = hash32(base + U32(j), p0, p1)
+                ui = np.int32(h >> U32(16)) & hm
+                pi = ((np.int32(2) * ui + np.int32(1)) * me32 + (np.int32(h & U32(0xFFFF)) & m)) & m
+                ubuf[j] = (np.float32(pi) + ubuf[j]) / fn
+            return
+        if n < FASTMOD_MAX:
+            cu = np.uint64(-(-(1 << 32) // nu))
+            cn = np.uint64(-(-(1 << 32) // n))
+            for j in range(count):
+                h = hash32(base + U32(j), p0, p1)
+                ib[j] = fastmod16(h >> U32(16), cu, nu)
+                tb[j] = fastmod16(h & U32(0xFFFF), cn, n)
+        else:
+            for j in range(count):
+                h = np.int64(hash32(base + U32(j), p0, p1))
+                ib[j] = np.int32((h >> 16) % nu)
+                tb[j] = np.int32((h & 0xFFFF) % n)
+        for j in range(count):
+            tb[j] += pm[ib[j]]  # (mult * me) % n + shift % n, < 2n
+        for j in range(count):
+            pi = tb[j]
+            pi = pi - n32 if pi >= n32 else pi
             ubuf[j] = (np.float32(pi) + ubuf[j]) / fn
+
+
+@njit(inline="always")
+def unit_multiples(units, n, me):
+    pm = np.empty(units.size, np.int32)
+    for u in range(units.size):
+        pm[u] = np.int32((np.int64(units[u]) * me) % n)
+    return pm
 
 
 @njit(inline="always")
@@ -72,9 +97,10 @@ def impl(
     codes_at = 2 * k + k * ng
     nbm = np.int32((1 << nb_log) - 1)
     fnb = np.float32(1 << nb_log)
-    g0, g1 = np.uint64(gk[0]), np.uint64(gk[1])
-    p0, p1 = np.uint64(pk[0]), np.uint64(pk[1])
-    s0, s1 = np.uint64(sk[0]), np.uint64(sk[1])
+    g0, g1 = U32(gk[0]), U32(gk[1])
+    p0, p1 = U32(pk[0]), U32(pk[1])
+    s0, s1 = U32(sk[0]), U32(sk[1])
+    pm = unit_multiples(units, n, me)
     zero = np.float32(0.0)
     f255 = np.float32(255.0)
     tm = np.int32(top - 1)
@@ -82,22 +108,27 @@ def impl(
     bufi = buf.view(np.int32)
     ubuf = np.empty(S, np.float32)
     ybuf = np.empty(S, np.float32)
+    gme = np.empty(S, np.float32)
     lob = np.empty(S, np.float32)
     db = np.empty(S, np.float32)
     lvb = np.empty(S, np.int32)
     codes = np.empty(S, np.int32)
+    ib = np.empty(S, np.int32)
+    tb = np.empty(S, np.int32)
     gmi = np.empty(ng, np.int32)
     gmax = gmi.view(np.float32)
     sc = np.empty(1, np.int32)
     scf = sc.view(np.float32)
-    dtab = np.empty(top + 1, np.float32)
-    for i in range(top + 1):
+    dtab = np.empty(top, np.float32)
+    for i in range(top):
         dtab[i] = tab[i + 1] - tab[i]  # the reference's hi - lo
     for r in range(k):
         R = row0 + r
         base = r * S
         if mode != ENCODE:
-            # -- decode (+ accumulate) ------------------------------------
+            # -- decode (+ accumulate), in loops that vectorize: scales spread
+            # per entry, codes unpacked, magnitudes looked up and scaled, the
+            # sign put in as a bit (what the reference's negation does).
             sc[0] = np.int32((np.int32(inb[2 * r]) | (np.int32(inb[2 * r + 1]) << 8)) << 16)
             M = scf[0]
             cb = codes_at + r * code_bytes
@@ -106,10 +137,15 @@ def impl(
                 # reference.group_scales: no overflow for huge M
                 sf = rg * M / f255 if M < BIG else rg * (M / f255)
                 for t in range(s):
-                    j = gi * s + t
-                    c = (np.int32(inb[cb + (j >> per_log)]) >> ((j & (per - 1)) * w)) & mask
-                    mag = tab[c & (top - 1)] * sf
-                    buf[j] = -mag if c >= top else mag
+                    gme[gi * s + t] = sf
+            for o in range(code_bytes):
+                byte = np.int32(inb[cb + o])
+                for t in range(per):
+                    codes[o * per + t] = (byte >> (t * w)) & mask
+            for j in range(S):
+                buf[j] = tab[codes[j] & tm] * gme[j]
+            for j in range(S):
+                bufi[j] ^= (codes[j] >> (w - 1)) << 31
             if mode == DECODE:
                 for j in range(S):
                     outf[base + j] = buf[j]
@@ -145,39 +181,55 @@ def impl(
             g = gmax[gi] / Mf * f255 if Mf > zero else zero
             if not (abs(g) < np.float32(np.inf)):  # nan_to_num
                 g = zero
-            us = uniform(R * ng + gi, s0, s1)
+            us = uniform(U32(R * ng + gi), s0, s1)
             fl = np.floor(g)
             q = fl + (np.float32(1.0) if us < g - fl else zero)
             outb[2 * k + r * ng + gi] = np.uint8(min(max(q, zero), f255))
         # -- encode: entries --------------------------------------------
-        uniforms(ubuf, R * S, g0, g1, p0, p1, n, me, units)
+        uniforms(ubuf, S, R * S, g0, g1, p0, p1, n, me, pm, ib, tb)
         for gi in range(ng):
             gm = gmax[gi]
             for t in range(s):
-                j = gi * s + t
-                ybuf[j] = abs(buf[j]) / gm if gm > zero else zero
+                gme[gi * s + t] = gm
+        for j in range(S):
+            gm = gme[j]
+            ybuf[j] = abs(buf[j]) / gm if gm > zero else zero
         if top == 1:  # levels {0, 1}: p = (y - 0) / (1 - 0) = y
             for j in range(S):
                 codes[j] = np.int32(ubuf[j] < ybuf[j]) | (np.int32(buf[j] < zero) << (w - 1))
         else:
-            for j in range(S):  # the level search (scalar: gathers)
-                y = ybuf[j]
-                b = min(np.int32((y if y == y else zero) * fnb), nbm)
-                lv = bucket[b]
-                # step up while the next level is <= y (an extra step is harmless)
-                lv += np.int32(tab[lv + 1] <= y)
-                lv += np.int32(tab[lv + 1] <= y)
-                lvb[j] = lv
-            if steps > 2:  # uneven tables (large eps) only
+            if top <= COUNT_MAX:
+                # small tables: the level is the number of levels 1 .. top-1 at
+                # or below y (the reference's searchsorted index; a NaN counts
+                # none and is sent to the top level below), lo and hi - lo
+                # selected along (no gathers, so the loop vectorizes)
                 for j in range(S):
-                    for _ in range(steps - 2):
+                    y = ybuf[j]
+                    lv = np.int32(0)
+                    lo = tab[0]
+                    d = dtab[0]
+                    for i in range(1, top):
+                        le = tab[i] <= y
+                        lv += np.int32(le)
+                        lo = tab[i] if le else lo
+                        d = dtab[i] if le else d
+                    nan = y != y
+                    lvb[j] = tm if nan else lv
+                    lob[j] = tab[tm] if nan else lo
+                    db[j] = dtab[tm] if nan else d
+            else:
+                for j in range(S):  # a bucket table gives a start a few levels below
+                    y = ybuf[j]
+                    lvb[j] = bucket[min(np.int32((y if y == y else zero) * fnb), nbm)]
+                for _ in range(steps):  # step up while the next level is <= y
+                    for j in range(S):
                         lvb[j] += np.int32(tab[lvb[j] + 1] <= ybuf[j])
-            for j in range(S):
-                y = ybuf[j]
-                lv = min(lvb[j], tm) if y == y else tm
-                lvb[j] = lv
-                lob[j] = tab[lv]
-                db[j] = dtab[lv]
+                for j in range(S):
+                    y = ybuf[j]
+                    lv = min(lvb[j], tm) if y == y else tm
+                    lvb[j] = lv
+                    lob[j] = tab[lv]
+                    db[j] = dtab[lv]
             for j in range(S):
                 p = (ybuf[j] - lob[j]) / db[j]
                 codes[j] = (lvb[j] + np.int32(ubuf[j] < p)) | (np.int32(buf[j] < zero) << (w - 1))
@@ -206,37 +258,48 @@ def segment8(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, 
 
 @njit(nogil=True, cache=True, boundscheck=False)
 def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):
-    g0, g1 = np.uint64(gk[0]), np.uint64(gk[1])
-    p0, p1 = np.uint64(pk[0]), np.uint64(pk[1])
-    xs = np.empty(k * S, np.float32)
+    """bf16 with stochastic rounding, in blocks of B entries whose scratch stays
+    in cache (whole-segment scratch cost page faults on every call)."""
+    g0, g1 = U32(gk[0]), U32(gk[1])
+    p0, p1 = U32(pk[0]), U32(pk[1])
+    pm = unit_multiples(units, n, me)
+    B = 4096
+    xs = np.empty(B, np.float32)
     xi = xs.view(np.int32)
-    ubuf = np.empty(k * S, np.float32)
-    if mode != ENCODE:
-        vi = np.empty(k * S, np.int32)
-        for i in range(k * S):
-            vi[i] = np.int32((np.int32(inb[2 * i]) | (np.int32(inb[2 * i + 1]) << 8)) << 16)
-        v = vi.view(np.float32)
-        if mode == DECODE:
-            for i in range(k * S):
-                outf[i] = v[i]
-            return
-        for i in range(k * S):
-            xs[i] = local[i] + v[i]
-        if mode == DECODE_ACC:
-            for i in range(k * S):
-                outf[i] = xs[i]
-            return
-    else:
-        for i in range(k * S):
-            xs[i] = local[i]
-    uniforms(ubuf, row0 * S, g0, g1, p0, p1, n, me, units)
-    for i in range(k * S):
-        # bf16 rounded up with probability (low 16 bits) / 2^16, on the bits
-        up = (np.int64(xi[i]) + np.int64(ubuf[i] * np.float32(65536.0))) >> 16
-        if (up & 0x7FFF) == 0x7F80 and (xi[i] & ABS) < 0x7F800000:  # saturate, as the reference
-            up -= 1
-        outb[2 * i] = np.uint8(up & 0xFF)
-        outb[2 * i + 1] = np.uint8((up >> 8) & 0xFF)
+    vi = np.empty(B, np.int32)
+    v = vi.view(np.float32)
+    ubuf = np.empty(B, np.float32)
+    ib = np.empty(B, np.int32)
+    tb = np.empty(B, np.int32)
+    total = k * S
+    for b0 in range(0, total, B):
+        m = min(B, total - b0)
+        if mode != ENCODE:
+            for i in range(m):
+                q = 2 * (b0 + i)
+                vi[i] = np.int32((np.int32(inb[q]) | (np.int32(inb[q + 1]) << 8)) << 16)
+            if mode == DECODE:
+                for i in range(m):
+                    outf[b0 + i] = v[i]
+                continue
+            for i in range(m):
+                xs[i] = local[b0 + i] + v[i]
+            if mode == DECODE_ACC:
+                for i in range(m):
+                    outf[b0 + i] = xs[i]
+                continue
+        else:
+            for i in range(m):
+                xs[i] = local[b0 + i]
+        uniforms(ubuf, m, row0 * S + b0, g0, g1, p0, p1, n, me, pm, ib, tb)
+        for i in range(m):
+            # bf16 rounded up with probability (low 16 bits) / 2^16, on the bits
+            up = (np.int64(xi[i]) + np.int64(ubuf[i] * np.float32(65536.0))) >> 16
+            if (up & 0x7FFF) == 0x7F80 and (xi[i] & ABS) < 0x7F800000:  # saturate, as the reference
+                up -= 1
+            q = 2 * (b0 + i)
+            outb[q] = np.uint8(up & 0xFF)
+            outb[q + 1] = np.uint8((up >> 8) & 0xFF)
 
 
 SEGMENT = {2: segment2, 4: segment4, 8: segment8, 16: segment16}

@@ -89,8 +89,10 @@ if triton is not None:
         if CORR:
             h = _hash(idx, p0, p1)
             un = n.to(tl.uint32)
-            mult = tl.load(units + ((h >> 16) % nu.to(tl.uint32))).to(tl.uint32)
-            pi = (mult * me.to(tl.uint32) + (h & 0xFFFF) % un) % un
+            # units holds (unit * me) % n (no 32-bit overflow for any n): the sum
+            # of two residues is below 2n, one conditional subtraction reduces it
+            pi = tl.load(units + ((h >> 16) % nu.to(tl.uint32))).to(tl.uint32) + (h & 0xFFFF) % un
+            pi = tl.where(pi >= un, pi - un, pi)
             u = tl.div_rn(pi.to(tl.float32) + u, n.to(tl.float32))
         return u
 
@@ -263,8 +265,9 @@ def _tables(
 
 
 @lru_cache(maxsize=64)
-def _units(units: tuple[int, ...], device: str) -> torch.Tensor:
-    return torch.tensor(units, dtype=torch.int32, device=device)
+def _units(units: tuple[int, ...], peers: int, peer: int, device: str) -> torch.Tensor:
+    """(unit * peer) % peers for each unit: the kernel adds the shift to it."""
+    return torch.tensor([u * peer % peers for u in units], dtype=torch.int32, device=device)
 
 
 _LAUNCH = {} if interpreting() else {"enable_fp_fusion": False}
@@ -310,7 +313,7 @@ def run_segment(
     loc = local if local is not None else dummy_f
     outf = out_rows if out_rows is not None else dummy_f
     outb = out_payload if out_payload is not None else dummy_b
-    un = _units(units, dev)
+    un = _units(units, peers, peer, dev)
     corr = peers > 1
     with _INTERPRETER_LOCK:
         if width == 16:
