@@ -21,7 +21,7 @@ ABS = np.int32(0x7FFFFFFF)
 BIG = np.float32(2.0**120)  # hopq.codecs.dynamiq.reference.BIG_SCALE
 FASTMOD_MAX = 1 << 16  # fastmod below is exact for numerators and divisors < 2^16
 POW2_MAX = 1 << 15  # (2u + 1) me stays below 2^31
-COUNT_MAX = 2  # tables of at most this many levels below the top: counted, not searched
+COUNT_MAX = 8  # tables of at most this many levels below the top: counted, not searched
 
 
 @njit(inline="always")
@@ -200,23 +200,18 @@ def impl(
         else:
             if top <= COUNT_MAX:
                 # small tables: the level is the number of levels 1 .. top-1 at
-                # or below y (the reference's searchsorted index; a NaN counts
-                # none and is sent to the top level below), lo and hi - lo
-                # selected along (no gathers, so the loop vectorizes)
+                # or below y (the reference's searchsorted index), counted in a
+                # loop that vectorizes; a NaN goes to the top level below
                 for j in range(S):
                     y = ybuf[j]
                     lv = np.int32(0)
-                    lo = tab[0]
-                    d = dtab[0]
                     for i in range(1, top):
-                        le = tab[i] <= y
-                        lv += np.int32(le)
-                        lo = tab[i] if le else lo
-                        d = dtab[i] if le else d
-                    nan = y != y
-                    lvb[j] = tm if nan else lv
-                    lob[j] = tab[tm] if nan else lo
-                    db[j] = dtab[tm] if nan else d
+                        lv += np.int32(tab[i] <= y)
+                    lvb[j] = lv if y == y else tm
+                for j in range(S):
+                    lv = lvb[j]
+                    lob[j] = tab[lv]
+                    db[j] = dtab[lv]
             else:
                 for j in range(S):  # a bucket table gives a start a few levels below
                     y = ybuf[j]

@@ -6,19 +6,8 @@ numba is installed); module-level so that numba's on-disk cache finds it."""
 import numpy as np
 from numba import njit
 
-from hopq.numerics.rng import M1, M2
-
-U32 = np.uint32
-
-
-@njit(inline="always")
-def _mix(x):
-    """lowbias32 in native uint32 arithmetic (8 lanes per AVX2 vector)."""
-    x = U32(x ^ (x >> U32(16)))
-    x = U32(x * U32(M1))
-    x = U32(x ^ (x >> U32(15)))
-    x = U32(x * U32(M2))
-    return U32(x ^ (x >> U32(16)))
+from hopq.kernels._u32 import U32, hash32
+from hopq.kernels._u32 import uniform as _uniform
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
@@ -55,7 +44,7 @@ def exp_reduce(acc, body, k0, k1, start, emin, out, write_out):
         same = (a > zero) == (b > zero)
         diff = el - eh
         j = diff if same else diff - one
-        h = _mix(_mix((base + U32(i)) ^ k0) ^ k1)
+        h = hash32(base + U32(i), k0, k1)
         shift = U32(np.int32(32) - min(max(j, one), np.int32(32)))
         ev = np.int32(((h >> shift) == U32(0)) & (j <= np.int32(32))) | np.int32(j <= zero)
         e_res = eh - ev if same else eh + ev
@@ -67,12 +56,6 @@ def exp_reduce(acc, body, k0, k1, start, emin, out, write_out):
                 (r * (one if r > zero else -one)) | (np.int32(128) if r < zero else zero)
             )
     return bad
-
-
-@njit(inline="always")
-def _uniform(i, k0, k1):
-    """The reference's uniform(): 24 bits of lowbias32(lowbias32(i ^ k0) ^ k1)."""
-    return np.float32(_mix(_mix(i ^ k0) ^ k1) >> U32(8)) * np.float32(2.0**-24)
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
