@@ -1,5 +1,6 @@
 """DynamiQ's own guarantees (the registry grid covers the generic ones)."""
 
+import itertools
 import math
 
 import pytest
@@ -283,3 +284,52 @@ def test_chunk_local_layout_keeps_the_whole_vector_error():
     assert 4.95 < local.bits_per_coord <= 5.0 + 1e-6
     # fewer payload bits (the statistics weigh double): a little more error
     assert local.vnmse < rs.vnmse < 1.5 * local.vnmse
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_layout_follows_its_definition(seed):
+    """The plan's layout, written as loops over super-groups (the definition):
+    super-groups stably sorted by width (within each caller chunk), chunks cut
+    where a super-group's byte midpoint passes c / n of the bytes, segments the
+    runs of one width inside each chunk."""
+    from hopq.codecs.dynamiq.layout import build_plan
+
+    g = torch.Generator().manual_seed(seed)
+    cfg = DynamiQConfig()
+    m = int(torch.randint(0, 300, (1,), generator=g))
+    widths = [(0, 2, 4, 8, 16)[int(i)] for i in torch.randint(0, 5, (m,), generator=g)]
+    n, micro = 1 + seed % 4, 1 + seed % 3
+    chunked = seed % 2 == 1 and m > 4
+    starts = (0, m // 3, m // 2, m) if chunked else ()
+    bounds = tuple(s * cfg.supergroup_size for s in starts) if chunked else None
+
+    def cut(sizes, parts):
+        total, acc, k, out = sum(sizes), 0, 0, [0]
+        for c in range(1, parts):
+            while k < len(sizes) and acc + sizes[k] / 2 <= total * c / parts:
+                acc, k = acc + sizes[k], k + 1
+            out.append(k)
+        return [*zip(out, [*out[1:], len(sizes)], strict=True)]
+
+    ranges = list(itertools.pairwise(starts)) if chunked else [(0, m)]
+    order = [j for lo, hi in ranges for j in sorted(range(lo, hi), key=lambda j: widths[j])]
+    sw = [widths[j] for j in order]
+    nbytes = [cfg.sg_bits(w) // 8 for w in sw]
+    chunks = []
+    for lo, hi in ranges:
+        for a, b in cut(nbytes[lo:hi], 1 if chunked else n):
+            chunks += [(lo + a + p, lo + a + q) for p, q in cut(nbytes[lo + a : lo + b], micro)]
+    plan = build_plan(cfg, m * 256, widths, n, torch.zeros(m), 5.0, micro, bounds, starts)
+    assert plan.perm.tolist() == order and list(plan.widths) == sw
+    assert plan.chunks == tuple((a * 256, b * 256) for a, b in chunks)
+    for (lo, hi), segs in zip(chunks, plan.segments, strict=True):
+        runs = [
+            (k, e)
+            for k, e in itertools.pairwise(
+                [lo, *[k for k in range(lo + 1, hi) if sw[k] != sw[k - 1]], hi]
+            )
+            if e > k
+        ]
+        assert [(s.lo, s.hi, s.width, s.nbytes) for s in segs] == [
+            (k, e, sw[k], sum(nbytes[k:e])) for k, e in runs
+        ]
