@@ -102,3 +102,19 @@ def test_progress_on_a_terminal_keeps_the_label_rich_would_eat():
         for _ in range(3):
             p.update("[x] info")
     assert "[bf16]" in buf.getvalue()  # escaped, not taken as a style tag
+
+
+def test_bench_allreduce_reports_bytes_and_codec_work():
+    """The all-reduce benchmark runs end to end (2 ranks, one small size) and says
+    what each method sent and how long its codec worked."""
+    from hopq.bench import allreduce
+
+    o = allreduce.Options(
+        world_size=2, min_bytes=4096, max_bytes=4096, codecs=("bf16",), topologies=("ring",),
+        budget_s=0.01,
+    )  # fmt: skip
+    report = allreduce.run(o)
+    assert "sent / rank" in report and "codec work (ms)" in report
+    row = next(line for line in report.splitlines() if "bf16/ring" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[8] == "2 KiB"  # 1024 coordinates as bfloat16, once around a 2-rank ring

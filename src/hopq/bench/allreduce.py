@@ -13,6 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,11 +21,14 @@ import torch.distributed as dist
 from hopq.cluster.launch import run_workers
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
 from hopq.comm.collectives import all_reduce
+from hopq.comm.engine import RunStats
 from hopq.comm.topology import TOPOLOGIES, get_schedule
 from hopq.options import option
 from hopq.reporting import human_bytes, machine, markdown_table
 
 NATIVE = "torch.distributed"
+#: (method, size) -> seconds, ("step", 0) -> seconds, (method, size, "bytes" | "codec")
+Results = dict[tuple[Any, ...], float]
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,12 @@ def _agreement_report(o: Options) -> str:
     )
 
 
-def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
-    out: dict[tuple[str, int], float] = {}
+def _worker(rank: int, n: int, o: Options) -> Results:
+    """Per (method, size): the median time; for hopq's methods also, as
+    (method, size, "bytes") and (method, size, "codec"), the most bytes any rank
+    sent in one call and the largest per-rank median of its codec work (the
+    call's seconds not spent waiting on the transport)."""
+    out: Results = {}
     if n > 1:
         out[("step", 0)] = _step_latency(rank, n)
     methods = [NATIVE] + [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
@@ -154,17 +162,33 @@ def _worker(rank: int, n: int, o: Options) -> dict[tuple[str, int], float]:
     for size in _sizes(o):
         x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
         for m in methods:
+            runs: list[RunStats] = []
             fn: Callable[[], object] = functools.partial(dist.all_reduce, x)
             if m != NATIVE:
-                fn = functools.partial(all_reduce, x, codecs[m], m.split("/")[1])
+                call = functools.partial(all_reduce, x, codecs[m], m.split("/")[1])
+
+                def fn(call: Callable[[], RunStats] = call, runs: list[RunStats] = runs) -> None:
+                    runs.append(call())
+
             fn()  # warm-up (and first-call setup)
             first = _time(fn, 1)[0]
             iters = max(3, min(200, int(o.budget_s / max(first, 1e-6))))
+            runs.clear()
             out[(m, size)] = statistics.median(_time(fn, iters))
+            if runs:
+                mine = torch.tensor(
+                    [
+                        max(r.bytes_sent for r in runs),
+                        statistics.median(r.seconds - r.comm_seconds for r in runs),
+                    ],
+                    dtype=torch.float64,
+                )
+                dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+                out[(m, size, "bytes")], out[(m, size, "codec")] = mine.tolist()
     return out
 
 
-def measure(o: Options) -> tuple[dict[tuple[str, int], float], str]:
+def measure(o: Options) -> tuple[Results, str]:
     """Times of every (method, size) of ``o`` (seconds, median of the slowest
     rank's), the ring step's latency as ("step", 0), and where they ran."""
     from hopq.cluster.network import EmulatedNetwork, unavailable_reason
@@ -200,17 +224,24 @@ def run(o: Options) -> str:
             t = res[(m, size)]
             algbw = size / t / 1e9
             bf16 = res.get((f"bf16/{m.split('/')[1]}", size)) if m != NATIVE else None
-            rows.append(
-                [
-                    human_bytes(size),
-                    m,
-                    f"{t * 1e6:.0f}",
-                    f"{algbw:.3f}",
-                    f"{algbw * 2 * (n - 1) / n:.3f}",
-                    f"{t / base:.2f}",
-                    f"{bf16 / t:.2f}x" if bf16 else "",
-                ]
-            )
+            # a ring's bytes for Gloo's own algorithm; hopq counts what it sent
+            sent = res.get((m, size, "bytes"), 2 * (n - 1) / n * size)
+            codec = res.get((m, size, "codec"))
+            row = [
+                human_bytes(size),
+                m,
+                f"{t * 1e6:.0f}",
+                f"{algbw:.3f}",
+                f"{algbw * 2 * (n - 1) / n:.3f}",
+                f"{t / base:.2f}",
+                f"{bf16 / t:.2f}x" if bf16 else "",
+                human_bytes(int(sent)),
+                f"{codec * 1e3:.0f}" if codec is not None else "",
+            ]
+            if o.rate_mbit > 0:
+                ideal = sent * 8 / (o.rate_mbit * 1e6)
+                row += [f"{ideal * 1e3:.0f}", f"{t / ideal:.2f}x"]
+            rows.append(row)
     head = f"{n} Gloo ranks on one machine ({machine()}), over {where}\n"
     if ("step", 0) in res:
         step = res[("step", 0)]
@@ -219,15 +250,32 @@ def run(o: Options) -> str:
             f"so a {2 * (n - 1)}-step ring cannot finish in under {2 * (n - 1) * step * 1e6:.0f} us.\n"
         )
     head += "\n"
-    return head + markdown_table(
-        [
-            "size",
-            "method",
-            "time (us)",
-            "algbw (GB/s)",
-            "busbw (GB/s)",
-            f"time / {NATIVE}",
-            "speedup vs bf16",
-        ],
-        rows,
+    return (
+        head
+        + markdown_table(
+            [
+                "size",
+                "method",
+                "time (us)",
+                "algbw (GB/s)",
+                "busbw (GB/s)",
+                f"time / {NATIVE}",
+                "speedup vs bf16",
+                "sent / rank",
+                "codec work (ms)",
+            ]
+            + (["wire ideal (ms)", "time / ideal"] if o.rate_mbit > 0 else []),
+            rows,
+        )
+        + (
+            "\n\nsent / rank: the most payload and statistics bytes one rank sent in a call "
+            f"(for {NATIVE}, a ring's 2(n-1)/n of the tensor); codec work: the largest "
+            "per-rank median of a call's seconds not spent waiting on the transport"
+            + (
+                "; wire ideal: sent / rank at the link rate, the time a call takes if "
+                "nothing but the link limits it."
+                if o.rate_mbit > 0
+                else "."
+            )
+        )
     )
