@@ -3,6 +3,7 @@ kernel backend (all of which produce the same bits)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -63,6 +64,11 @@ def saturate_finite_rows(out: torch.Tensor, mu: torch.Tensor, S: int) -> torch.T
     """Adding the means back can push an estimate just past float32's limit when the
     true sum lies just below it: such entries saturate. A super-group with a NaN
     or Inf input has a non-finite mean, and keeps its poison."""
+    if out.numel() == 0:
+        return out
+    lo, hi = torch.aminmax(out)  # one pass, no mask (a NaN takes the full path)
+    if bool(lo > -math.inf) and bool(hi < math.inf):
+        return out
     inf = torch.isinf(out)
     if not bool(inf.any()):
         return out
