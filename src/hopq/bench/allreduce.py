@@ -71,9 +71,15 @@ def _sizes(o: Options) -> list[int]:
     return out
 
 
-def _time(fn: Callable[[], object], iters: int) -> list[float]:
+def _time(
+    fn: Callable[[], object], iters: int, reset: Callable[[], object] | None = None
+) -> list[float]:
+    """Seconds of each of ``iters`` calls (the slowest rank's); ``reset`` runs
+    untimed before each."""
     times = []
     for _ in range(iters):
+        if reset is not None:
+            reset()
         dist.barrier()
         t0 = time.perf_counter()
         fn()
@@ -108,18 +114,21 @@ def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, boo
     methods = [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
     codecs = {m: get_codec(m.split("/")[0]) for m in methods}
     for size in _sizes(o):
-        x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+        x0 = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+        x = x0.clone()
+        reset = functools.partial(x.copy_, x0)  # the same data for every call
         for m in methods:
             fn = functools.partial(all_reduce, x, codecs[m], m.split("/")[1])
+            reset()
             fn()
-            first = _time(fn, 1)[0]
+            first = _time(fn, 1, reset)[0]
             iters = max(5, min(100, int(o.budget_s / max(first, 1e-6))))
             times: dict[bool, list[float]] = {True: [], False: []}
             try:
                 for _ in range(iters):
                     for on in (True, False):
                         engine.AGREEMENT = on
-                        times[on] += _time(fn, 1)
+                        times[on] += _time(fn, 1, reset)
             finally:
                 engine.AGREEMENT = True
             for on in (True, False):
@@ -160,7 +169,12 @@ def _worker(rank: int, n: int, o: Options) -> Results:
     methods = [NATIVE] + [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
     codecs = {m: get_codec(m.split("/")[0]) for m in methods if m != NATIVE}
     for size in _sizes(o):
-        x = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+        x0 = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
+        x = x0.clone()
+        # every call starts from the same data: an in-place sum grows n-fold per
+        # call (to Inf within ~64 calls), and statistics-driven codecs (GComp's
+        # code table) would see drifting inputs
+        reset = functools.partial(x.copy_, x0)
         for m in methods:
             runs: list[RunStats] = []
             fn: Callable[[], object] = functools.partial(dist.all_reduce, x)
@@ -170,11 +184,12 @@ def _worker(rank: int, n: int, o: Options) -> Results:
                 def fn(call: Callable[[], RunStats] = call, runs: list[RunStats] = runs) -> None:
                     runs.append(call())
 
+            reset()
             fn()  # warm-up (and first-call setup)
-            first = _time(fn, 1)[0]
+            first = _time(fn, 1, reset)[0]
             iters = max(3, min(200, int(o.budget_s / max(first, 1e-6))))
             runs.clear()
-            out[(m, size)] = statistics.median(_time(fn, iters))
+            out[(m, size)] = statistics.median(_time(fn, iters, reset))
             if runs:
                 mine = torch.tensor(
                     [
