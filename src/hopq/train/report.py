@@ -161,7 +161,11 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     ax.set_ylabel("seconds per step")
     ax.set_title("Step time breakdown (the hooks overlap the backward pass)")
     ax.tick_params(axis="x", labelrotation=30)
-    ax.legend(fontsize=7)
+    tops = [c + e for c, e in zip(compute, exposed, strict=True)] + [w for _, w in shown]
+    tops = [t for t in tops if not math.isnan(t)]
+    if tops:  # headroom, so that the legend sits above the bars, not over them
+        ax.set_ylim(0, 1.4 * max(tops))
+    ax.legend(fontsize=7, loc="upper left")
     made.append(save_figure(fig, folder / "breakdown.png").name)
 
     series = {
