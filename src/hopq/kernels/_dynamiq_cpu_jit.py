@@ -84,6 +84,28 @@ def unit_multiples(units, n, me):
 
 
 @njit(inline="always")
+def stage(mode, dec, local, base, m, x, outf):
+    """The values a hop encodes, in x[:m]: ``local[base:]`` (ENCODE) or the decoded
+    ``dec`` plus it; DECODE and DECODE_ACC write their result to ``outf[base:]``
+    instead and return True (nothing to encode)."""
+    if mode == ENCODE:
+        for i in range(m):
+            x[i] = local[base + i]
+        return False
+    if mode == DECODE:
+        for i in range(m):
+            outf[base + i] = dec[i]
+        return True
+    for i in range(m):
+        x[i] = local[base + i] + dec[i]
+    if mode == DECODE_ACC:
+        for i in range(m):
+            outf[base + i] = x[i]
+        return True
+    return False
+
+
+@njit(inline="always")
 def impl(
     w, mode, k, S, s, row0, inb, local, outf, outb,
     gk, pk, n, me, units, sk, tab, bucket, nb_log, steps,
@@ -146,19 +168,8 @@ def impl(
                 buf[j] = tab[codes[j] & tm] * gme[j]
             for j in range(S):
                 bufi[j] ^= (codes[j] >> (w - 1)) << 31
-            if mode == DECODE:
-                for j in range(S):
-                    outf[base + j] = buf[j]
-                continue
-            for j in range(S):
-                buf[j] = local[base + j] + buf[j]
-            if mode == DECODE_ACC:
-                for j in range(S):
-                    outf[base + j] = buf[j]
-                continue
-        else:
-            for j in range(S):
-                buf[j] = local[base + j]
+        if stage(mode, buf, local, base, S, buf, outf):
+            continue
         # -- encode: scales. Maxima of |x| on the bit patterns (same order as
         # the floats for x >= 0; a NaN's pattern tops them all, like amax).
         mi = np.int32(0)
@@ -273,19 +284,8 @@ def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):
             for i in range(m):
                 q = 2 * (b0 + i)
                 vi[i] = np.int32((np.int32(inb[q]) | (np.int32(inb[q + 1]) << 8)) << 16)
-            if mode == DECODE:
-                for i in range(m):
-                    outf[b0 + i] = v[i]
-                continue
-            for i in range(m):
-                xs[i] = local[b0 + i] + v[i]
-            if mode == DECODE_ACC:
-                for i in range(m):
-                    outf[b0 + i] = xs[i]
-                continue
-        else:
-            for i in range(m):
-                xs[i] = local[b0 + i]
+        if stage(mode, v, local, b0, m, xs, outf):
+            continue
         uniforms(ubuf, m, row0 * S + b0, g0, g1, p0, p1, n, me, pm, ib, tb)
         for i in range(m):
             # bf16 rounded up with probability (low 16 bits) / 2^16, on the bits
