@@ -11,10 +11,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 @pytest.fixture(scope="session", autouse=True)
 def _compiled_cpu_kernels():
-    """Compile DynamiQ's numba kernels once, in this process, before any test
+    """Compile DynamiQ's and EQuARX's numba kernels once, in this process, before any test
     spawns workers: numba's disk cache then serves every worker (otherwise each
     would compile its own copy, concurrently, on the first CI run)."""
-    from hopq.kernels import dynamiq_cpu
+    from hopq.kernels import dynamiq_cpu, equarx_cpu
 
     if dynamiq_cpu.available():
         dynamiq_cpu.warm_up()
+        equarx_cpu.warm_up()

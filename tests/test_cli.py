@@ -5,7 +5,9 @@ runs whether or not output is a terminal."""
 import io
 
 import pytest
+import torch
 
+import hopq
 from hopq import cli
 from hopq.options import parse_codec_option
 from hopq.reporting import Progress
@@ -111,10 +113,15 @@ def test_bench_allreduce_reports_bytes_and_codec_work():
 
     o = allreduce.Options(
         world_size=2, min_bytes=4096, max_bytes=4096, codecs=("bf16",), topologies=("ring",),
-        budget_s=0.01,
+        budget_s=0.01, microshards=(0, 3),
     )  # fmt: skip
     report = allreduce.run(o)
     assert "sent / rank" in report and "codec work (ms)" in report
-    row = next(line for line in report.splitlines() if "bf16/ring" in line)
-    cells = [c.strip() for c in row.split("|")]
-    assert cells[8] == "2 KiB"  # 1024 coordinates as bfloat16, once around a 2-rank ring
+    for method in ("bf16/ring ", "bf16/ring/u3 "):  # the engine's depth, then 3 messages
+        row = next(line for line in report.splitlines() if method in line)
+        cells = [c.strip() for c in row.split("|")]
+        assert cells[8] == "2 KiB"  # 1024 coordinates as bfloat16, once around a 2-rank ring
+    with pytest.raises(ValueError, match="microshards"):
+        allreduce.Options(microshards=(0, -2))
+    with pytest.raises(ValueError, match="microshards"):
+        hopq.simulate([torch.ones(8)] * 2, "bf16", "ring", microshards=0)

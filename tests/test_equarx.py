@@ -336,3 +336,107 @@ def test_stages_real_run_equals_simulator():
         sim = hopq.simulate(_inputs(n, size, seed=size), codec, topology, seed=2, gather_codec=g)
         assert torch.equal(sim.outputs[0].view(torch.int32), x.view(torch.int32)), key
         assert sim.bytes_sent == [res[r][key][1] for r in range(n)], key
+
+
+# -- the numba kernel ---------------------------------------------------------------------
+def _kernel_or_skip() -> None:
+    from hopq.kernels import equarx_cpu
+
+    if not equarx_cpu.available():
+        pytest.skip("numba not installed")  # the torch-only environment
+
+
+def _hard_data(n: int, seed: int) -> torch.Tensor:
+    """Magnitudes over many binades, NaN, +-Inf, signed zeros, a zero block and
+    values at the top of float32's range."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g) ** 6
+    for i, v in zip(
+        (3, 7, 11, 13, 41, 42),
+        (math.nan, math.inf, -math.inf, -0.0, 3.3e38, -3.4028e38),
+        strict=True,
+    ):
+        if i < n:
+            x[i] = v
+    x[20:90] = 0.0
+    return x
+
+
+@pytest.mark.parametrize("layout", ["strided", "contiguous"])
+@pytest.mark.parametrize("scale", ["bf16", "fp32"])
+@pytest.mark.parametrize("geometry", [(1, 1), (3, 5), (64, 1024)])
+def test_cpu_kernel_matches_reference_bit_for_bit(layout, scale, geometry):
+    """Encode, decode, decode-accumulate and the fused hop of the numba kernel give
+    the reference's bytes and floats, for every geometry and awkward part size."""
+    _kernel_or_skip()
+    block, scales = geometry
+    kw = dict(layout=layout, scale=scale, block=block, scales=scales)
+    ref, cpu = EQuARX(backend="reference", **kw), EQuARX(backend="cpu", **kw)
+    assert cpu.kernels(torch.device("cpu")) is not None
+    for i, n in enumerate((1, 2, 63, 65, 1607, 70001)):
+        x, y = _hard_data(n, i), _hard_data(n, i + 50).flip(0)
+        plan = ref.plan(x, LocalStats())
+        p = ref.encode(plan, x.clone(), CTX)
+        assert torch.equal(cpu.encode(plan, x.clone(), CTX), p)
+        got = []
+        for c in (ref, cpu):
+            out, acc, loc = torch.empty(n), y.clone(), y.clone()
+            c.decode(plan, p, CTX, out)
+            c.decode_accumulate(plan, p, acc, CTX)
+            q = c.decode_accumulate_encode(plan, p, loc, CTX)
+            got.append((out.view(torch.int32), acc.view(torch.int32), loc.view(torch.int32), q))
+        for a, b in zip(*got, strict=True):
+            assert torch.equal(a, b), (n, kw)
+
+
+@pytest.mark.parametrize("scale", ["bf16", "fp32"])
+def test_cpu_kernel_decodes_any_valid_payload_like_the_reference(scale):
+    """Random codes (the non-finite marker -128 included) under zero, tiny and
+    huge scales: the same floats."""
+    _kernel_or_skip()
+    g = torch.Generator().manual_seed(3)
+    ref, cpu = EQuARX(backend="reference", scale=scale), EQuARX(backend="cpu", scale=scale)
+    n = 3 * 65536 + 999
+    plan = ref.plan(torch.empty(n), LocalStats())
+    ns, sb = ref.config.n_scales(n), 2 if scale == "bf16" else 4
+    p = torch.randint(0, 256, (ref.config.payload_nbytes(n),), dtype=torch.uint8, generator=g)
+    sc = torch.rand(ns, generator=g) * 10
+    sc[::3], sc[1], sc[2] = 0.0, 3.38e38, 1e-40
+    if scale == "fp32":
+        sc[4] = 3.4028e38  # code 127 decodes past float32's range: clamped
+    p[: ns * sb] = sc.to(torch.bfloat16 if scale == "bf16" else torch.float32).view(torch.uint8)
+    a, b = torch.empty(n), torch.empty(n)
+    ref.decode(plan, p, CTX, a)
+    cpu.decode(plan, p, CTX, b)
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_cpu_kernel_rejects_bad_scales_before_writing():
+    _kernel_or_skip()
+    codec = EQuARX(backend="cpu", block=8, scales=4)
+    x = torch.randn(100)
+    plan = codec.plan(x, LocalStats())
+    good = codec.encode(plan, x.clone(), CTX)
+    for v in (math.nan, math.inf, -1.0, -0.0):
+        p = good.clone()
+        p[6:8] = torch.tensor([v], dtype=torch.bfloat16).view(torch.uint8)  # scale 3
+        y = torch.ones(100)
+        for method, args in (
+            (codec.decode, (plan, p, CTX, y)),
+            (codec.decode_accumulate, (plan, p, y, CTX)),
+            (codec.decode_accumulate_encode, (plan, p, y, CTX)),
+        ):
+            with pytest.raises(PayloadError, match="scale"):
+                method(*args)
+            assert torch.equal(y, torch.ones(100))
+
+
+@pytest.mark.parametrize("topology", ["ring", "semiloop", "butterfly"])
+def test_simulation_with_kernel_equals_reference(topology):
+    _kernel_or_skip()
+    xs = [_hard_data(70001, s) for s in range(5)]
+    for kw in ({}, {"layout": "contiguous", "scale": "fp32"}):
+        ref = hopq.simulate(xs, EQuARX(backend="reference", **kw), topology, microshards=3)
+        got = hopq.simulate(xs, EQuARX(backend="cpu", **kw), topology, microshards=3)
+        assert got.identical
+        assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))

@@ -51,6 +51,11 @@ class Options:
     agreement_cost: bool = option(
         False, "instead: time every codec with and without the agreement, interleaved"
     )
+    microshards: tuple[int, ...] = option(
+        (0,),
+        "messages per schedule chunk and step (the pipeline's depth); 0: the engine's "
+        "choice by size; several: each is timed as its own method",
+    )
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.min_bytes < 4 or self.max_bytes < self.min_bytes:
@@ -58,6 +63,17 @@ class Options:
         for t in self.topologies:
             get_schedule(t, 1)
         self.resolved_codecs()
+        if not self.microshards or any(u < 0 or u > 64 for u in self.microshards):
+            raise ValueError("--microshards: counts from 1 to 64, or 0 for the engine's choice")
+
+    def methods(self) -> list[str]:
+        """``native`` and every codec/topology[/u<microshards>] to time."""
+        return [NATIVE] + [
+            f"{c}/{t}" + (f"/u{u}" if u else "")
+            for c in self.resolved_codecs()
+            for t in self.topologies
+            for u in self.microshards
+        ]
 
     def resolved_codecs(self) -> list[str]:
         return resolve_codecs(self.codecs)
@@ -69,6 +85,12 @@ def _sizes(o: Options) -> list[int]:
         out.append(s)
         s *= 4
     return out
+
+
+def _microshards(method: str) -> int | None:
+    """The microshard count a method names (``codec/topology/u4``), or None: auto."""
+    parts = method.split("/")
+    return int(parts[2][1:]) if len(parts) > 2 else None
 
 
 def _time(
@@ -166,7 +188,7 @@ def _worker(rank: int, n: int, o: Options) -> Results:
     out: Results = {}
     if n > 1:
         out[("step", 0)] = _step_latency(rank, n)
-    methods = [NATIVE] + [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
+    methods = o.methods()
     codecs = {m: get_codec(m.split("/")[0]) for m in methods if m != NATIVE}
     for size in _sizes(o):
         x0 = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
@@ -179,7 +201,9 @@ def _worker(rank: int, n: int, o: Options) -> Results:
             runs: list[RunStats] = []
             fn: Callable[[], object] = functools.partial(dist.all_reduce, x)
             if m != NATIVE:
-                call = functools.partial(all_reduce, x, codecs[m], m.split("/")[1])
+                call = functools.partial(
+                    all_reduce, x, codecs[m], m.split("/")[1], microshards=_microshards(m)
+                )
 
                 def fn(call: Callable[[], RunStats] = call, runs: list[RunStats] = runs) -> None:
                     runs.append(call())
@@ -231,14 +255,14 @@ def run(o: Options) -> str:
         return _agreement_report(o)
     n = o.world_size
     res, where = measure(o)
-    methods = [NATIVE] + [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
+    methods = o.methods()
     rows = []
     for size in _sizes(o):
         base = res[(NATIVE, size)]
         for m in methods:
             t = res[(m, size)]
             algbw = size / t / 1e9
-            bf16 = res.get((f"bf16/{m.split('/')[1]}", size)) if m != NATIVE else None
+            bf16 = res.get(("bf16" + m[m.index("/") :], size)) if m != NATIVE else None
             # a ring's bytes for Gloo's own algorithm; hopq counts what it sent
             sent = res.get((m, size, "bytes"), 2 * (n - 1) / n * size)
             codec = res.get((m, size, "codec"))

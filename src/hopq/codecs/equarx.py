@@ -56,7 +56,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar
+from functools import lru_cache
+from typing import Any, ClassVar
 
 import torch
 
@@ -76,6 +77,7 @@ from hopq.codecs.base import (
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
+from hopq.kernels import CpuBackend, Mode, resolve
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.div import div, div_
 from hopq.options import check_int, coerce_enums, option
@@ -125,6 +127,11 @@ class EQuARXConfig(CodecConfig):
     #: 8x128: the TPU register tile the paper's scales follow (section III-B).
     scales: int = option(1024, "scales per minishard (strided layout): the tile size")
     scale: ScaleFormat = option(ScaleFormat.BF16, "scale format ('none': naive FP8 cast)")
+    backend: CpuBackend = option(
+        CpuBackend.AUTO,
+        "implementation of int8 encode and decode (same bits; FP8 runs the reference)",
+        choices=CpuBackend,
+    )
 
     def __post_init__(self) -> None:
         coerce_enums(self, "equarx")
@@ -201,6 +208,63 @@ class EQuARXCodec(Codec[Plan]):
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         return div_(y, world_size) if op is ReduceOp.AVG else y
 
+    # -- kernels -------------------------------------------------------------
+    def kernels(self, device: torch.device) -> Any:
+        """The kernel module for int8 codes on ``device`` (:mod:`hopq.kernels.equarx_cpu`),
+        or None for the reference (FP8 elements, the naive cast, no numba)."""
+        cfg = self.config
+        if cfg.element is not Element.INT8 or cfg.scale is ScaleFormat.NONE:
+            return None
+        return _resolve(cfg.backend.value, device.type)
+
+    def _kernel(self, mode: Mode, n: int, device: torch.device, **tensors: Any) -> int | None:
+        """Run the kernel on a part of ``n`` entries, or None where the reference must
+        (no kernel, or a tensor that is not contiguous float32)."""
+        k = self.kernels(device)
+        if k is None or any(t is not None and not t.is_contiguous() for t in tensors.values()):
+            return None
+        cfg = self.config
+        return int(
+            k.run(
+                mode, n, cfg.minishard, cfg.per_minishard, cfg.block,
+                _SCALE_BYTES[cfg.scale], **tensors,
+            )
+        )  # fmt: skip
+
+    def _check_decoded(self, plan: Plan, payload: torch.Tensor, n: int, ctx: HopContext) -> None:
+        check_payload(payload, plan.payload_nbytes[ctx.chunk], f"{self.name} part {ctx.chunk}")
+        if self.config.payload_nbytes(n) != payload.numel():
+            raise PayloadError(f"{self.name}: payload of {payload.numel()} bytes for {n} entries")
+
+    def _bad_scales(self, bad: int | None) -> bool:
+        """Whether the kernel ran (raises for invalid scales, as the reference)."""
+        if bad:
+            raise PayloadError(f"{self.name}: a scale is negative, NaN or Inf ({bad} of them)")
+        return bad is not None
+
+    def decode_accumulate(
+        self, plan: Plan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        self._check_decoded(plan, payload, acc.numel(), ctx)
+        bad = self._kernel(
+            Mode.DECODE_ACC, acc.numel(), acc.device, payload=payload.contiguous(), local=acc
+        )
+        if not self._bad_scales(bad):
+            super().decode_accumulate(plan, payload, acc, ctx)
+
+    def decode_accumulate_encode(
+        self, plan: Plan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        n = local.numel()
+        self._check_decoded(plan, payload, n, ctx)
+        out = torch.empty(self.config.payload_nbytes(n), dtype=torch.uint8)
+        bad = self._kernel(
+            Mode.DAR, n, local.device, payload=payload.contiguous(), local=local, out_payload=out
+        )
+        if self._bad_scales(bad):
+            return out
+        return super().decode_accumulate_encode(plan, payload, local, ctx)
+
     # -- geometry ------------------------------------------------------------
     def _views(self, v: torch.Tensor) -> list[torch.Tensor]:
         """``v`` (one part, any dtype) as 3-D blocks (segments, rows, scales):
@@ -243,6 +307,10 @@ class EQuARXCodec(Codec[Plan]):
         n = chunk.numel()
         if cfg.scale is ScaleFormat.NONE:
             return self._quantize(chunk, chunk).view(torch.uint8).reshape(-1)
+        if chunk.device.type == "cpu" and chunk.dtype == torch.float32:
+            out = torch.empty(cfg.payload_nbytes(n), dtype=torch.uint8)
+            if self._kernel(Mode.ENCODE, n, chunk.device, local=chunk, out_payload=out) is not None:
+                return out
         scales: list[torch.Tensor] = []
         codes: list[torch.Tensor] = []
         for blk in self._views(chunk):
@@ -279,9 +347,11 @@ class EQuARXCodec(Codec[Plan]):
     def decode(self, plan: Plan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
         cfg = self.config
         n = out.numel()
-        check_payload(payload, plan.payload_nbytes[ctx.chunk], f"{self.name} part {ctx.chunk}")
-        if cfg.payload_nbytes(n) != payload.numel():
-            raise PayloadError(f"{self.name}: payload of {payload.numel()} bytes for {n} entries")
+        self._check_decoded(plan, payload, n, ctx)
+        if out.dtype == torch.float32 and self._bad_scales(
+            self._kernel(Mode.DECODE, n, out.device, payload=payload.contiguous(), out_rows=out)
+        ):
+            return
         dtype = _ELEMENT_DTYPE[cfg.element]
         ns = cfg.n_scales(n)
         sb = ns * _SCALE_BYTES[cfg.scale]
@@ -329,6 +399,11 @@ class EQuARXCodec(Codec[Plan]):
             amax = (top + err) * (1 + 2.0**-7)
             err += rel * amax * (1 + 2.0**-20) + 2.0**-23 * (top + err) + 1e-37
         return torch.full_like(abs_sum, err)
+
+
+@lru_cache(maxsize=8)
+def _resolve(choice: str, device_type: str) -> Any:
+    return resolve("equarx", choice, device_type)
 
 
 def _e4m3_nan(codes: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -67,7 +66,7 @@ from hopq.codecs.base import (
 )
 from hopq.codecs.registry import register
 from hopq.errors import PayloadError
-from hopq.kernels import GQSGDExpKernels, resolve
+from hopq.kernels import CpuBackend, GQSGDExpKernels, resolve
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_bits
 from hopq.numerics.div import div
 from hopq.numerics.fp_formats import keep_finite
@@ -120,12 +119,8 @@ def _nan(plan: Plan, device: torch.device) -> torch.Tensor:
     return torch.full((plan.numel,), float("nan"), device=device)
 
 
-class Backend(str, Enum):
-    #: The numba kernels (:mod:`hopq.kernels.gqsgd_cpu`) for CPU tensors when
-    #: numba is installed, else the reference.
-    AUTO = "auto"
-    REFERENCE = "reference"
-    CPU = "cpu"
+#: auto: the numba kernels (:mod:`hopq.kernels.gqsgd_cpu`) when numba is installed.
+Backend = CpuBackend
 
 
 def _kernels(codec: str, backend: Backend, device: torch.device) -> GQSGDExpKernels | None:

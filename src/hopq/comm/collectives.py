@@ -124,6 +124,7 @@ def all_reduce(
     timeout: float = engine.DEFAULT_TIMEOUT_S,
     gather_codec: str | Codec[Any] | None = None,
     pipeline: bool = True,
+    microshards: int | None = None,
 ) -> engine.RunStats:
     """Compressed all-reduce of ``tensor`` in place over ``group`` (default: WORLD).
 
@@ -153,7 +154,7 @@ def all_reduce(
     y, info = engine.run(
         call.codec, flat, schedule, transport, seed=call.seed, op=call.op, scratch=in_place,
         key=call.key, timeout=call.timeout, gather_codec=call.gather_codec, pipeline=pipeline,
-        premul=call.premul,
+        premul=call.premul, microshards=microshards,
     )  # fmt: skip
     if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
         with torch.no_grad():

@@ -62,8 +62,12 @@ from hopq.errors import CodecError
 #: hopq's own timeout for a call, in seconds: a few minutes, not Gloo's 30.
 DEFAULT_TIMEOUT_S = 300.0
 #: Coordinates per microshard: a schedule chunk of d/n coordinates moves as
-#: ceil(d / n / MICROSHARD_COORDS) messages (at most MAX_MICROSHARDS).
-MICROSHARD_COORDS = 1 << 20
+#: ceil(d / n / MICROSHARD_COORDS) messages (at most MAX_MICROSHARDS). Measured
+#: with ``hopq bench allreduce --microshards 1 2 4 8 16`` (4 ranks, ring, 200
+#: Mbit/s emulated link, docs/bench/allreduce.md): at 16 and 64 MiB, EQuARX and
+#: DynamiQ gain 10-20% from 1 to 4-8 messages per chunk and bf16 is flat; on plain
+#: loopback, where a message costs about a millisecond here, more than 2 lose.
+MICROSHARD_COORDS = 1 << 18
 MAX_MICROSHARDS = 8
 #: Whether calls start with the agreement. Only ``hopq bench allreduce
 #: --agreement-cost`` turns it off, to measure what it costs; never in use.
@@ -581,6 +585,8 @@ def run(
     label = what or f"{kind}({codec.name}, {schedule.topology}, key={key})"
     deadline = Deadline(timeout)
     info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
+    if microshards is not None and not (isinstance(microshards, int) and microshards >= 1):
+        raise ValueError(f"microshards must be a positive int or None, got {microshards!r}")
     u = (
         microshards
         if microshards is not None

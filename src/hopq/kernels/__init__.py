@@ -14,6 +14,7 @@ codec          backend     module                                     needs
 dynamiq        ``cpu``     :mod:`hopq.kernels.dynamiq_cpu` (numba)     ``hopq[cpu]``
 gcomp          ``cpu``     :mod:`hopq.kernels.gcomp_cpu` (numba)       ``hopq[cpu]``
 dynamiq        ``triton``  :mod:`hopq.kernels.dynamiq_triton`          ``hopq[triton]``
+equarx         ``cpu``     :mod:`hopq.kernels.equarx_cpu` (numba)      ``hopq[cpu]``
 gqsgd-exp      ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
 gqsgd-linear   ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
 ============  ==========  ========================================  ===================
@@ -26,11 +27,21 @@ import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
 from types import ModuleType
 from typing import Protocol
 
 import torch
+
+
+class CpuBackend(str, Enum):
+    """The ``backend`` option of the codecs whose kernels are numba CPU kernels
+    (equarx, gcomp, gqsgd): the same bits either way."""
+
+    #: The numba kernels for CPU tensors when numba is installed, else the reference.
+    AUTO = "auto"
+    REFERENCE = "reference"
+    CPU = "cpu"
 
 
 class Mode(IntEnum):
@@ -89,6 +100,7 @@ _BACKENDS: list[KernelBackend] = [
     KernelBackend(
         "dynamiq", "cpu", "hopq.kernels.dynamiq_cpu", ("cpu",), ("numba", "numpy"), "cpu"
     ),
+    KernelBackend("equarx", "cpu", "hopq.kernels.equarx_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
     KernelBackend("gcomp", "cpu", "hopq.kernels.gcomp_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
     KernelBackend(
         "gqsgd-exp", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
@@ -263,6 +275,7 @@ class GQSGDExpKernels(Protocol):
 
 
 __all__ = [
+    "CpuBackend",
     "DynamiQKernels",
     "GQSGDExpKernels",
     "KernelBackend",

@@ -28,7 +28,6 @@ ring, adapted to hopq's multi-hop engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -49,15 +48,11 @@ from hopq.codecs.gcomp.huffman import Table, build_table, table_from_lengths
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
-from hopq.kernels import resolve
+from hopq.kernels import CpuBackend, resolve
 from hopq.numerics.div import div_
 from hopq.options import check_int, coerce_enums, option
 
-
-class Backend(str, Enum):
-    AUTO = "auto"
-    REFERENCE = "reference"
-    CPU = "cpu"
+Backend = CpuBackend  # auto: hopq.kernels.gcomp_cpu when numba is installed
 
 
 @dataclass(frozen=True)

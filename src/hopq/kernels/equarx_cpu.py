@@ -1,0 +1,65 @@
+"""EQuARX's CPU kernel (numba): int8 codes with bfloat16 or float32 scales, in
+either block geometry, one pass per stage over a part; the same bits as the
+PyTorch reference (:class:`hopq.codecs.equarx.EQuARXCodec`).
+``tests/test_equarx.py`` holds it to the reference bit for bit.
+
+The reference builds each stage from about ten whole-part tensor operations
+(finite mask, absolute values, block maxima, the scale's rounding, division,
+rounding, clamps, selects, the byte concatenation); here a segment of the part
+(64 K entries at the paper's geometry, 256 KB) is decoded and accumulated in
+one pass, its column maxima taken in a second and its codes written in a third,
+while it stays in cache. The FP8 elements (E4M3, E5M2) run the reference.
+
+numba is optional (``pip install hopq[cpu]``); without it the codec runs the
+reference. The first call compiles (cached on disk afterwards).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hopq.kernels import Mode, backend
+
+_EMPTY_U8 = np.empty(0, np.uint8)
+_EMPTY_F32 = np.empty(0, np.float32)
+
+
+def available() -> bool:
+    return backend("equarx", "cpu").available()
+
+
+def run(
+    mode: Mode,
+    n: int,
+    minishard: int,
+    columns: int,
+    block: int,
+    scale_bytes: int,
+    *,
+    payload: torch.Tensor | None = None,
+    local: torch.Tensor | None = None,
+    out_rows: torch.Tensor | None = None,
+    out_payload: torch.Tensor | None = None,
+) -> int:
+    """One part of ``n`` entries in ``mode`` (see :data:`hopq.kernels.Mode`):
+    minishards of ``minishard`` entries in rows of ``columns`` (one scale per
+    column; a shorter last one has min(columns, ceil(rest / block)) columns),
+    scales of ``scale_bytes`` (2: bfloat16, 4: float32). Tensors are contiguous
+    CPU tensors: payloads uint8, ``local`` / ``out_rows`` float32 of n entries.
+    Returns the number of invalid scales in ``payload`` (negative, NaN or Inf),
+    in which case nothing was written."""
+    from hopq.kernels._equarx_cpu_jit import hop
+
+    inb = payload.detach().numpy() if payload is not None else _EMPTY_U8
+    loc = local.detach().numpy() if local is not None else _EMPTY_F32
+    outf = out_rows.detach().numpy() if out_rows is not None else _EMPTY_F32
+    outb = out_payload.detach().numpy() if out_payload is not None else _EMPTY_U8
+    return int(hop(int(mode), n, minishard, columns, block, scale_bytes, inb, loc, outf, outb))
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the kernel."""
+    x = torch.randn(300)
+    out = torch.empty(300 + 2 * 10, dtype=torch.uint8)
+    run(Mode.ENCODE, 300, 64, 2, 32, 2, local=x, out_payload=out)
