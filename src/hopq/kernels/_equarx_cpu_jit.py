@@ -1,5 +1,10 @@
 """The numba function behind :mod:`hopq.kernels.equarx_cpu` (imported only when
-numba is installed); module-level so that numba's on-disk cache finds it."""
+numba is installed); module-level so that numba's on-disk cache finds it.
+
+Inner loops index row slices (``row[c]``, c from ``range``) rather than the
+whole array at ``q + c``: numba cannot tell that ``q + c`` is non-negative and
+wraps negative indices, which keeps LLVM from vectorizing; with slices the
+quantization runs 2.5x and the maxima 1.5-2x faster."""
 
 # mypy: ignore-errors
 
@@ -16,6 +21,8 @@ _LIM = np.float32(128.0)
 #: 1.5 * 2^23: adding and subtracting it rounds |v| <= 2^22 to an integer,
 #: ties to even (the FPU's rounding mode), as torch.round does.
 _MAGIC = np.float32(12582912.0)
+_ABS = np.int32(0x7FFFFFFF)
+_INF_BITS = np.int32(0x7F800000)
 
 
 @njit(inline="always")
@@ -34,6 +41,44 @@ def _scale(inb, k, sbytes, bits, fbits):
     return fbits[0]
 
 
+@njit(inline="always")
+def _decoded(code, f):
+    """The reference's dequantization of an int8 code with factor A / 127."""
+    v = np.float32(code) * f
+    v = min(max(v, -_FMAX), _FMAX)
+    return np.float32(np.nan) if code == -128 else v
+
+
+@njit(inline="always")
+def _code(x, a):
+    """The reference's quantization of x under scale a: round(x / a * 127),
+    ties to even, clamped to +-127; -128 for a non-finite x."""
+    v = x / a * _Q if a > _F0 else _F0
+    v = min(max(v, -_LIM), _LIM)
+    v = (v + _MAGIC) - _MAGIC
+    v = min(max(v, -_Q), _Q)
+    return np.int32(v) if abs(x) < _INF else np.int32(-128)
+
+
+@njit(inline="always")
+def _put_scale(outb, k, sbytes, amax_bits, bits, fbits):
+    """Write scale k from the bit pattern of a block's finite absmax (bf16:
+    rounded up, finite in, finite out) and return its float32 value."""
+    mi = np.int64(amax_bits)
+    if sbytes == 2:
+        mb = (mi + 0xFFFF) >> 16
+        if mb == 0x7F80:
+            mb = 0x7F7F
+        outb[2 * k] = np.uint8(mb & 0xFF)
+        outb[2 * k + 1] = np.uint8((mb >> 8) & 0xFF)
+        bits[0] = np.int32(mb << 16)
+    else:
+        for t in range(4):
+            outb[4 * k + t] = np.uint8((mi >> (8 * t)) & 0xFF)
+        bits[0] = np.int32(mi)
+    return fbits[0]
+
+
 @njit(nogil=True, cache=True, boundscheck=False)
 def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
     """One part of n entries in ``mode`` (hopq.kernels.Mode). Geometry as
@@ -46,7 +91,10 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
     ENCODE: local -> outb. DECODE: inb -> outf. DECODE_ACC: local += decode(inb).
     DAR: local += decode(inb), then local -> outb. Every float operation is the
     reference's, in its order. Returns the number of invalid scales (negative,
-    NaN or Inf; then nothing was written) or 0."""
+    NaN or Inf; then nothing was written) or 0.
+
+    Maxima are taken on bit patterns (|x| as int32: the same order as the
+    floats for x >= 0, and integer maxima vectorize), non-finite entries as 0."""
     full = n // M
     rest = n - full * M
     last_cols = min(S, (rest + block - 1) // block) if rest > 0 else 0
@@ -62,9 +110,9 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
             bad += 1 if (bits[0] < 0 or not (a < _INF)) else 0
         if bad:
             return bad
+    locali = local.view(np.int32)
     fac = np.empty(S, np.float32)
-    amax = np.empty(S, np.float32)
-    amaxi = amax.view(np.int32)
+    amaxi = np.empty(S, np.int32)
     a32 = np.empty(S, np.float32)
     nseg = full + (1 if rest > 0 else 0)
     for j in range(nseg):
@@ -72,60 +120,62 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
         C = S if j < full else last_cols
         L = M if j < full else rest
         s0 = j * S
+        # rows of C columns; one scale per column. C == 1 (the contiguous
+        # layout) is one row of L entries under one scale: its loops run
+        # over the row instead of over one-entry rows.
         if mode != ENCODE:
             for c in range(C):
                 fac[c] = _scale(inb, s0 + c, sbytes, bits, fbits) / _Q
-            for r0 in range(0, L, C):
-                w = min(C, L - r0)
-                q = p + r0
-                for c in range(w):
-                    code = np.int32(np.int8(inb[sb + q + c]))
-                    v = np.float32(code) * fac[c]
-                    v = min(max(v, -_FMAX), _FMAX)
-                    v = np.float32(np.nan) if code == -128 else v
-                    if mode == DECODE:
-                        outf[q + c] = v
-                    else:
-                        local[q + c] = local[q + c] + v
+            if C == 1:
+                f = fac[0]
+                codes = inb[sb + p : sb + p + L]
+                dst = outf[p : p + L] if mode == DECODE else local[p : p + L]
+                for i in range(L):
+                    v = _decoded(np.int32(np.int8(codes[i])), f)
+                    dst[i] = v if mode == DECODE else dst[i] + v
+            else:
+                for r0 in range(0, L, C):
+                    w = min(C, L - r0)
+                    q = p + r0
+                    codes = inb[sb + q : sb + q + w]
+                    dst = outf[q : q + w] if mode == DECODE else local[q : q + w]
+                    for c in range(w):
+                        v = _decoded(np.int32(np.int8(codes[c])), fac[c])
+                        dst[c] = v if mode == DECODE else dst[c] + v
         if mode in (DECODE, DECODE_ACC):
             continue
         # -- encode: per column the largest finite |x| ------------------------
+        if C == 1:
+            row = locali[p : p + L]
+            mi = np.int32(0)
+            for i in range(L):
+                a = row[i] & _ABS
+                mi = max(mi, a if a < _INF_BITS else np.int32(0))
+            amaxi[0] = mi
+        else:
+            for c in range(C):
+                amaxi[c] = 0
+            for r0 in range(0, L, C):
+                w = min(C, L - r0)
+                row = locali[p + r0 : p + r0 + w]
+                for c in range(w):
+                    a = row[c] & _ABS
+                    a = a if a < _INF_BITS else np.int32(0)
+                    amaxi[c] = a if a > amaxi[c] else amaxi[c]
         for c in range(C):
-            amax[c] = _F0
-        for r0 in range(0, L, C):
-            w = min(C, L - r0)
-            q = p + r0
-            for c in range(w):
-                a = abs(local[q + c])
-                a = a if a < _INF else _F0
-                amax[c] = a if a > amax[c] else amax[c]
-        for c in range(C):
-            k = s0 + c
-            if sbytes == 2:
-                mi = np.int64(amaxi[c])
-                mb = (mi + 0xFFFF) >> 16  # round_up_bf16, finite in, finite out
-                if mb == 0x7F80:
-                    mb = 0x7F7F
-                outb[2 * k] = np.uint8(mb & 0xFF)
-                outb[2 * k + 1] = np.uint8((mb >> 8) & 0xFF)
-                bits[0] = np.int32(mb << 16)
-                a32[c] = fbits[0]
-            else:
-                mi = np.int64(amaxi[c])
-                for t in range(4):
-                    outb[4 * k + t] = np.uint8((mi >> (8 * t)) & 0xFF)
-                a32[c] = amax[c]
+            a32[c] = _put_scale(outb, s0 + c, sbytes, amaxi[c], bits, fbits)
         # -- encode: codes ----------------------------------------------------
-        for r0 in range(0, L, C):
-            w = min(C, L - r0)
-            q = p + r0
-            for c in range(w):
-                x = local[q + c]
-                ac = a32[c]
-                v = x / ac * _Q if ac > _F0 else _F0
-                v = min(max(v, -_LIM), _LIM)
-                v = (v + _MAGIC) - _MAGIC
-                v = min(max(v, -_Q), _Q)
-                code = np.int32(v) if abs(x) < _INF else np.int32(-128)
-                outb[sb + q + c] = np.uint8(code & 0xFF)
+        if C == 1:
+            ac = a32[0]
+            row = local[p : p + L]
+            dst = outb[sb + p : sb + p + L]
+            for i in range(L):
+                dst[i] = np.uint8(_code(row[i], ac) & 0xFF)
+        else:
+            for r0 in range(0, L, C):
+                w = min(C, L - r0)
+                row = local[p + r0 : p + r0 + w]
+                dst = outb[sb + p + r0 : sb + p + r0 + w]
+                for c in range(w):
+                    dst[c] = np.uint8(_code(row[c], a32[c]) & 0xFF)
     return 0
