@@ -440,3 +440,24 @@ def test_simulation_with_kernel_equals_reference(topology):
         got = hopq.simulate(xs, EQuARX(backend="cpu", **kw), topology, microshards=3)
         assert got.identical
         assert torch.equal(ref.outputs[0].view(torch.int32), got.outputs[0].view(torch.int32))
+
+
+def test_bench_equarx_reports_every_part():
+    """`hopq bench equarx` end to end at toy sizes: Fig. 7's error table, Fig. 6's
+    timing against bf16 (2 Gloo ranks) and the kernels against the reference."""
+    _kernel_or_skip()
+    from hopq.bench.equarx import EquarxOptions, run
+
+    o = EquarxOptions(
+        parts=("error", "timing", "kernels"), world_size=2, size=64, block=8,
+        min_bytes=4096, max_bytes=4096, budget_s=0.01, kernel_coords=5000, repeats=1,
+    )  # fmt: skip
+    report = run(o)
+    for section in ("## Error", "## Time relative to bf16", "## Kernels"):
+        assert section in report
+    rows = [r for r in report.split("## Kernels")[1].splitlines() if "|    fused hop" in r]
+    assert len(rows) == 2  # strided and contiguous
+    for r in rows:
+        assert float(r.split("|")[-2].strip().rstrip("x")) > 0
+    with pytest.raises(ValueError):
+        EquarxOptions(kernel_coords=0)

@@ -74,7 +74,7 @@ def methods(block: int) -> list[Method]:
 
 
 def _parts() -> tuple[str, ...]:
-    return ("error", "timing")
+    return ("error", "timing", "kernels")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,8 @@ class EquarxOptions:
     rate_mbit: float = option(
         0.0, "timing: per-worker link of an emulated network in Mbit/s; 0: plain loopback"
     )
+    kernel_coords: int = option(1 << 22, "kernels: coordinates of one part")
+    repeats: int = option(7, "kernels: timed repetitions (median) after a warm-up")
 
     def __post_init__(self) -> None:
         for p in self.parts:
@@ -100,6 +102,8 @@ class EquarxOptions:
         check_int("block", self.block, lo=1, hi=1 << 20)
         if self.min_bytes < 4 or self.max_bytes < self.min_bytes:
             raise ValueError("need 4 <= min_bytes <= max_bytes")
+        check_int("kernel_coords", self.kernel_coords, lo=1, hi=1 << 28)
+        check_int("repeats", self.repeats, lo=1, hi=1000)
 
 
 def error_table(o: EquarxOptions) -> str:
@@ -209,6 +213,59 @@ def timing_table(o: EquarxOptions) -> str:
     return head + markdown_table(["size", "method", "time (us)", "time / bf16 ring"], rows)
 
 
+def _stage_times(
+    c: Any, x: torch.Tensor, ctx: Any, measure: Callable[[Callable[[], object]], float]
+) -> list[float]:
+    """Seconds of compress, decompress, decode + add and the fused hop on ``x``."""
+    from hopq.codecs.base import LocalStats
+
+    plan = c.plan(x, LocalStats())
+    p = c.encode(plan, x, ctx)
+    out, acc = torch.empty_like(x), x.clone()
+    return [
+        measure(lambda: c.encode(plan, x, ctx)),
+        measure(lambda: c.decode(plan, p, ctx, out)),
+        measure(lambda: c.decode_accumulate(plan, p, acc.copy_(x), ctx)),
+        measure(lambda: c.decode_accumulate_encode(plan, p, acc.copy_(x), ctx)),
+    ]
+
+
+def kernel_table(o: EquarxOptions) -> str:
+    """M coordinates/s on one core of each stage, the PyTorch reference against the
+    numba kernel (the same bits), for both block geometries."""
+    from hopq.bench.kernels import one_thread, timer
+    from hopq.codecs.base import HopContext
+    from hopq.codecs.equarx import EQuARX
+    from hopq.kernels import equarx_cpu
+
+    if not equarx_cpu.available():
+        raise RuntimeError("hopq bench equarx --parts kernels needs numba: pip install 'hopq[cpu]'")
+    n = o.kernel_coords
+    x = torch.randn(n, generator=torch.Generator().manual_seed(o.seed))
+    measure = timer(torch.device("cpu"), o.repeats)
+    ctx = HopContext(0, 0, 0, 1, 0, o.world_size)
+    rows = []
+    with one_thread():
+        for layout in ("strided", "contiguous"):
+            speeds: dict[str, list[float]] = {}
+            for backend in ("reference", "cpu"):
+                c = EQuARX(backend=backend, layout=layout, block=o.block)
+                speeds[backend] = [n / t / 1e6 for t in _stage_times(c, x, ctx, measure)]
+            for name, ref, cpu in zip(
+                ("compress", "decompress", "decode + add", "fused hop"), *speeds.values(),
+                strict=True,
+            ):  # fmt: skip
+                rows.append([layout, name, f"{ref:.0f}", f"{cpu:.0f}", f"{cpu / ref:.1f}x"])
+    head = (
+        f"One core ({machine()}), {n:,} float32 coordinates from N(0, 1), int8 codes, "
+        f"bfloat16 scales, block {o.block}; M coordinates/s, median of {o.repeats} "
+        "(decode + add and the fused hop include a copy that resets the sum).\n\n"
+    )
+    return head + markdown_table(
+        ["layout", "stage", "reference (M/s)", "numba kernel (M/s)", "speed-up"], rows
+    )
+
+
 def run(o: EquarxOptions) -> str:
     """Run the requested parts; return the report (markdown)."""
     out = []
@@ -216,4 +273,6 @@ def run(o: EquarxOptions) -> str:
         out.append("## Error (Fig. 7 analogue)\n\n" + error_table(o))
     if "timing" in o.parts:
         out.append("## Time relative to bf16 (Fig. 6 analogue)\n\n" + timing_table(o))
+    if "kernels" in o.parts:
+        out.append("## Kernels\n\n" + kernel_table(o))
     return "\n\n".join(out)

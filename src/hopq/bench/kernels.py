@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ class KernelOptions:
             raise ValueError("--device must be auto, cpu or cuda")
 
 
-def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+def timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
     def measure(fn: Callable[[], object]) -> float:
         fn()  # warm-up (compilation, caches)
         times = []
@@ -81,6 +82,18 @@ def _timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]
         return statistics.median(times)
 
     return measure
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch's intra-op threads off for the block, so that references run on one
+    core like the kernels they are compared with."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _row(
@@ -108,7 +121,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
     threads = torch.get_num_threads()
     if device.type == "cpu":
         torch.set_num_threads(1)
-    measure = _timer(device, o.repeats)
+    measure = timer(device, o.repeats)
     rows: list[list[object]] = []
     curves: dict[str, list[tuple[int, float]]] = {}
     backend_used = "?"
