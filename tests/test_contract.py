@@ -165,7 +165,7 @@ def test_decoders_reject_or_survive_corrupt_payloads(codec):
     c = hopq.get_codec(codec)
     x = _inputs(1, 2000, seed=5)[0]
     plan = c.plan(x, LocalStats(n_chunks=2, world_size=2))
-    work = c.prepare(plan, x)
+    work = c.prepare_all(plan, x)
     ctx = HopContext(0, 0, 0, 1, 0, 2)
     good = c.encode(plan, plan.chunk_view(work, 0).clone(), ctx)
     n = plan.chunk_numel(0)
@@ -369,3 +369,54 @@ def test_reduce_scatter_microshards_change_nothing(codec):
             assert got.stats[0].microshards == u
             for a, b in zip(ref.outputs, got.outputs, strict=True):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (topo, u)
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("n", [1, 3, 4])
+def test_engine_prepares_each_part_once_before_its_first_use(topology, n):
+    """Codec.prepare_part: once per part and rank, before the part's own values
+    are encoded or accumulated into; a codec that defers its preparation there
+    (gqsgd-linear) gets the bits of preparing everything up front."""
+    from hopq.codecs.gqsgd import GQSGDLinear
+
+    log: list[tuple[int, str, int]] = []
+
+    class Watched(GQSGDLinear):
+        def prepare_part(self, plan, work, part):
+            log.append((plan.rank, "prepare", part))
+            super().prepare_part(plan, work, part)
+
+        def encode(self, plan, chunk, ctx):
+            log.append((plan.rank, "use", ctx.chunk))
+            return super().encode(plan, chunk, ctx)
+
+        def decode_accumulate(self, plan, payload, acc, ctx):
+            log.append((plan.rank, "use", ctx.chunk))
+            super().decode_accumulate(plan, payload, acc, ctx)
+
+        def decode_accumulate_encode(self, plan, payload, local, ctx):
+            log.append((plan.rank, "use", ctx.chunk))
+            return super().decode_accumulate_encode(plan, payload, local, ctx)
+
+    class UpFront(GQSGDLinear):
+        def prepare(self, plan, x, scratch=False):
+            work = super().prepare(plan, x, scratch)
+            for m in range(len(plan.chunks)):
+                super().prepare_part(plan, work, m)
+            return work
+
+        def prepare_part(self, plan, work, part):
+            pass
+
+    xs = _inputs(n, 3001, seed=2)
+    got = hopq.simulate(xs, Watched(), topology, seed=1, microshards=2)
+    ref = hopq.simulate(xs, UpFront(), topology, seed=1, microshards=2)
+    assert all(torch.equal(a, b) for a, b in zip(got.outputs, ref.outputs, strict=True))
+    for r in range(n):
+        events = [(what, m) for rank, what, m in log if rank == r]
+        prepared = [m for what, m in events if what == "prepare"]
+        assert len(prepared) == len(set(prepared))  # at most once
+        for i, (what, m) in enumerate(events):
+            if what == "use" and ("prepare", m) not in events[:i]:
+                # the part was used (leaf encode or the first accumulate) unprepared
+                raise AssertionError(f"rank {r}: part {m} used before prepare_part")

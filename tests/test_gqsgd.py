@@ -121,7 +121,7 @@ def test_linear_leaf_unbiased_4bit():
     for s in range(runs):
         plan = c.plan(x, LocalStats(world_size=4, seed=s))
         assert (plan.lane_bits, plan.levels) == (4, 1)
-        acc += c.finish(plan, c.prepare(plan, x), ReduceOp.SUM, 4).double()
+        acc += c.finish(plan, c.prepare_all(plan, x), ReduceOp.SUM, 4).double()
     # per-coordinate variance <= (N / L)^2 / 4 = 1/4: standard error of the mean 0.5 / sqrt(runs)
     assert ((acc / runs - x.double()).abs() <= 5 * 0.5 / math.sqrt(runs)).all()
 
@@ -188,7 +188,7 @@ def test_exp_refuses_too_deep_schedules_and_bad_depths():
     ok.reduce_depth = 2
     plan = c.plan(x, ok)
     assert plan.chain == 3
-    work = c.prepare(plan, x)
+    work = c.prepare_all(plan, x)
     ctx = HopContext(0, 0, 0, 1, 0, 4)
     p = c.encode(plan, work.clone(), ctx)
     deep = p.clone()
@@ -282,7 +282,7 @@ def test_cpu_kernel_rejects_corrupt_payloads_like_the_reference():
     stats = LocalStats(world_size=4)
     stats.reduce_depth = 2
     plan = c.plan(x, stats)
-    work = c.prepare(plan, x)
+    work = c.prepare_all(plan, x)
     ctx = HopContext(0, 0, 0, 1, 0, 4)
     p = c.encode(plan, work.clone(), ctx)
     for i, v in ((0, 3), (1, 1), (2, 0x80)):
@@ -324,7 +324,7 @@ def test_linear_hop_rejects_sums_beyond_the_limit(backend):
     c = GQSGDLinear(backend=backend)
     x = torch.randn(100)
     plan = c.plan(x, LocalStats(world_size=4))
-    work = c.prepare(plan, x)
+    work = c.prepare_all(plan, x)
     ctx = HopContext(0, 0, 0, 1, 0, 4)
     p = c.encode(plan, work.clone(), ctx)
     q = p.clone()

@@ -100,12 +100,12 @@ def calibrate(codec_name: str, coords: int) -> CodecCost:
         codec = get_codec(codec_name)
         n_chunks = 4
         plan = codec.plan(x, LocalStats(n_chunks))
-        work = codec.prepare(plan, x)
+        work = codec.prepare_all(plan, x)
         codec.finish(plan, work.clone(), ReduceOp.SUM, 1)
 
         def plan_prepare_finish() -> None:
             p = codec.plan(x, LocalStats(n_chunks))
-            w = codec.prepare(p, x)
+            w = codec.prepare_all(p, x)
             codec.finish(p, w, ReduceOp.SUM, 1)
 
         t_plan = _best(plan_prepare_finish)

@@ -251,7 +251,7 @@ def _one_core_rates(n: int = 1 << 22) -> dict[str, float]:
 
             def whole(c: Any = codec, s: Any = st) -> None:
                 plan = c.plan(x, s)
-                c.finish(plan, c.prepare(plan, x), ReduceOp.AVG, 4)
+                c.finish(plan, c.prepare_all(plan, x), ReduceOp.AVG, 4)
 
             out[f"delta {name}"] = _best(whole, 3) / (4 * n)  # seconds per fp32 byte
         return out

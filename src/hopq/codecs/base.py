@@ -9,7 +9,9 @@ A codec is the quantizer plus its four hop operations. Per all-reduce call (a
    ``work = codec.prepare(plan, x, scratch)`` then gives this rank's working
    vector (float32, in the plan's layout); it may reuse ``x``'s memory only
    when the engine passes ``scratch=True`` (an in-place all-reduce of a
-   contiguous float32 tensor), otherwise it is fresh memory.
+   contiguous float32 tensor), otherwise it is fresh memory. Per part the
+   engine then calls ``prepare_part(plan, work, part)`` just before it first
+   uses this rank's values of the part (by default nothing).
 2. ``encode(plan, chunk, ctx)``: leaf compression of a chunk.
 3. ``decode_accumulate(plan, payload, acc, ctx)``: ``acc += decode(payload)``.
 4. ``decode_accumulate_encode(plan, payload, local, ctx)``: the fused hop.
@@ -355,6 +357,23 @@ class Codec(ABC, Generic[P]):
 
     @abstractmethod
     def prepare(self, plan: P, x: torch.Tensor, scratch: bool = False) -> torch.Tensor: ...
+
+    def prepare_part(self, plan: P, work: torch.Tensor, part: int) -> None:
+        """Finish preparing part ``part`` (``plan.chunks[part]``) of the working
+        vector in place. The engine calls it once per part, just before this
+        rank's own values of the part are first encoded or accumulated into (and
+        before ``finish`` for any part never used), so that per-coordinate work
+        moved here overlaps the transfers of the parts before it; a part first
+        overwritten by a gather decode is never prepared. Default: nothing
+        (``prepare`` did everything). The bits must not depend on when it runs."""
+
+    def prepare_all(self, plan: P, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+        """``prepare`` and then ``prepare_part`` of every part: the working vector
+        as the hops see it, for callers outside the engine (tests, benchmarks)."""
+        work = self.prepare(plan, x, scratch)
+        for m in range(len(plan.chunks)):
+            self.prepare_part(plan, work, m)
+        return work
 
     @abstractmethod
     def encode(self, plan: P, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor: ...

@@ -65,6 +65,7 @@ from hopq.codecs.base import (
     plan_chunks,
 )
 from hopq.codecs.registry import register
+from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
 from hopq.kernels import CpuBackend, GQSGDExpKernels, resolve
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_bits
@@ -107,9 +108,10 @@ def linear_layout(bits: int, min_levels: int, n: int) -> tuple[int, int]:
 def global_max(x: torch.Tensor, stats: StatsExchange) -> float:
     """N = max |x| over every rank and coordinate (NaN/Inf propagate)."""
     if x.numel():
-        local = x.reshape(-1).abs().amax().double().reshape(1)
-        if torch.isnan(x).any():  # amax propagates NaN on CPU; be explicit anyway
-            local.fill_(float("nan"))
+        # max(|min|, |max|): one pass and no temporary (abs().amax() and an isnan
+        # check took 6.7x as long on 4M coordinates); NaN propagates through both
+        lo, hi = torch.aminmax(x.reshape(-1))
+        local = torch.maximum(lo.abs(), hi.abs()).double().reshape(1)
     else:
         local = torch.zeros(1, dtype=torch.float64, device=x.device)
     return float(stats.all_reduce(local, StatsOp.MAX).item())
@@ -200,20 +202,31 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
     def prepare(
         self, plan: GQSGDLinearPlan, x: torch.Tensor, scratch: bool = False
     ) -> torch.Tensor:
-        """This rank's integers in [-L, L] (as float32): stochastic rounding of x / N * L."""
-        flat = x.reshape(-1)
-        N = plan.scale
-        if not math.isfinite(N) or N == 0 or not plan.numel:
+        """This rank's values as float32; :meth:`prepare_part` turns each part into
+        its integers when the engine first needs it, so that the rounding of one
+        part overlaps the transfer of the ones before it."""
+        if not math.isfinite(plan.scale) or plan.scale == 0 or not plan.numel:
             return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
+        return working_copy(x, scratch)
+
+    def prepare_part(self, plan: GQSGDLinearPlan, work: torch.Tensor, part: int) -> None:
+        """Part ``part`` of ``work`` in place: its integers in [-L, L] (as float32),
+        stochastic rounding of x / N * L with the uniforms of its element indices."""
+        N = plan.scale
+        if not math.isfinite(N) or N == 0:
+            return  # prepare gave zeros
+        s, e = plan.chunks[part]
+        v = work[s:e]
         key = stream_key(plan.seed, plan.round, LINEAR_STREAM, plan.rank)
-        k = _kernels("gqsgd-linear", self.config.backend, x.device)
-        if k is not None and flat.dtype == torch.float32:
-            return k.linear_quantize(flat, plan.levels / N, plan.levels, key)
-        v = flat.double() * (plan.levels / N)
-        u = uniform(v.numel(), key, device=x.device)
-        lo = torch.floor(v)
-        q = lo + (u.double() < v - lo).double()
-        return q.clamp_(-plan.levels, plan.levels).to(torch.float32)
+        k = _kernels("gqsgd-linear", self.config.backend, work.device)
+        if k is not None and v.is_contiguous():
+            k.linear_quantize(v, plan.levels / N, plan.levels, key, start=s, out=v)
+            return
+        d = v.double() * (plan.levels / N)
+        u = uniform(d.numel(), key, offset=s, device=work.device)
+        lo = torch.floor(d)
+        q = lo + (u.double() < d - lo).double()
+        v.copy_(q.clamp_(-plan.levels, plan.levels))
 
     def _limit(self, plan: GQSGDLinearPlan) -> int:
         return plan.world_size * plan.levels  # what n ranks can sum to

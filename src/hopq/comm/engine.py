@@ -330,6 +330,16 @@ class _Call:
         self.posted: set[tuple[int, int, int]] = set()  # (step, microshard, peer) sent
         self.recvs: dict[tuple[int, int], list[Any]] = {}
         self.received: set[tuple[int, int]] = set()  # (step, microshard) processed
+        self.prepared: set[int] = set()  # parts passed through Codec.prepare_part
+
+    def own(self, m: int) -> torch.Tensor:
+        """Part m holding this rank's own values, prepared on first use
+        (``Codec.prepare_part``), after any send that reads it has left."""
+        v = self.writable(m)
+        if m not in self.prepared:
+            self.prepared.add(m)
+            self.codec.prepare_part(self.plan, self.work, m)
+        return v
 
     # -- sizes -----------------------------------------------------------------
     def part(self, c: int, j: int) -> int:
@@ -402,7 +412,7 @@ class _Call:
         if phase is Phase.GATHER:
             self.finalize(m, payload)
             return
-        local = self.writable(m)
+        local = self.own(m)
         owner = self.schedule.owner[c] == self.rank
         if self.last_recv[c] != s:
             self.codec.decode_accumulate(self.plan, payload, local, ctx)
@@ -418,6 +428,7 @@ class _Call:
 
     def finalize(self, m: int, payload: torch.Tensor) -> None:
         self.final[m] = payload
+        self.prepared.add(m)  # overwritten by the decode: nothing left to prepare
         self.gcodec.decode(self.gplan, payload, self.ctxs[m], self.writable(m))
 
     # -- sends -------------------------------------------------------------------
@@ -438,7 +449,7 @@ class _Call:
                         self.outgoing.pop(m)
                         if m in self.outgoing
                         else (
-                            self.codec.encode(self.plan, self.view(m), self.ctxs[m])  # leaf
+                            self.codec.encode(self.plan, self.own(m), self.ctxs[m])  # leaf
                         )
                     )
                     reads.append(m)  # the payload may be a view of the chunk (fp32)
@@ -654,7 +665,7 @@ def run(
             if c not in st.last_recv:  # a sink with no children (world size 1)
                 for j in range(u):
                     m = st.part(c, j)
-                    st.finalize(m, gcodec.encode(gplan, st.view(m), st.ctxs[m]))
+                    st.finalize(m, gcodec.encode(gplan, st.own(m), st.ctxs[m]))
         _hops(st, active, pipeline and transport.prepost)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
@@ -677,6 +688,9 @@ def run(
     if not gather:
         info.phases = ("reduce",)
     # 4. finish
+    for m in range(len(plan.chunks)):
+        if m not in st.prepared:  # e.g. parts a reduce-scatter never moves
+            st.own(m)
     y = codec.finish(plan, work, op, n)
     codec.end_round(plan)
     if gcodec is not codec:

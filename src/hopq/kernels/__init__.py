@@ -231,9 +231,16 @@ class GQSGDExpKernels(Protocol):
     bit for bit."""
 
     def linear_quantize(
-        self, x: torch.Tensor, factor: float, levels: int, key: tuple[int, int]
+        self,
+        x: torch.Tensor,
+        factor: float,
+        levels: int,
+        key: tuple[int, int],
+        start: int = 0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """gqsgd-linear's leaf integers (float32)."""
+        """gqsgd-linear's leaf integers (float32) of element indices start..,
+        into ``out`` (may be ``x``) when given."""
         ...
 
     def exp_quantize(

@@ -59,16 +59,17 @@ def exp_reduce(acc, body, k0, k1, start, emin, out, write_out):
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def linear_quantize(x, factor, levels, k0, k1, out):
+def linear_quantize(x, factor, levels, k0, k1, start, out):
     """out <- gqsgd-linear's leaf integers (as float32): x * factor (float64)
-    rounded down or up with the element's uniform, clamped to [-levels, levels]."""
+    rounded down or up with the uniform of element index start + i, clamped to
+    [-levels, levels]. ``out`` may be ``x`` (in place)."""
     k0 = U32(k0)
     k1 = U32(k1)
     lim = np.float64(levels)
     for i in range(x.size):
         v = np.float64(x[i]) * factor
         lo = np.floor(v)
-        u = np.float64(_uniform(U32(i), k0, k1))
+        u = np.float64(_uniform(U32(start + i), k0, k1))
         q = lo + (1.0 if u < v - lo else 0.0)
         out[i] = np.float32(min(max(q, -lim), lim))
 

@@ -55,14 +55,24 @@ def _leaf_args(x: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
 
 
 def linear_quantize(
-    x: torch.Tensor, factor: float, levels: int, key: tuple[int, int]
+    x: torch.Tensor,
+    factor: float,
+    levels: int,
+    key: tuple[int, int],
+    start: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """gqsgd-linear's leaf integers (float32): x * factor rounded stochastically
-    with the uniforms of ``key`` at element indices 0.., clamped to +-levels."""
+    with the uniforms of ``key`` at element indices start.., clamped to +-levels;
+    into ``out`` (contiguous float32, may be ``x`` itself) when given."""
     from hopq.kernels._gqsgd_cpu_jit import linear_quantize as jit
 
-    a, out = _leaf_args(x)
-    jit(a, float(factor), int(levels), key[0], key[1], out.numpy())
+    a, fresh = _leaf_args(x)
+    if out is None:
+        out = fresh
+    elif not (out.is_contiguous() and out.dtype == torch.float32 and out.numel() == a.size):
+        raise TypeError("gqsgd_cpu.linear_quantize: out must be contiguous float32 like x")
+    jit(a, float(factor), int(levels), key[0], key[1], int(start), out.numpy())
     return out
 
 
