@@ -376,7 +376,8 @@ def test_reduce_scatter_microshards_change_nothing(codec):
 def test_engine_prepares_each_part_once_before_its_first_use(topology, n):
     """Codec.prepare_part: once per part and rank, before the part's own values
     are encoded or accumulated into; a codec that defers its preparation there
-    (gqsgd-linear) gets the bits of preparing everything up front."""
+    and finishes parts as they complete (gqsgd-linear's finish_part) gets the
+    bits of preparing everything up front and finishing at the end."""
     from hopq.codecs.gqsgd import GQSGDLinear
 
     log: list[tuple[int, str, int]] = []
@@ -408,15 +409,20 @@ def test_engine_prepares_each_part_once_before_its_first_use(topology, n):
         def prepare_part(self, plan, work, part):
             pass
 
+        def finish_part(self, plan, work, part, op, world_size):
+            pass  # finish() converts everything at the end
+
     xs = _inputs(n, 3001, seed=2)
-    got = hopq.simulate(xs, Watched(), topology, seed=1, microshards=2)
-    ref = hopq.simulate(xs, UpFront(), topology, seed=1, microshards=2)
-    assert all(torch.equal(a, b) for a, b in zip(got.outputs, ref.outputs, strict=True))
-    for r in range(n):
-        events = [(what, m) for rank, what, m in log if rank == r]
-        prepared = [m for what, m in events if what == "prepare"]
-        assert len(prepared) == len(set(prepared))  # at most once
-        for i, (what, m) in enumerate(events):
-            if what == "use" and ("prepare", m) not in events[:i]:
-                # the part was used (leaf encode or the first accumulate) unprepared
-                raise AssertionError(f"rank {r}: part {m} used before prepare_part")
+    for op in ("sum", "avg"):
+        log.clear()
+        got = hopq.simulate(xs, Watched(), topology, seed=1, microshards=2, op=op)
+        ref = hopq.simulate(xs, UpFront(), topology, seed=1, microshards=2, op=op)
+        assert all(torch.equal(a, b) for a, b in zip(got.outputs, ref.outputs, strict=True))
+        for r in range(n):
+            events = [(what, m) for rank, what, m in log if rank == r]
+            prepared = [m for what, m in events if what == "prepare"]
+            assert len(prepared) == len(set(prepared))  # at most once
+            for i, (what, m) in enumerate(events):
+                if what == "use" and ("prepare", m) not in events[:i]:
+                    # the part was used (leaf encode or the first accumulate) unprepared
+                    raise AssertionError(f"rank {r}: part {m} used before prepare_part")

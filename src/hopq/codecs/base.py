@@ -367,6 +367,17 @@ class Codec(ABC, Generic[P]):
         overwritten by a gather decode is never prepared. Default: nothing
         (``prepare`` did everything). The bits must not depend on when it runs."""
 
+    def finish_part(
+        self, plan: P, work: torch.Tensor, part: int, op: ReduceOp, world_size: int
+    ) -> None:
+        """Part ``part`` of the working vector holds its final reduced value on
+        this rank (its gather payload is decoded and nothing will accumulate into
+        it again): the codec may turn it into the result in place now, so that
+        this overlaps the transfers of later parts, and ``finish`` then leaves it
+        as it is (the codec records which parts it did, in its plan). Called at
+        most once per part, never for a part whose payloads are views of
+        ``work``. Default: nothing (``finish`` does everything)."""
+
     def prepare_all(self, plan: P, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         """``prepare`` and then ``prepare_part`` of every part: the working vector
         as the hops see it, for callers outside the engine (tests, benchmarks)."""

@@ -162,6 +162,8 @@ class GQSGDLinearPlan(Plan):
     seed: int
     round: int
     rank: int
+    #: Parts already turned into values by :meth:`GQSGDLinear.finish_part`.
+    finished: set[int] = field(default_factory=set)
 
 
 @register(
@@ -302,6 +304,35 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
                 "(a corrupt payload, or a contribution counted twice)"
             )
 
+    def _values(
+        self, plan: GQSGDLinearPlan, y: torch.Tensor, op: ReduceOp, world_size: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The integer sums ``y`` as values (N / L each, averaged for AVG), into
+        ``out`` when given (may be ``y``)."""
+        N = plan.scale
+        k = _kernels("gqsgd-linear", self.config.backend, y.device)
+        if k is not None and y.dtype == torch.float32 and y.is_contiguous():
+            n = world_size if op is ReduceOp.AVG else 1
+            return k.linear_finish(y, N / plan.levels, n, _FLOAT_MAX, out=out)
+        v = y.double() * (N / plan.levels)
+        if op is ReduceOp.AVG:
+            v = div(v, world_size)
+        r = keep_finite(v.to(torch.float32), v, _FLOAT_MAX)
+        return r if out is None else out.copy_(r)
+
+    def finish_part(
+        self, plan: GQSGDLinearPlan, work: torch.Tensor, part: int, op: ReduceOp,
+        world_size: int,
+    ) -> None:  # fmt: skip
+        N = plan.scale
+        if not math.isfinite(N) or N == 0 or part in plan.finished:
+            return  # finish() gives NaN or zeros everywhere
+        s, e = plan.chunks[part]
+        v = work[s:e]
+        self._values(plan, v, op, world_size, out=v)
+        plan.finished.add(part)
+
     def finish(
         self, plan: GQSGDLinearPlan, y: torch.Tensor, op: ReduceOp, world_size: int
     ) -> torch.Tensor:
@@ -310,14 +341,11 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
             return _nan(plan, y.device)
         if N == 0:
             return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
-        k = _kernels("gqsgd-linear", self.config.backend, y.device)
-        if k is not None and y.dtype == torch.float32:
-            n = world_size if op is ReduceOp.AVG else 1
-            return k.linear_finish(y, N / plan.levels, n, _FLOAT_MAX)
-        out = y.double() * (N / plan.levels)
-        if op is ReduceOp.AVG:
-            out = div(out, world_size)
-        return keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
+        if not plan.finished:
+            return self._values(plan, y, op, world_size)
+        for m in range(len(plan.chunks)):  # the parts the engine did not finish yet
+            self.finish_part(plan, y, m, op, world_size)
+        return y
 
 
 # ---------------------------------------------------------------------------

@@ -331,6 +331,8 @@ class _Call:
         self.recvs: dict[tuple[int, int], list[Any]] = {}
         self.received: set[tuple[int, int]] = set()  # (step, microshard) processed
         self.prepared: set[int] = set()  # parts passed through Codec.prepare_part
+        self.finished: set[int] = set()  # parts passed through Codec.finish_part
+        self.op = ReduceOp.SUM  # the call's op, for Codec.finish_part
 
     def own(self, m: int) -> torch.Tensor:
         """Part m holding this rank's own values, prepared on first use
@@ -430,6 +432,9 @@ class _Call:
         self.final[m] = payload
         self.prepared.add(m)  # overwritten by the decode: nothing left to prepare
         self.gcodec.decode(self.gplan, payload, self.ctxs[m], self.writable(m))
+        if m not in self.finished and not _shares_memory(payload, self.work):
+            self.finished.add(m)
+            self.codec.finish_part(self.plan, self.work, m, self.op, self.n)
 
     # -- sends -------------------------------------------------------------------
     def build_and_post(self, s: int, j: int) -> None:
@@ -653,6 +658,7 @@ def run(
         on_plan(plan)
     work = codec.prepare(plan, x, scratch)
     st = _Call(codec, gcodec, plan, gplan, work, schedule, transport, seed, u, deadline, label, call, info)  # fmt: skip
+    st.op = op
     active = [
         i
         for i, step in enumerate(schedule.steps)
@@ -697,6 +703,12 @@ def run(
         gcodec.end_round(gplan)
     info.seconds = time.perf_counter() - t_start
     return y, info
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' storages are the same (a payload that is a view of the
+    working vector must not see the vector change under it)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _recv_bytes(st: _Call, active: list[int]) -> int:

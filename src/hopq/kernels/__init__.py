@@ -256,7 +256,12 @@ class GQSGDExpKernels(Protocol):
         ...
 
     def linear_finish(
-        self, y: torch.Tensor, factor: float, divisor: float, limit: float
+        self,
+        y: torch.Tensor,
+        factor: float,
+        divisor: float,
+        limit: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """gqsgd-linear's decode of the integer sums."""
         ...

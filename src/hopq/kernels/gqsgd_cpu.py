@@ -108,11 +108,18 @@ def _finish_args(y: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return flat.numpy(), torch.empty(flat.numel(), dtype=torch.float32)
 
 
-def linear_finish(y: torch.Tensor, factor: float, divisor: float, limit: float) -> torch.Tensor:
-    """float32(y * factor / divisor) in float64 arithmetic, saturated at +-limit."""
+def linear_finish(
+    y: torch.Tensor, factor: float, divisor: float, limit: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32(y * factor / divisor) in float64 arithmetic, saturated at +-limit;
+    into ``out`` (contiguous float32, may be ``y`` itself) when given."""
     from hopq.kernels._gqsgd_cpu_jit import linear_finish as jit
 
-    a, out = _finish_args(y)
+    a, fresh = _finish_args(y)
+    if out is None:
+        out = fresh
+    elif not (out.is_contiguous() and out.dtype == torch.float32 and out.numel() == a.size):
+        raise TypeError("gqsgd_cpu.linear_finish: out must be contiguous float32 like y")
     jit(a, float(factor), float(divisor), float(limit), out.numpy())
     return out
 
