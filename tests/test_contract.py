@@ -1,6 +1,8 @@
 """Guarantees of every registered codec, checked in the simulator (no process group):
 the grid is generated from the registry so that a new codec inherits it."""
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -371,18 +373,18 @@ def test_reduce_scatter_microshards_change_nothing(codec):
                 assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (topo, u)
 
 
+@pytest.mark.parametrize("codec", ["gqsgd-linear", "gqsgd-exp"])
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 @pytest.mark.parametrize("n", [1, 3, 4])
-def test_engine_prepares_each_part_once_before_its_first_use(topology, n):
+def test_engine_prepares_each_part_once_before_its_first_use(codec, topology, n):
     """Codec.prepare_part: once per part and rank, before the part's own values
     are encoded or accumulated into; a codec that defers its preparation there
-    and finishes parts as they complete (gqsgd-linear's finish_part) gets the
+    and finishes parts as they complete (Global-QSGD's finish_part) gets the
     bits of preparing everything up front and finishing at the end."""
-    from hopq.codecs.gqsgd import GQSGDLinear
-
+    base: Any = type(hopq.get_codec(codec))
     log: list[tuple[int, str, int]] = []
 
-    class Watched(GQSGDLinear):
+    class Watched(base):
         def prepare_part(self, plan, work, part):
             log.append((plan.rank, "prepare", part))
             super().prepare_part(plan, work, part)
@@ -399,7 +401,7 @@ def test_engine_prepares_each_part_once_before_its_first_use(topology, n):
             log.append((plan.rank, "use", ctx.chunk))
             return super().decode_accumulate_encode(plan, payload, local, ctx)
 
-    class UpFront(GQSGDLinear):
+    class UpFront(base):
         def prepare(self, plan, x, scratch=False):
             work = super().prepare(plan, x, scratch)
             for m in range(len(plan.chunks)):

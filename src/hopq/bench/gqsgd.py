@@ -101,8 +101,13 @@ class _Leaves(GQSGDExp):
 
     def prepare(self, plan: GQSGDExpPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         w = super().prepare(plan, x, scratch)
+        for m in range(len(plan.chunks)):  # every part's leaf codes now
+            super().prepare_part(plan, w, m)
         _Leaves.leaves[plan.rank] = self.finish(plan, w.clone(), ReduceOp.SUM, 1).double()
         return w
+
+    def prepare_part(self, plan: GQSGDExpPlan, work: torch.Tensor, part: int) -> None:
+        pass  # prepare did every part
 
 
 def second_moment_growth(

@@ -429,6 +429,8 @@ class GQSGDExpPlan(Plan):
     rank: int
     #: Rank-local: per part, the depth of the codes in the working vector.
     depth: dict[int, int] = field(default_factory=dict)
+    #: Parts already turned into values by :meth:`GQSGDExp.finish_part`.
+    finished: set[int] = field(default_factory=set)
 
 
 def _chain(stats: StatsExchange) -> int:
@@ -482,19 +484,31 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
         )
 
     def prepare(self, plan: GQSGDExpPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        """This rank's leaf codes (signed exponents, as float32)."""
+        """This rank's values as float32; :meth:`prepare_part` turns each part into
+        its leaf codes when the engine first needs it (overlapping the transfers)."""
         N = plan.scale
         plan.depth.clear()
         if not math.isfinite(N) or N == 0 or not plan.numel:
             return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
+        return working_copy(x, scratch)
+
+    def prepare_part(self, plan: GQSGDExpPlan, work: torch.Tensor, part: int) -> None:
+        """Part ``part`` of ``work`` in place: its leaf codes (signed exponents, as
+        float32), with the uniforms of its element indices."""
+        N = plan.scale
+        if not math.isfinite(N) or N == 0:
+            return  # prepare gave zeros
+        s, e = plan.chunks[part]
+        v = work[s:e]
         key = stream_key(plan.seed, plan.round, EXP_STREAM, plan.rank)
-        k = self.kernels(x.device)
-        if k is not None and x.dtype == torch.float32:
-            return k.exp_quantize(x.reshape(-1), N, plan.chain, key)
-        flat = x.reshape(-1).double()
-        u = uniform(flat.numel(), key, device=x.device)
-        e = exp_quantize(flat.abs() / N, u, plan.chain)
-        return torch.where(flat < 0, -e, e).to(torch.float32)
+        k = self.kernels(work.device)
+        if k is not None and v.is_contiguous():
+            k.exp_quantize(v, N, plan.chain, key, start=s, out=v)
+            return
+        flat = v.double()
+        u = uniform(flat.numel(), key, offset=s, device=work.device)
+        codes = exp_quantize(flat.abs() / N, u, plan.chain)
+        v.copy_(torch.where(flat < 0, -codes, codes))
 
     def _parse(self, plan: GQSGDExpPlan, payload: torch.Tensor, c: int) -> tuple[int, torch.Tensor]:
         check_payload(payload, plan.payload_nbytes[c], f"gqsgd-exp chunk {c} payload")
@@ -607,17 +621,42 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
             return _nan(plan, y.device)
         if N == 0:
             return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
+        if not plan.finished:
+            return self._values(plan, y, op, world_size)
+        for m in range(len(plan.chunks)):  # the parts the engine did not finish yet
+            self.finish_part(plan, y, m, op, world_size)
+        return y
+
+    def finish_part(
+        self, plan: GQSGDExpPlan, work: torch.Tensor, part: int, op: ReduceOp, world_size: int
+    ) -> None:
+        N = plan.scale
+        if not math.isfinite(N) or N == 0 or part in plan.finished:
+            return  # finish() gives NaN or zeros everywhere
+        s, e = plan.chunks[part]
+        v = work[s:e]
+        self._values(plan, v, op, world_size, out=v)
+        plan.finished.add(part)
+
+    def _values(
+        self, plan: GQSGDExpPlan, y: torch.Tensor, op: ReduceOp, world_size: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """The signed exponent codes ``y`` as values, into ``out`` when given (may
+        be ``y``)."""
+        N = plan.scale
         k = self.kernels(y.device)
-        if k is not None and y.dtype == torch.float32:
+        if k is not None and y.dtype == torch.float32 and y.is_contiguous():
             n = world_size if op is ReduceOp.AVG else 1
-            return k.exp_finish(y, N, plan.chain, n, _FLOAT_MAX)
+            return k.exp_finish(y, N, plan.chain, n, _FLOAT_MAX, out=out)
         c = y.to(torch.int32)
         e = c.abs()
         mag = torch.ldexp(torch.full_like(y, N, dtype=torch.float64), (plan.chain - e).double())
-        out = torch.where(e > 0, torch.where(c < 0, -mag, mag), 0.0)
+        v = torch.where(e > 0, torch.where(c < 0, -mag, mag), 0.0)
         if op is ReduceOp.AVG:
-            out = div(out, world_size)
-        return keep_finite(out.to(torch.float32), out, _FLOAT_MAX)
+            v = div(v, world_size)
+        r = keep_finite(v.to(torch.float32), v, _FLOAT_MAX)
+        return r if out is None else out.copy_(r)
 
     def state_dict(self) -> dict[str, Any]:
         return {"round": self.round}

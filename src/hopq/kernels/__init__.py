@@ -244,7 +244,13 @@ class GQSGDExpKernels(Protocol):
         ...
 
     def exp_quantize(
-        self, x: torch.Tensor, scale: float, chain: int, key: tuple[int, int]
+        self,
+        x: torch.Tensor,
+        scale: float,
+        chain: int,
+        key: tuple[int, int],
+        start: int = 0,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """gqsgd-exp's leaf codes (signed exponents, float32)."""
         ...
@@ -267,7 +273,13 @@ class GQSGDExpKernels(Protocol):
         ...
 
     def exp_finish(
-        self, y: torch.Tensor, scale: float, chain: int, divisor: float, limit: float
+        self,
+        y: torch.Tensor,
+        scale: float,
+        chain: int,
+        divisor: float,
+        limit: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """gqsgd-exp's decode of the signed exponent codes."""
         ...

@@ -79,13 +79,16 @@ _FRAC = np.uint64((1 << 52) - 1)
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def exp_quantize(x, scale, chain, k0, k1, out):
+def exp_quantize(x, scale, chain, k0, k1, start, out):
     """out <- gqsgd-exp's leaf codes (signed exponents as float32): natural
     dithering of t = |x| / scale scaled by 2^-chain (the reference's
     exp_quantize). frexp(t) = (m, E) is read from t's bits, a block at a time:
     E = biased exponent - 1022 and 2 m - 1 = the 52-bit fraction, exactly
     (a subnormal t reads E = -1022, which still lands in the bottom case,
-    the only one that uses t then: t 2^(127 - chain) = ldexp, exact)."""
+    the only one that uses t then: t 2^(127 - chain) = ldexp, exact).
+    Element i draws the uniform of index start + i; ``out`` may be ``x``. The
+    loops index block slices (numba wraps a negative ``b0 + j``, which keeps
+    LLVM from vectorizing)."""
     k0 = U32(k0)
     k1 = U32(k1)
     p2 = 2.0 ** (127 - chain)
@@ -93,20 +96,21 @@ def exp_quantize(x, scale, chain, k0, k1, out):
     bits = t.view(np.uint64)
     for b0 in range(0, x.size, _BLOCK):
         nb = min(_BLOCK, x.size - b0)
+        xs = x[b0 : b0 + nb]
+        os = out[b0 : b0 + nb]
         for j in range(nb):
-            t[j] = abs(np.float64(x[b0 + j])) / scale
+            t[j] = abs(np.float64(xs[j])) / scale
         for j in range(nb):
-            i = b0 + j
             w = bits[j]
             E = np.int32(w >> np.uint64(52)) - np.int32(1022)
             frac = np.float64(w & _FRAC) * 2.0**-52
             e_hi = np.int32(chain) - E
-            u = np.float64(_uniform(U32(i), k0, k1))
+            u = np.float64(_uniform(U32(start + b0 + j), k0, k1))
             e_mid = e_hi if u < frac else e_hi + np.int32(1)
             e_bot = np.int32(127) if u < t[j] * p2 else np.int32(0)
             e = e_bot if e_hi >= np.int32(127) else e_mid
             e = e if t[j] > 0.0 else np.int32(0)
-            out[i] = np.float32(-e if x[i] < np.float32(0.0) else e)
+            os[j] = np.float32(-e if xs[j] < np.float32(0.0) else e)
 
 
 @njit(nogil=True, cache=True, boundscheck=False)

@@ -54,6 +54,16 @@ def _leaf_args(x: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
     return flat.numpy(), torch.empty(flat.numel(), dtype=torch.float32)
 
 
+def _into(a: np.ndarray, fresh: torch.Tensor, out: torch.Tensor | None, what: str) -> torch.Tensor:
+    """``out`` checked to match the input array ``a`` (it may be the input
+    itself), or ``fresh`` when None."""
+    if out is None:
+        return fresh
+    if not (out.is_contiguous() and out.dtype == torch.float32 and out.numel() == a.size):
+        raise TypeError(f"gqsgd_cpu.{what}: out must be contiguous float32 like the input")
+    return out
+
+
 def linear_quantize(
     x: torch.Tensor,
     factor: float,
@@ -68,21 +78,27 @@ def linear_quantize(
     from hopq.kernels._gqsgd_cpu_jit import linear_quantize as jit
 
     a, fresh = _leaf_args(x)
-    if out is None:
-        out = fresh
-    elif not (out.is_contiguous() and out.dtype == torch.float32 and out.numel() == a.size):
-        raise TypeError("gqsgd_cpu.linear_quantize: out must be contiguous float32 like x")
+    out = _into(a, fresh, out, "linear_quantize")
     jit(a, float(factor), int(levels), key[0], key[1], int(start), out.numpy())
     return out
 
 
-def exp_quantize(x: torch.Tensor, scale: float, chain: int, key: tuple[int, int]) -> torch.Tensor:
+def exp_quantize(
+    x: torch.Tensor,
+    scale: float,
+    chain: int,
+    key: tuple[int, int],
+    start: int = 0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """gqsgd-exp's leaf codes (signed exponents, float32) of x / scale scaled by
-    2^-chain, with the uniforms of ``key`` at element indices 0.."""
+    2^-chain, with the uniforms of ``key`` at element indices start..; into
+    ``out`` (may be ``x``) when given."""
     from hopq.kernels._gqsgd_cpu_jit import exp_quantize as jit
 
-    a, out = _leaf_args(x)
-    jit(a, float(scale), int(chain), key[0], key[1], out.numpy())
+    a, fresh = _leaf_args(x)
+    out = _into(a, fresh, out, "exp_quantize")
+    jit(a, float(scale), int(chain), key[0], key[1], int(start), out.numpy())
     return out
 
 
@@ -116,21 +132,24 @@ def linear_finish(
     from hopq.kernels._gqsgd_cpu_jit import linear_finish as jit
 
     a, fresh = _finish_args(y)
-    if out is None:
-        out = fresh
-    elif not (out.is_contiguous() and out.dtype == torch.float32 and out.numel() == a.size):
-        raise TypeError("gqsgd_cpu.linear_finish: out must be contiguous float32 like y")
+    out = _into(a, fresh, out, "linear_finish")
     jit(a, float(factor), float(divisor), float(limit), out.numpy())
     return out
 
 
 def exp_finish(
-    y: torch.Tensor, scale: float, chain: int, divisor: float, limit: float
+    y: torch.Tensor,
+    scale: float,
+    chain: int,
+    divisor: float,
+    limit: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The values of signed exponent codes y, sign 2^(chain - e) scale / divisor,
-    as float32 saturated at +-limit."""
+    as float32 saturated at +-limit; into ``out`` (may be ``y``) when given."""
     from hopq.kernels._gqsgd_cpu_jit import exp_finish as jit
 
-    a, out = _finish_args(y)
+    a, fresh = _finish_args(y)
+    out = _into(a, fresh, out, "exp_finish")
     jit(a, float(scale), int(chain), float(divisor), float(limit), out.numpy())
     return out
