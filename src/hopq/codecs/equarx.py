@@ -221,7 +221,10 @@ class EQuARXCodec(Codec[Plan]):
         """Run the kernel on a part of ``n`` entries, or None where the reference must
         (no kernel, or a tensor that is not contiguous float32)."""
         k = self.kernels(device)
-        if k is None or any(t is not None and not t.is_contiguous() for t in tensors.values()):
+        if k is None or any(
+            t is not None and not (t.is_contiguous() and t.dtype in (torch.float32, torch.uint8))
+            for t in tensors.values()
+        ):
             return None
         cfg = self.config
         return int(

@@ -121,6 +121,42 @@ def _nan(plan: Plan, device: torch.device) -> torch.Tensor:
     return torch.full((plan.numel,), float("nan"), device=device)
 
 
+class _PartwiseFinish:
+    """Both Global-QSGD codecs: a part becomes values as soon as it is final on
+    this rank (:meth:`Codec.finish_part`, overlapping the transfers of the
+    others); ``finish`` does the parts left. The codec's ``_values`` turns codes
+    into values; its plan records the parts done."""
+
+    def _values(
+        self, plan: Any, y: torch.Tensor, op: ReduceOp, world_size: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        raise NotImplementedError
+
+    def finish_part(
+        self, plan: Any, work: torch.Tensor, part: int, op: ReduceOp, world_size: int
+    ) -> None:
+        N = plan.scale
+        if not math.isfinite(N) or N == 0 or part in plan.finished:
+            return  # finish() gives NaN or zeros everywhere
+        s, e = plan.chunks[part]
+        v = work[s:e]
+        self._values(plan, v, op, world_size, out=v)
+        plan.finished.add(part)
+
+    def finish(self, plan: Any, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        N = plan.scale
+        if not math.isfinite(N):
+            return _nan(plan, y.device)
+        if N == 0:
+            return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
+        if not plan.finished:
+            return self._values(plan, y, op, world_size)
+        for m in range(len(plan.chunks)):  # the parts the engine did not finish yet
+            self.finish_part(plan, y, m, op, world_size)
+        return y
+
+
 #: auto: the numba kernels (:mod:`hopq.kernels.gqsgd_cpu`) when numba is installed.
 Backend = CpuBackend
 
@@ -170,7 +206,7 @@ class GQSGDLinearPlan(Plan):
     "gqsgd-linear",
     "Global-QSGD linear dithering: global max scale, stochastic integers summed exactly in the code domain",
 )
-class GQSGDLinear(Codec[GQSGDLinearPlan]):
+class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
     config_class = GQSGDLinearConfig
     config: GQSGDLinearConfig
     layout_preserving: ClassVar[bool] = True
@@ -321,32 +357,6 @@ class GQSGDLinear(Codec[GQSGDLinearPlan]):
         r = keep_finite(v.to(torch.float32), v, _FLOAT_MAX)
         return r if out is None else out.copy_(r)
 
-    def finish_part(
-        self, plan: GQSGDLinearPlan, work: torch.Tensor, part: int, op: ReduceOp,
-        world_size: int,
-    ) -> None:  # fmt: skip
-        N = plan.scale
-        if not math.isfinite(N) or N == 0 or part in plan.finished:
-            return  # finish() gives NaN or zeros everywhere
-        s, e = plan.chunks[part]
-        v = work[s:e]
-        self._values(plan, v, op, world_size, out=v)
-        plan.finished.add(part)
-
-    def finish(
-        self, plan: GQSGDLinearPlan, y: torch.Tensor, op: ReduceOp, world_size: int
-    ) -> torch.Tensor:
-        N = plan.scale
-        if not math.isfinite(N):
-            return _nan(plan, y.device)
-        if N == 0:
-            return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
-        if not plan.finished:
-            return self._values(plan, y, op, world_size)
-        for m in range(len(plan.chunks)):  # the parts the engine did not finish yet
-            self.finish_part(plan, y, m, op, world_size)
-        return y
-
 
 # ---------------------------------------------------------------------------
 # exponential dithering and the exponential reduce
@@ -445,7 +455,7 @@ def _chain(stats: StatsExchange) -> int:
     "gqsgd-exp",
     "Global-QSGD exponential dithering: sign + 7-bit exponent, combined by the exponential reduce (Alg. 2)",
 )
-class GQSGDExp(Codec[GQSGDExpPlan]):
+class GQSGDExp(_PartwiseFinish, Codec[GQSGDExpPlan]):
     config_class = GQSGDExpConfig
     config: GQSGDExpConfig
     layout_preserving: ClassVar[bool] = True
@@ -612,31 +622,6 @@ class GQSGDExp(Codec[GQSGDExpPlan]):
         out = self._combine(plan, payload, local, ctx, encode=True)
         assert out is not None
         return out
-
-    def finish(
-        self, plan: GQSGDExpPlan, y: torch.Tensor, op: ReduceOp, world_size: int
-    ) -> torch.Tensor:
-        N = plan.scale
-        if not math.isfinite(N):
-            return _nan(plan, y.device)
-        if N == 0:
-            return torch.zeros(plan.numel, dtype=torch.float32, device=y.device)
-        if not plan.finished:
-            return self._values(plan, y, op, world_size)
-        for m in range(len(plan.chunks)):  # the parts the engine did not finish yet
-            self.finish_part(plan, y, m, op, world_size)
-        return y
-
-    def finish_part(
-        self, plan: GQSGDExpPlan, work: torch.Tensor, part: int, op: ReduceOp, world_size: int
-    ) -> None:
-        N = plan.scale
-        if not math.isfinite(N) or N == 0 or part in plan.finished:
-            return  # finish() gives NaN or zeros everywhere
-        s, e = plan.chunks[part]
-        v = work[s:e]
-        self._values(plan, v, op, world_size, out=v)
-        plan.finished.add(part)
 
     def _values(
         self, plan: GQSGDExpPlan, y: torch.Tensor, op: ReduceOp, world_size: int,
