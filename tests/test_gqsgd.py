@@ -370,3 +370,30 @@ def test_paper_cost_model():
     edge = 6 * gamma / 75
     assert speedup_condition(0.99 * edge, gamma, 4.0, 79.0)
     assert not speedup_condition(1.01 * edge, gamma, 4.0, 79.0)
+
+
+def test_kernels_draw_from_the_given_index_and_refuse_past_the_counter():
+    """The leaf quantizers with an index start and in place equal the reference's
+    draws at those indices; indices past 2^32 raise, as the reference's do."""
+    k = _cpu_kernels()
+    from hopq.numerics.rng import uniform
+
+    x = torch.randn(5000) * 3
+    key, start = (11, 22), 123_457
+    got = x.clone()
+    k.linear_quantize(got, 7.0, 31, key, start=start, out=got)
+    v = x.double() * 7.0
+    u = uniform(5000, key, offset=start).double()
+    ref = (torch.floor(v) + (u < v - torch.floor(v)).double()).clamp(-31, 31)
+    assert torch.equal(got, ref.float())
+    assert torch.equal(
+        k.exp_quantize(x, 5.0, 3, key, start=start),
+        k.exp_quantize(x, 5.0, 3, key, start=start, out=x.clone()),
+    )
+    for call in (
+        lambda: k.linear_quantize(x, 7.0, 31, key, start=2**32 - 10),
+        lambda: k.exp_quantize(x, 5.0, 3, key, start=-1),
+        lambda: uniform(5000, key, offset=2**32 - 10),
+    ):
+        with pytest.raises(ValueError, match="32-bit counter"):
+            call()

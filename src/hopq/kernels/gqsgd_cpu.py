@@ -44,6 +44,7 @@ def exp_reduce(
     # Always write the bytes: the loop without the stores compiles to scalar
     # code (51 M/s against 128 M/s with them, on one core of the bench machine).
     o = out.numpy() if out is not None else np.empty(a.size, np.uint8)
+    _check_indices(start, a.size)
     return int(jit(a, b, key[0], key[1], start, emin, o, True))
 
 
@@ -52,6 +53,13 @@ def _leaf_args(x: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
         raise TypeError("gqsgd_cpu: float32 CPU input")
     flat = x.reshape(-1).contiguous()
     return flat.numpy(), torch.empty(flat.numel(), dtype=torch.float32)
+
+
+def _check_indices(start: int, n: int) -> None:
+    """The element indices start .. start + n - 1 fit the 32-bit counter (the
+    reference's ``uniform`` and ``hash32`` raise otherwise; the kernels would wrap)."""
+    if start < 0 or start + n > 2**32:
+        raise ValueError(f"element indices [{start}, {start + n}) exceed the 32-bit counter")
 
 
 def _into(a: np.ndarray, fresh: torch.Tensor, out: torch.Tensor | None, what: str) -> torch.Tensor:
@@ -78,6 +86,7 @@ def linear_quantize(
     from hopq.kernels._gqsgd_cpu_jit import linear_quantize as jit
 
     a, fresh = _leaf_args(x)
+    _check_indices(start, a.size)
     out = _into(a, fresh, out, "linear_quantize")
     jit(a, float(factor), int(levels), key[0], key[1], int(start), out.numpy())
     return out
@@ -97,6 +106,7 @@ def exp_quantize(
     from hopq.kernels._gqsgd_cpu_jit import exp_quantize as jit
 
     a, fresh = _leaf_args(x)
+    _check_indices(start, a.size)
     out = _into(a, fresh, out, "exp_quantize")
     jit(a, float(scale), int(chain), key[0], key[1], int(start), out.numpy())
     return out
