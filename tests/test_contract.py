@@ -428,3 +428,13 @@ def test_engine_prepares_each_part_once_before_its_first_use(codec, topology, n)
                 if what == "use" and ("prepare", m) not in events[:i]:
                     # the part was used (leaf encode or the first accumulate) unprepared
                     raise AssertionError(f"rank {r}: part {m} used before prepare_part")
+
+
+def test_pipeline_depth_follows_the_codec():
+    """Without ``microshards`` the engine cuts chunks at the codec's
+    ``microshard_coords``: a cast (bf16) keeps one message per 1M coordinates,
+    a codec with real codec work (equarx) pipelines 256K at a time."""
+    xs = _inputs(4, 1 << 22, seed=3)  # 1M coordinates per ring chunk
+    depth = {c: hopq.simulate(xs, c, "ring").stats[0].microshards for c in ("bf16", "equarx")}
+    assert depth == {"bf16": 1, "equarx": 4}
+    assert hopq.simulate(xs, "bf16", "ring", microshards=3).stats[0].microshards == 3

@@ -61,25 +61,29 @@ from hopq.errors import CodecError
 
 #: hopq's own timeout for a call, in seconds: a few minutes, not Gloo's 30.
 DEFAULT_TIMEOUT_S = 300.0
-#: Coordinates per microshard: a schedule chunk of d/n coordinates moves as
-#: ceil(d / n / MICROSHARD_COORDS) messages (at most MAX_MICROSHARDS). Measured
-#: with ``hopq bench allreduce --microshards 1 2 4 8 16`` (4 ranks, ring, 200
-#: Mbit/s emulated link, docs/bench/allreduce.md): at 16 and 64 MiB, EQuARX and
-#: DynamiQ gain 10-20% from 1 to 4-8 messages per chunk and bf16 is flat; on plain
-#: loopback, where a message costs about a millisecond here, more than 2 lose.
-MICROSHARD_COORDS = 1 << 18
+#: Coordinates per microshard, when a codec does not set its own
+#: (``Codec.microshard_coords``): a schedule chunk of d/n coordinates moves as
+#: ceil(d / n / coords) messages (at most MAX_MICROSHARDS). Measured with
+#: ``hopq bench allreduce --microshards 1 2 4 8 16`` (4 ranks, ring, 200 Mbit/s
+#: emulated link, docs/bench/allreduce.md): at 16 and 64 MiB, EQuARX and DynamiQ
+#: gain 10-20% from 1 to 4-8 messages per chunk and bf16 is flat; on plain
+#: loopback, where a message costs about a millisecond here, more messages cost
+#: bf16 and fp32 1.3-1.4x, so those keep 1M-coordinate microshards.
+MICROSHARD_COORDS: int | None = None  # tests set it to force deep pipelines
 MAX_MICROSHARDS = 8
 #: Whether calls start with the agreement. Only ``hopq bench allreduce
 #: --agreement-cost`` turns it off, to measure what it costs; never in use.
 AGREEMENT = True
 
 
-def auto_microshards(numel: int, n_chunks: int, world_size: int) -> int:
-    """Microshards per schedule chunk for a call of ``numel`` coordinates."""
+def auto_microshards(numel: int, n_chunks: int, world_size: int, coords: int = 1 << 18) -> int:
+    """Microshards per schedule chunk for a call of ``numel`` coordinates, aiming
+    at ``coords`` coordinates each (``MICROSHARD_COORDS`` overrides it)."""
     if world_size == 1 or n_chunks == 0:
         return 1
     per = numel / n_chunks
-    return int(max(1, min(MAX_MICROSHARDS, -(-per // MICROSHARD_COORDS))))
+    c = MICROSHARD_COORDS if MICROSHARD_COORDS is not None else coords
+    return int(max(1, min(MAX_MICROSHARDS, -(-per // c))))
 
 
 @dataclass
@@ -606,7 +610,7 @@ def run(
     u = (
         microshards
         if microshards is not None
-        else auto_microshards(x.numel(), schedule.n_chunks, n)
+        else auto_microshards(x.numel(), schedule.n_chunks, n, codec.microshard_coords)
     )
     # 1. agreement (it may ride with the codec's first statistics)
     mine = agreement.fingerprint(
