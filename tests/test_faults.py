@@ -8,7 +8,7 @@ import torch
 import hopq
 from hopq.bench import faults
 from hopq.cluster.launch import run_workers
-from tests.workers import wrong_sizes
+from tests.workers import aborts_at_exit, wrong_sizes
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -80,3 +80,10 @@ def test_no_codec_turns_finite_input_into_nan_or_inf():
         cells = [c.strip() for c in r.strip("|").split("|")]
         assert cells[3] == "0", r
         assert "NaN/Inf!" not in r
+
+
+def test_the_launcher_says_where_a_rank_died():
+    """A rank that aborts after its work is done is a failure, and the message
+    says that it got that far (so a teardown fault is told from a crash)."""
+    with pytest.raises(RuntimeError, match=r"exit code -6 \(after the process group was destroyed"):
+        run_workers(2, aborts_at_exit)

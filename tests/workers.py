@@ -261,3 +261,13 @@ def wrong_sizes(rank: int, n: int) -> dict[str, Any]:
             out["short"] = str(e)
     time.sleep(0.2)
     return out
+
+
+def aborts_at_exit(rank: int, n: int) -> int:
+    """Returns, then dies with SIGABRT while the interpreter exits (what a Gloo
+    teardown fault looks like from the launcher)."""
+    import atexit
+    import os
+
+    atexit.register(os.abort)
+    return rank

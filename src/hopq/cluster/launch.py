@@ -51,6 +51,9 @@ class RankOutcome:
     result: Any = None
     #: The traceback of the exception it raised, if any.
     error: str | None = None
+    #: How far it got: "started", "returned" (its function returned, the
+    #: teardown did not finish) or "torn down" (barrier and group destroyed).
+    reached: str = "started"
 
 
 def _entry(
@@ -80,10 +83,11 @@ def _entry(
             timeout=datetime.timedelta(seconds=pg_timeout),
         )
         out = fn(rank, n, *args)
+        torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
         if clean_exit:
             dist.barrier()
             dist.destroy_process_group()
-        torch.save(out, os.path.join(tmp, f"out{rank}.pt"))
+            open(os.path.join(tmp, f"gone{rank}"), "w").close()
     except BaseException:
         with open(os.path.join(tmp, f"err{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -154,8 +158,19 @@ def spawn(
             res = os.path.join(tmp, f"out{r}.pt")
             if os.path.exists(res):
                 out.result = torch.load(res, weights_only=False)
+                out.reached = "returned"
+            if os.path.exists(os.path.join(tmp, f"gone{r}")):
+                out.reached = "torn down"
             outcomes.append(out)
         return outcomes
+
+
+def _stage(o: RankOutcome) -> str:
+    return {
+        "started": "before its function returned",
+        "returned": "after its function returned, in the final barrier or teardown",
+        "torn down": "after the process group was destroyed, at interpreter exit",
+    }[o.reached]
 
 
 def run_workers(
@@ -178,6 +193,7 @@ def run_workers(
         raise RuntimeError(
             "\n".join(errors)
             or (f"{len(hung)} ranks did not finish in {timeout} s" if hung else "")
-            or f"ranks {[o.rank for o in dead]} died with exit codes {[o.exitcode for o in dead]}"
+            or "ranks died: "
+            + "; ".join(f"rank {o.rank} with exit code {o.exitcode} ({_stage(o)})" for o in dead)
         )
     return [o.result for o in outcomes]
