@@ -35,9 +35,27 @@ def _binary(op):
     return intrinsic(typer)
 
 
+def _signed(op):
+    def typer(typingctx, a, b):
+        sig = types.int32(types.int32, types.int32)
+
+        def codegen(context, builder, signature, args):
+            return op(builder, args[0], args[1])
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
 mul32 = _binary(lambda b, x, y: b.mul(x, y))  # (x * y) mod 2^32
+add32 = _binary(lambda b, x, y: b.add(x, y))  # (x + y) mod 2^32
 xor32 = _binary(lambda b, x, y: b.xor(x, y))
+lshr32 = _binary(lambda b, x, k: b.lshr(x, k))  # x >> k, k < 32
 xorshift32 = _binary(lambda b, x, k: b.xor(x, b.lshr(x, k)))  # x ^ (x >> k)
+# int32 + and - (numba widens int32 arithmetic to int64, which halves the lanes
+# and turns int -> float32 conversions scalar; callers keep within int32)
+iadd32 = _signed(lambda b, x, y: b.add(x, y))
+isub32 = _signed(lambda b, x, y: b.sub(x, y))
 
 
 @njit(inline="always")
