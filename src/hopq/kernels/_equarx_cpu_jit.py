@@ -79,7 +79,7 @@ def _put_scale(outb, k, sbytes, amax_bits, bits, fbits):
     return fbits[0]
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
     """One part of n entries in ``mode`` (hopq.kernels.Mode). Geometry as
     EQuARXCodec._views: segments of M entries laid out as rows of S columns,

@@ -12,7 +12,7 @@ from hopq.kernels._u32 import uniform as _uniform
 I32 = np.int32
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def exp_reduce(acc, body, k0, k1, start, emin, out):
     """acc (float32 signed exponent codes) <- Algorithm 2 of acc and the byte
     codes in ``body``; ``out`` <- the result's bytes. The draw of element i is
@@ -63,7 +63,7 @@ def exp_reduce(acc, body, k0, k1, start, emin, out):
     return bad
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def linear_quantize(x, factor, levels, k0, k1, start, out):
     """out <- gqsgd-linear's leaf integers (as float32): x * factor (float64)
     rounded down or up with the uniform of element index start + i, clamped to
@@ -83,7 +83,7 @@ _BLOCK = 4096
 _FRAC = np.uint64((1 << 52) - 1)
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def exp_quantize(x, scale, chain, k0, k1, start, out):
     """out <- gqsgd-exp's leaf codes (signed exponents as float32): natural
     dithering of t = |x| / scale scaled by 2^-chain (the reference's
@@ -120,7 +120,7 @@ def exp_quantize(x, scale, chain, k0, k1, start, out):
             os[j] = np.float32(isub32(I32(0), e) if xs[j] < np.float32(0.0) else e)
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def linear_hop8(acc, body, limit, out):
     """acc (float32 integers) += the int8 lanes of ``body``; ``out`` <- the sums
     as int8 bytes. Returns how many received lanes or sums lie beyond +-limit
@@ -146,7 +146,7 @@ def _saturate(v, limit):
     return r
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def linear_finish(y, factor, divisor, limit, out):
     """out <- float32(y * factor / divisor) (float64 arithmetic, divisor 1: no
     division), saturated: gqsgd-linear's decode of the integer sums."""
@@ -157,7 +157,7 @@ def linear_finish(y, factor, divisor, limit, out):
         out[i] = _saturate(v, limit)
 
 
-@njit(nogil=True, cache=True, boundscheck=False)
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def exp_finish(y, scale, chain, divisor, limit, out):
     """out <- float32(sign 2^(chain - e) scale / divisor) for the signed exponent
     codes y (0: zero), saturated: gqsgd-exp's decode. 2^(chain - e) scale is

@@ -56,6 +56,8 @@ xorshift32 = _binary(lambda b, x, k: b.xor(x, b.lshr(x, k)))  # x ^ (x >> k)
 # and turns int -> float32 conversions scalar; callers keep within int32)
 iadd32 = _signed(lambda b, x, y: b.add(x, y))
 isub32 = _signed(lambda b, x, y: b.sub(x, y))
+imul32 = _signed(lambda b, x, y: b.mul(x, y))
+iand32 = _signed(lambda b, x, y: b.and_(x, y))
 
 
 @njit(inline="always")
