@@ -132,7 +132,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         codec = DynamiQ(widths=(w,), budget=w + 1.0, allocation="fixed", backend=o.backend)
         backend_used = codec.backend_name(device)
         plan = codec.plan(x, LocalStats())
-        work = codec.prepare(plan, x)
+        work = codec.prepare_all(plan, x)
         ctx = HopContext(0, 0, 0, 1, 0, 2)
         payload = codec.encode(plan, work, ctx)
         P = payload.numel()

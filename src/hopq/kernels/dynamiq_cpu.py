@@ -130,21 +130,49 @@ def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
     return out
 
 
-def gather_rows(x: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int) -> torch.Tensor:
-    """The reference ``prepare``: rows reordered by ``perm``, means subtracted."""
+def gather_rows(
+    x: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference ``prepare``: rows reordered by ``perm``, means subtracted;
+    into ``out`` (contiguous float32 of len(perm) * S) when given: with a slice
+    of ``perm``, a part of the working vector (:meth:`DynamiQ.prepare_part`)."""
     from hopq.kernels._dynamiq_cpu_jit import gather_rows as kernel
 
-    out = torch.empty(perm.numel() * S, dtype=torch.float32)
-    kernel(x.detach().reshape(-1).contiguous().numpy(), perm.numpy(), mu.numpy(), S, out.numpy())
+    if out is None:
+        out = torch.empty(perm.numel() * S, dtype=torch.float32)
+    kernel(
+        x.detach().reshape(-1).contiguous().numpy(),
+        perm.contiguous().numpy(),
+        mu.numpy(),
+        S,
+        out.numpy(),
+    )
     return out
 
 
 def scatter_rows(
-    y: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int, n: int, avg: bool, d: int
-) -> torch.Tensor:
-    """The reference ``finish``: the inverse reorder, means added back."""
+    y: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int, n: int, avg: bool, d: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """The reference ``finish``: the inverse reorder, means added back; rows of y
+    go to rows ``perm`` of ``out`` (float32 of d entries) when given, so that a
+    part of the working vector lands in the result (:meth:`DynamiQ.finish_part`)."""
     from hopq.kernels._dynamiq_cpu_jit import scatter_rows as kernel
 
-    out = torch.empty(d, dtype=torch.float32)
-    kernel(y.detach().contiguous().numpy(), perm.numpy(), mu.numpy(), S, n, avg, out.numpy())
+    if out is None:
+        out = torch.empty(d, dtype=torch.float32)
+    kernel(
+        y.detach().contiguous().numpy(),
+        perm.contiguous().numpy(),
+        mu.numpy(),
+        S,
+        n,
+        avg,
+        out.numpy(),
+    )
     return out
+
+
+#: gather_rows and scatter_rows take ``out`` and a slice of the permutation:
+#: DynamiQ prepares and finishes the working vector part by part with them.
+PARTWISE_ROWS = True

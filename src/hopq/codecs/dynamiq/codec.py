@@ -168,8 +168,26 @@ class DynamiQ(Codec[DynamiQPlan]):
         share = self._shares.get(key)
         return share[1] if share is not None and share[0] == d else cfg.budget
 
+    def _partwise(self, plan: DynamiQPlan, x: torch.Tensor) -> Any:
+        """The kernel module when the working vector can be prepared and
+        finished part by part (CPU kernels, float32, one layout), else None."""
+        kern = self.kernels(x.device)
+        if (
+            kern is None
+            or not getattr(kern, "PARTWISE_ROWS", False)
+            or x.dtype != torch.float32
+            or plan.bounds is not None
+        ):
+            return None
+        return kern
+
     def prepare(self, plan: DynamiQPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         S = self.config.supergroup_size
+        if self._partwise(plan, x) is not None:
+            # gathered a part at a time (prepare_part), each just before its
+            # first use: all but the first part's overlap the transfers
+            plan.source = x.detach().reshape(-1).contiguous()
+            return torch.empty(plan.work_numel, dtype=torch.float32, device=x.device)
         kern = self.kernels(x.device)
         gather = kern.gather_rows if kern is not None and x.dtype == torch.float32 else gather_rows
         if plan.bounds is None:
@@ -189,10 +207,48 @@ class DynamiQ(Codec[DynamiQPlan]):
         b, g = plan.bounds, plan.sg_starts
         return [((b[c], b[c + 1]), (g[c], g[c + 1])) for c in range(len(b) - 1) if b[c + 1] > b[c]]
 
+    def prepare_part(self, plan: DynamiQPlan, work: torch.Tensor, part: int) -> None:
+        if plan.source is None or part in plan.prepared:
+            return
+        S = self.config.supergroup_size
+        s, e = plan.chunks[part]
+        kern = self.kernels(work.device)
+        kern.gather_rows(plan.source, plan.perm[s // S : e // S], plan.mu, S, out=work[s:e])  # type: ignore[union-attr, call-arg]
+        plan.prepared.add(part)
+
+    def finish_part(
+        self, plan: DynamiQPlan, work: torch.Tensor, part: int, op: ReduceOp, world_size: int
+    ) -> None:
+        self._scatter_part(plan, work, part, op, world_size)
+
+    def _scatter_part(
+        self, plan: DynamiQPlan, work: torch.Tensor, part: int, op: ReduceOp, world_size: int
+    ) -> None:
+        if plan.source is None or part in plan.finished:
+            return
+        S = self.config.supergroup_size
+        if plan.out is None:
+            plan.out = torch.empty(plan.numel, dtype=torch.float32, device=work.device)
+        s, e = plan.chunks[part]
+        kern = self.kernels(work.device)
+        kern.scatter_rows(  # type: ignore[union-attr, call-arg]
+            work[s:e], plan.perm[s // S : e // S], plan.mu, S, world_size,
+            op is ReduceOp.AVG, plan.numel, out=plan.out,
+        )  # fmt: skip
+        plan.finished.add(part)
+
     def finish(
         self, plan: DynamiQPlan, y: torch.Tensor, op: ReduceOp, world_size: int
     ) -> torch.Tensor:
         S = self.config.supergroup_size
+        if plan.source is not None:
+            for m in range(len(plan.chunks)):  # the parts the engine did not finish
+                self._scatter_part(plan, y, m, op, world_size)
+            out = plan.out
+            if out is None:  # no parts (an empty tensor)
+                out = torch.empty(plan.numel, dtype=torch.float32, device=y.device)
+            plan.source = plan.out = None  # the plan holds no tensors after the call
+            return saturate_finite_rows(out, plan.mu, S)
         kern = self.kernels(y.device)
         scatter = kern.scatter_rows if kern is not None else scatter_rows
         avg = op is ReduceOp.AVG

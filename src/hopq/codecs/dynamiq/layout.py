@@ -16,7 +16,7 @@ in chunk order:
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,14 @@ class DynamiQPlan(Plan):
     bounds: tuple[int, ...] | None = None
     #: With bounds: the first super-group of each chunk (and the total at the end).
     sg_starts: tuple[int, ...] = ()
+    #: Part by part (the CPU kernels, no bounds): the caller's flat float32
+    #: input, whose rows ``prepare_part`` gathers into the working vector a part
+    #: at a time; None: ``prepare`` gathered everything.
+    source: torch.Tensor | None = None
+    #: The result that ``finish_part`` scatters finished parts into.
+    out: torch.Tensor | None = None
+    prepared: set[int] = field(default_factory=set)
+    finished: set[int] = field(default_factory=set)
 
     def chunk_segments(self, chunk: int) -> tuple[tuple[Segment, ...], int]:
         """The segments of ``chunk`` and the reordered index of its first super-group."""
