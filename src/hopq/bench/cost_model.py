@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from hopq.bench.kernels import one_thread
 from hopq.codecs.base import HopContext, LocalStats, ReduceOp
 from hopq.codecs.registry import available_codecs, codec_choices, get_codec, resolve_codecs
 from hopq.options import option
@@ -89,9 +90,7 @@ def calibrate(codec_name: str, coords: int) -> CodecCost:
     """Measure a codec's per-coordinate costs with its own API on one core."""
     from hopq.sim import simulate
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         g = torch.Generator().manual_seed(0)
         x = (
             torch.randn(coords, generator=g)
@@ -119,8 +118,6 @@ def calibrate(codec_name: str, coords: int) -> CodecCost:
         t_dec = _best(lambda: codec.decode(plan, payload, ctx, out))
         m = chunk.numel()
         bits = simulate([x[: 1 << 18]] * 4, codec_name, "ring").bits_per_coord
-    finally:
-        torch.set_num_threads(threads)
     return CodecCost(codec_name, t_plan / coords, t_enc / m, t_hop / m, t_dec / m, bits)
 
 

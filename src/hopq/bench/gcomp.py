@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from hopq.bench.kernels import one_thread
 from hopq.bench.quality import set_grad
 from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.gcomp import GComp
@@ -167,9 +168,7 @@ def _kernel_speeds(
 
 def kernel_rows(n: int, repeats: int, seed: int = 0) -> list[list[Any]]:
     """[mode, size / fp32, encode, decode, decode-accumulate, fused hop] (M coords/s)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         x = synthetic(n, seed)
         u = torch.rand(n, generator=torch.Generator().manual_seed(seed + 1)) * 24
         thr = x.abs() * torch.exp2(u)
@@ -178,8 +177,6 @@ def kernel_rows(n: int, repeats: int, seed: int = 0) -> list[list[Any]]:
             size, speeds = _kernel_speeds(x, fixed, th, repeats)
             rows.append([mode, f"{size:.3f}", *(f"{s / 1e6:.0f}" for s in speeds)])
         return rows
-    finally:
-        torch.set_num_threads(threads)
 
 
 # -- sizes over training -------------------------------------------------------

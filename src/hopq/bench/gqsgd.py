@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hopq.bench.kernels import one_thread
 from hopq.codecs.base import ReduceOp
 from hopq.codecs.gqsgd import GQSGDExp, GQSGDExpPlan, codes_to_bytes, exp_reduce
 from hopq.numerics.rng import hash32
@@ -153,9 +154,7 @@ def _best(f: Any, repeats: int) -> float:
 
 def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
     """M coordinates per second of the fused exponential hop on one core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         g = torch.Generator().manual_seed(0)
         n = o.coords
         e = torch.randint(4, 40, (2, n), generator=g, dtype=torch.int32)
@@ -187,8 +186,6 @@ def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
         ref = m / _best(lambda: exp_reduce(a[:m], b[:m], hash32(torch.arange(m), key)), 1) / 1e6
         rows.append(["PyTorch reference (reduce + hash only)", f"{ref:.1f}", f"{ref / add:.3f}"])
         return rows
-    finally:
-        torch.set_num_threads(threads)
 
 
 LINEAR_HOP = "numba linear hop (int8 lanes: add, check, encode)"
@@ -237,9 +234,7 @@ def _one_core_rates(n: int = 1 << 22) -> dict[str, float]:
         )
     from hopq.kernels import gqsgd_cpu
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)
         out: dict[str, float] = {"gamma": 4 * n / _best(lambda: x.add_(y), 5)}
@@ -260,8 +255,6 @@ def _one_core_rates(n: int = 1 << 22) -> dict[str, float]:
 
             out[f"delta {name}"] = _best(whole, 3) / (4 * n)  # seconds per fp32 byte
         return out
-    finally:
-        torch.set_num_threads(threads)
 
 
 def paper_model(
