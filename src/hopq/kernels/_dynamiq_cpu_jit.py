@@ -68,6 +68,7 @@ def uniforms(ubuf, count, first, g0, g1, p0, p1, n, me, pm, ib, tb):
                 idx = add32(idx, U32(1))
                 ui = iand32(I32(lshr32(h, U32(16))), hm)
                 mult = iadd32(iadd32(ui, ui), I32(1))
+                # h & m = (h & 0xFFFF) & m: m < POW2_MAX <= 2^16
                 pi = iand32(iadd32(imul32(mult, me32), iand32(I32(h), m)), m)
                 ubuf[j] = (np.float32(pi) + ubuf[j]) / fn
             return

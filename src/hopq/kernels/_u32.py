@@ -23,21 +23,12 @@ from hopq.numerics.rng import M1, M2
 U32 = np.uint32
 
 
-def _binary(op):
+def _binary(op, ty=types.uint32):
+    """An intrinsic ``op(x, y)`` on two ``ty`` values (uint32, or int32 for the
+    signed helpers) that emits the LLVM operation at that width."""
+
     def typer(typingctx, a, b):
-        sig = types.uint32(types.uint32, types.uint32)
-
-        def codegen(context, builder, signature, args):
-            return op(builder, args[0], args[1])
-
-        return sig, codegen
-
-    return intrinsic(typer)
-
-
-def _signed(op):
-    def typer(typingctx, a, b):
-        sig = types.int32(types.int32, types.int32)
+        sig = ty(ty, ty)
 
         def codegen(context, builder, signature, args):
             return op(builder, args[0], args[1])
@@ -54,10 +45,10 @@ lshr32 = _binary(lambda b, x, k: b.lshr(x, k))  # x >> k, k < 32
 xorshift32 = _binary(lambda b, x, k: b.xor(x, b.lshr(x, k)))  # x ^ (x >> k)
 # int32 + and - (numba widens int32 arithmetic to int64, which halves the lanes
 # and turns int -> float32 conversions scalar; callers keep within int32)
-iadd32 = _signed(lambda b, x, y: b.add(x, y))
-isub32 = _signed(lambda b, x, y: b.sub(x, y))
-imul32 = _signed(lambda b, x, y: b.mul(x, y))
-iand32 = _signed(lambda b, x, y: b.and_(x, y))
+iadd32 = _binary(lambda b, x, y: b.add(x, y), types.int32)
+isub32 = _binary(lambda b, x, y: b.sub(x, y), types.int32)
+imul32 = _binary(lambda b, x, y: b.mul(x, y), types.int32)
+iand32 = _binary(lambda b, x, y: b.and_(x, y), types.int32)
 
 
 @njit(inline="always")

@@ -168,22 +168,20 @@ class DynamiQ(Codec[DynamiQPlan]):
         share = self._shares.get(key)
         return share[1] if share is not None and share[0] == d else cfg.budget
 
-    def _partwise(self, plan: DynamiQPlan, x: torch.Tensor) -> Any:
-        """The kernel module when the working vector can be prepared and
-        finished part by part (CPU kernels, float32, one layout), else None."""
+    def _partwise(self, plan: DynamiQPlan, x: torch.Tensor) -> bool:
+        """Whether the working vector is prepared and finished part by part (CPU
+        kernels, float32, one layout); elsewhere ``prepare`` gathers it whole,
+        with the same bits."""
         kern = self.kernels(x.device)
-        if (
-            kern is None
-            or not getattr(kern, "PARTWISE_ROWS", False)
-            or x.dtype != torch.float32
-            or plan.bounds is not None
-        ):
-            return None
-        return kern
+        return (
+            getattr(kern, "PARTWISE_ROWS", False)
+            and x.dtype == torch.float32
+            and plan.bounds is None
+        )
 
     def prepare(self, plan: DynamiQPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         S = self.config.supergroup_size
-        if self._partwise(plan, x) is not None:
+        if self._partwise(plan, x):
             # gathered a part at a time (prepare_part), each just before its
             # first use: all but the first part's overlap the transfers
             plan.source = x.detach().reshape(-1).contiguous()
