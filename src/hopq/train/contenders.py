@@ -7,7 +7,8 @@ own options, named ``torch:...``:
 * ``torch:fp16``: torch's ``fp16_compress_hook`` (its bf16 hook refuses CPU);
 * ``torch:powersgd``: torch's ``powerSGD_hook`` with the settings its
   documentation suggests (rank 4, error feedback, warm start), vanilla
-  all-reduce for the first ``powersgd_start`` steps (default 10).
+  all-reduce for the first ``powersgd_start`` steps (default 10), its buckets
+  started one after another (:func:`in_order`: on Gloo it hangs otherwise).
 
 torch's hooks overlap the backward pass (they return pending futures), and so
 does hopq's. Bytes are counted for every contender: hopq's from what its engine
@@ -107,6 +108,49 @@ class ByteCounter:
         return b
 
 
+def in_order(hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> Callable[..., Any]:
+    """``hook``, run on one bucket after another.
+
+    torch's ``powerSGD_hook`` issues its second and third all-reduces from the
+    completion callbacks of the first. On Gloo those callbacks run on Gloo's own
+    threads while autograd hands the hook the next bucket, so with more than a
+    bucket or two the ranks issue their collectives in different orders; Gloo
+    matches collectives by order, and the job hangs or fails with "Received data
+    size doesn't match expected size". Starting each bucket's hook only when the
+    previous bucket's future completed gives every rank the same order; the
+    result is unchanged and the hook still overlaps the backward pass (its
+    buckets run one after another, as they do on hopq's communication thread).
+    """
+    last: list[torch.futures.Future[torch.Tensor] | None] = [None]
+
+    # no annotations: DDP compares them with dist.GradBucket and Future[Tensor],
+    # and here they would be strings (from __future__ import annotations)
+    def ordered(state, bucket):
+        out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+        def settle(fut: torch.futures.Future[torch.Tensor]) -> None:
+            try:
+                out.set_result(fut.value())
+            except Exception as e:  # the hook's error reaches the training step
+                out.set_exception(e)  # type: ignore[arg-type]  # torch types it as the value
+
+        def start(_: object = None) -> None:
+            try:
+                hook(state, bucket).add_done_callback(settle)
+            except Exception as e:
+                out.set_exception(e)  # type: ignore[arg-type]
+
+        previous, last[0] = last[0], out
+        if previous is None:
+            start()
+        else:
+            previous.add_done_callback(start)  # at once when it is already done
+        return out
+
+    ordered.__name__ = ordered.__qualname__ = f"in_order({getattr(hook, '__name__', 'hook')})"
+    return ordered
+
+
 class Sync:
     """One contender's gradient synchronization on one rank: registers the hook
     on ``ddp`` and, after each step, says what it sent and what its hook did."""
@@ -148,7 +192,7 @@ class Sync:
                 warm_start=True,
                 random_seed=seed,
             )
-            ddp.register_comm_hook(ps, powerSGD_hook.powerSGD_hook)
+            ddp.register_comm_hook(ps, in_order(powerSGD_hook.powerSGD_hook))
 
     def begin(self, measure_error: bool) -> None:
         if self.state is not None:

@@ -49,6 +49,21 @@ class CodecRun:
     steps: list[StepRecord] = field(default_factory=list)
     #: (training wall-clock seconds, evaluation loss)
     evals: list[tuple[float, float]] = field(default_factory=list)
+    #: Bytes of each of DDP's gradient buckets, in the order they are reduced
+    #: (after DDP rebuilt them from the first step's order).
+    bucket_bytes: list[int] = field(default_factory=list)
+
+
+def bucket_line(runs: list[CodecRun], cap_mb: float) -> str:
+    """What DDP's buckets were: how many, and their sizes in reduction order."""
+    sizes = next((r.bucket_bytes for r in runs if r.bucket_bytes), [])
+    if not sizes:
+        return f"DDP's bucket cap: {cap_mb:g} MB (the bucket sizes were not reported)."
+    mb = ", ".join(f"{b / 2**20:.1f}" for b in sizes)
+    return (
+        f"DDP's bucket cap: {cap_mb:g} MB, so {len(sizes)} bucket{'s' * (len(sizes) != 1)}"
+        f" per step, in reduction order (MiB): {mb}."
+    )
 
 
 def timed_steps(run: CodecRun) -> list[StepRecord]:
@@ -242,6 +257,7 @@ def load_runs(path: Path) -> list[CodecRun]:
             d["params"],
             [StepRecord(**s) for s in d["steps"]],  # older runs lack the newer fields
             [tuple(e) for e in d["evals"]],
+            d.get("bucket_bytes", []),
         )
         for d in data
     ]
@@ -321,6 +337,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             "",
             *([warning, ""] if warning else []),
             f"Machine: {machine()}. Network: {network}. Model: {runs[0].params:,} parameters.",
+            bucket_line(runs, o.bucket_mb),
             "The contenders trained interleaved (step k of each before step k + 1 of any), so a",
             "change in the machine's load hits them alike. Compute was probed at least"
             f" {n_probes} times per contender (forward and backward without communication);",
@@ -357,6 +374,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                     "codec": r.codec,
                     "params": r.params,
                     "evals": r.evals,
+                    "bucket_bytes": r.bucket_bytes,
                     "steps": [asdict(s) for s in r.steps],
                 }
                 for r in runs
