@@ -198,8 +198,12 @@ def test_codec_that_ran_kernels_still_copies():
     assert pickle.loads(pickle.dumps(c)).config == c.config
 
 
-def test_level_search_tables_need_at_most_two_steps():
+def test_level_search_tables_find_the_searched_level():
+    from hopq.codecs.dynamiq.config import DynamiQConfig
     from hopq.numerics.levels import level_table, search_tables, stochastic_level
+
+    cfg = DynamiQConfig()  # the default tables: one step up from the bucket's level
+    assert all(search_tables(w, cfg.eps_for(w))[3] == 1 for w in (2, 4, 8))
 
     for w, eps in ((2, 0.0), (4, 0.3), (4, 0.0), (4, 1.0), (8, 0.08), (8, 0.2)):
         ext, bucket, nb_log, steps = search_tables(w, eps)
