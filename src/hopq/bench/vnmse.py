@@ -97,12 +97,16 @@ BEYOND: list[tuple[str, dict[str, Any]]] = [
     ("exact allocation (greedy)", PAPER_DYNAMIQ | dict(allocation="exact")),
     ("+ zero class", PAPER_DYNAMIQ | dict(zero_class=True)),
     ("W = {2,4,8,16}", PAPER_DYNAMIQ | dict(widths=(2, 4, 8, 16))),
-    ("exact + W = {2,4,8,16}", dict(allocation="exact", zero_class=False, widths=(2, 4, 8, 16))),
+    ("exact + W = {2,4,8,16}", PAPER_DYNAMIQ | dict(allocation="exact", widths=(2, 4, 8, 16))),
     (
         "exact + zero + W = {2,4,8,16}",
-        dict(allocation="exact", zero_class=True, widths=(2, 4, 8, 16)),
+        PAPER_DYNAMIQ | dict(allocation="exact", zero_class=True, widths=(2, 4, 8, 16)),
     ),
-    ("hopq's default", dict()),
+    (
+        "exact + zero + W = {2,4,8,16}, groups of 64",
+        dict(allocation="exact", zero_class=True, widths=(2, 4, 8, 16), group_size=64),
+    ),
+    ("hopq's default (the same, groups of 32)", dict()),
 ]
 
 EPS_GRID = {4: (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.7, 1.0), 8: (0.0, 0.02, 0.05, 0.08, 0.1, 0.15, 0.2)}
