@@ -94,7 +94,7 @@ def test_options_are_validated():
     with pytest.raises(ValueError, match="unknown contender"):
         train.TrainOptions(codecs=("torch:fp8",))
     with pytest.raises(ValueError, match="bucket_mb"):
-        train.TrainOptions(bucket_mb=0)
+        train.TrainOptions(bucket_mb=-1)
     with pytest.raises(ValueError, match="powersgd_start"):
         train.TrainOptions(powersgd_start=1)
     auto = train.TrainOptions().resolved_codecs()
@@ -150,3 +150,37 @@ def test_the_baseline_is_the_best_torch_contender():
     assert baseline([run("bf16", [(0.0, 5.0)]), slow, fast, bad]) is fast
     only_hopq = run("bf16", [(0.0, 5.0)])
     assert baseline([only_hopq, run("dynamiq", [(0.0, 5.0)])]) is only_hopq
+
+
+def test_in_order_starts_each_bucket_after_the_previous_one_completed():
+    import torch
+
+    from hopq.train.contenders import in_order
+
+    started, pending = [], []
+
+    def hook(state, bucket):
+        started.append(bucket)
+        if bucket == "bad":
+            raise RuntimeError("hook failed")
+        fut = torch.futures.Future()
+        pending.append((bucket, fut))
+        return fut
+
+    ordered = in_order(hook)
+    a, b, c = (ordered(None, name) for name in ("a", "b", "c"))
+    assert started == ["a"]  # b and c wait for the bucket before them
+    pending[0][1].set_result(torch.ones(1))
+    assert started == ["a", "b"] and a.value().item() == 1
+    pending[1][1].set_exception(ValueError("gloo broke"))
+    assert started == ["a", "b", "c"]  # the next bucket starts even after an error
+    with pytest.raises(ValueError, match="gloo broke"):
+        b.wait()
+    pending[2][1].set_result(torch.zeros(1))
+    assert c.value().item() == 0
+    # the next step: the previous future is done, so the hook starts at once;
+    # a hook that raises fails its bucket's future, not the caller
+    d = ordered(None, "bad")
+    assert started[-1] == "bad"
+    with pytest.raises(RuntimeError, match="hook failed"):
+        d.wait()

@@ -16,7 +16,7 @@ order (numba without ``fastmath`` keeps IEEE semantics: no reassociation, no
 fused multiply-add), the hash is the same lowbias32, and the level search finds
 the reference's ``searchsorted`` index exactly: a bucket table gives a start a
 few levels below the answer and compare-and-step moves finish it
-(:func:`hopq.numerics.levels.search_tables` says how many suffice: two for the
+(:func:`hopq.numerics.levels.search_tables` says how many suffice: one for the
 default tables).
 ``tests/test_kernels.py`` holds them to the reference bit for bit.
 

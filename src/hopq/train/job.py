@@ -78,10 +78,11 @@ class TrainOptions:
     steps: int = option(60, "training steps per codec")
     batch_size: int = option(8, "sequences per worker and step")
     bucket_mb: float = option(
-        25.0,
-        "DDP's bucket_cap_mb for every contender: smaller buckets become ready earlier "
-        "in the backward pass, so more of their all-reduce can hide behind it (DDP's "
-        "default: 25)",
+        0.0,
+        "DDP's bucket_cap_mb for every contender: smaller buckets become ready earlier in "
+        "the backward pass, so more of their all-reduce can hide behind it; 0: DDP's "
+        "default (25 MB, and 1 MiB for the first bucket, which DDP only uses when no cap "
+        "is given)",
     )
     lr: float = option(0.0, "learning rate; 0: the workload's own (gpt 1e-3, minilm 1e-4)")
     eval_every: int = option(20, "steps between held-out evaluations")
@@ -134,8 +135,8 @@ class TrainOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.powersgd_start < 2:
             raise ValueError(f"powersgd_start must be >= 2, got {self.powersgd_start}")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if not self.bucket_mb >= 0:
+            raise ValueError(f"bucket_mb must be >= 0 (0: DDP's default), got {self.bucket_mb}")
         if self.vnmse_every < 0 or self.rate_mbit < 0 or self.lr < 0:
             raise ValueError("vnmse_every, rate_mbit and lr must be >= 0")
         if not 0 < self.comm_share < 1:
@@ -205,7 +206,9 @@ class _Lane:
 def _lane(o: TrainOptions, name: str, n: int) -> _Lane:
     torch.manual_seed(o.seed)
     w = make_workload(o)  # the same initial weights for every contender
-    ddp = DDP(w.model, bucket_cap_mb=o.bucket_mb)
+    # no cap given: DDP's default layout (25 MB, the first bucket 1 MiB); any
+    # explicit cap, even 25, also sets the first bucket's
+    ddp = DDP(w.model, bucket_cap_mb=o.bucket_mb or None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=o.lr or w.lr)
     sync = Sync(name, ddp, n, o.seed, o.topology, o.codec_config(name), o.powersgd_start, opt)
     return _Lane(name, w, ddp, opt, sync, CodecRun(name, params=sync.numel))
@@ -299,10 +302,10 @@ def worker(rank: int, n: int, o: TrainOptions, contenders: list[str]) -> list[Co
 
 
 def bucket_bytes(ddp: DDP) -> list[int]:
-    """Bytes of each of ``ddp``'s gradient buckets in reduction order (empty
-    when this torch's DDP does not report them)."""
-    data = ddp._get_ddp_logging_data()
-    sizes = data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes") or ""
+    """Bytes of each of ``ddp``'s gradient buckets in reduction order, as DDP
+    rebuilt them after the first step (empty when it has not logged them yet,
+    or this torch's DDP does not report them)."""
+    sizes = ddp._get_ddp_logging_data().get("rebuilt_bucket_sizes") or ""
     return [int(x) for x in str(sizes).split(",") if x.strip()]
 
 

@@ -56,12 +56,13 @@ class CodecRun:
 
 def bucket_line(runs: list[CodecRun], cap_mb: float) -> str:
     """What DDP's buckets were: how many, and their sizes in reduction order."""
+    cap = f"{cap_mb:g} MB" if cap_mb else "DDP's default (25 MB, the first bucket 1 MiB)"
     sizes = next((r.bucket_bytes for r in runs if r.bucket_bytes), [])
     if not sizes:
-        return f"DDP's bucket cap: {cap_mb:g} MB (the bucket sizes were not reported)."
+        return f"DDP's bucket cap: {cap}; DDP had not logged its rebuilt buckets."
     mb = ", ".join(f"{b / 2**20:.1f}" for b in sizes)
     return (
-        f"DDP's bucket cap: {cap_mb:g} MB, so {len(sizes)} bucket{'s' * (len(sizes) != 1)}"
+        f"DDP's bucket cap: {cap}, so {len(sizes)} bucket{'s' * (len(sizes) != 1)}"
         f" per step, in reduction order (MiB): {mb}."
     )
 

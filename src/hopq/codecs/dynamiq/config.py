@@ -75,7 +75,7 @@ class DynamiQConfig(CodecConfig):
     class, which together lowered vNMSE at the same 5.00 measured bits by 28% on
     MiniLM fine-tuning gradients and 15% on the GPT's, and groups of 32 entries
     instead of 16 (half the group scales' bits go to the entries instead), which
-    lowered it by another 19-22% on MiniLM and 8-10% on the GPT (``hopq bench
+    lowered it by another 19-21% on MiniLM and 8-10% on the GPT (``hopq bench
     vnmse --tables beyond``, docs/bench/vnmse.md). The paper's configuration is
     one option away: ``allocation="heuristic", widths=(2, 4, 8),
     zero_class=False, group_size=16`` (``PAPER``)."""
