@@ -80,19 +80,14 @@ def search_tables(width: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, i
         first = (torch.searchsorted(table, edges, right=True) - 1).clamp(0, max(top - 1, 0))
         return first, max(int((first[1:] - first[:-1]).max()), 1)  # edges are exact
 
-    found = None
-    for want, last in ((1, _ONE_STEP_MAX_LOG), (2, _MAX_BUCKETS_LOG)):
-        for nb_log in range(_MIN_BUCKETS_LOG, last + 1):
-            first, steps = first_levels(nb_log)
-            if steps <= want:
-                found = (first, nb_log, steps)
-                break
-        if found is not None:
+    # one step from the smallest table up to 2^12 buckets, else two up to 2^16;
+    # if neither, the loop ends on the finest table with the steps it needs
+    tries = [(1, b) for b in range(_MIN_BUCKETS_LOG, _ONE_STEP_MAX_LOG + 1)]
+    tries += [(2, b) for b in range(_MIN_BUCKETS_LOG, _MAX_BUCKETS_LOG + 1)]
+    for want, nb_log in tries:
+        first, steps = first_levels(nb_log)
+        if steps <= want:
             break
-    if found is None:  # too uneven: the finest table, with as many steps as it needs
-        first, steps = first_levels(_MAX_BUCKETS_LOG)
-        found = (first, _MAX_BUCKETS_LOG, steps)
-    first, nb_log, steps = found
     if steps > MAX_SEARCH_STEPS:
         raise ValueError(
             f"level table of width {width} (eps {eps}) needs {steps} search steps "

@@ -222,6 +222,8 @@ class DynamiQ(Codec[DynamiQPlan]):
     def _scatter_part(
         self, plan: DynamiQPlan, work: torch.Tensor, part: int, op: ReduceOp, world_size: int
     ) -> None:
+        # finish_part's work, apart from it: finish scatters the parts left over
+        # with this, so it does not depend on what a subclass makes of finish_part
         if plan.source is None or part in plan.finished:
             return
         S = self.config.supergroup_size
