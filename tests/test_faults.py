@@ -7,8 +7,8 @@ import torch
 
 import hopq
 from hopq.bench import faults
-from hopq.cluster.launch import run_workers
-from tests.workers import aborts_at_exit, wrong_sizes
+from hopq.cluster.launch import run_workers, spawn
+from tests.workers import aborts_at_exit, group_freed_on_destroy, wrong_sizes
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -87,3 +87,12 @@ def test_the_launcher_says_where_a_rank_died():
     says that it got that far (so a teardown fault is told from a crash)."""
     with pytest.raises(RuntimeError, match=r"exit code -6 \(after the process group was destroyed"):
         run_workers(2, aborts_at_exit)
+
+
+def test_destroying_the_group_frees_it_after_hopq_used_it():
+    """hopq's transport cache holds groups weakly: destroy_process_group frees the
+    group (and Gloo's threads) at once, not during interpreter finalization,
+    where a Gloo thread that needs the GIL aborts a finished rank."""
+    outs = spawn(2, group_freed_on_destroy, clean_exit=False, timeout=300)
+    assert [o.error for o in outs] == [None, None]
+    assert [o.result for o in outs] == [True, True]

@@ -271,3 +271,18 @@ def aborts_at_exit(rank: int, n: int) -> int:
 
     atexit.register(os.abort)
     return rank
+
+
+def group_freed_on_destroy(rank: int, n: int) -> bool:
+    """Communicates through hopq, destroys the group, and says whether the group
+    object is gone (nothing in hopq keeps it, and Gloo's threads, alive)."""
+    import gc
+    import weakref
+
+    x = torch.ones(4096)
+    hopq.all_reduce(x, "bf16", "ring")
+    ref = weakref.ref(dist.group.WORLD)
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    return ref() is None

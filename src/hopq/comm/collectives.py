@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,13 @@ from hopq.comm.topology import equal_shards, get_schedule
 from hopq.comm.transport import DistTransport
 from hopq.options import check_finite, check_int
 
-_TRANSPORTS: dict[object, DistTransport] = {}
+#: One transport per live process group, held weakly: once
+#: ``destroy_process_group`` drops torch's references, the group (and Gloo's
+#: threads and sockets) goes at once, while the interpreter is fully alive. A
+#: group kept until interpreter exit is torn down during finalization, where a
+#: Gloo thread that needs the GIL ends the process with SIGABRT ("terminate
+#: called without an active exception") after the job finished.
+_TRANSPORTS: weakref.WeakKeyDictionary[Any, DistTransport] = weakref.WeakKeyDictionary()
 
 
 def _transport(group: torch.distributed.ProcessGroup | None) -> DistTransport:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import queue
 import threading
+import weakref
 from abc import ABC, abstractmethod
 
 import torch
@@ -150,13 +151,25 @@ class DistTransport(Transport):
         resolved = group if group is not None else dist.group.WORLD
         if resolved is None:
             raise RuntimeError("torch.distributed has no default process group")
-        self.group = resolved
+        # weakly: a transport must not keep a destroyed group (and Gloo's threads)
+        # alive until interpreter exit (see hopq.comm.collectives._TRANSPORTS)
+        self._group = weakref.ref(resolved)
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.backend = str(dist.get_backend(self.group)).lower()
         self.prepost = self.backend != "nccl"
         self.short_messages = self.backend != "nccl"
+
+    @property
+    def group(self) -> torch.distributed.ProcessGroup:
+        g = self._group()
+        if g is None:
+            raise RuntimeError(
+                "this transport's process group was destroyed (destroy_process_group); "
+                "hopq communicates on live groups only"
+            )
+        return g
 
     def post(
         self,
@@ -165,9 +178,10 @@ class DistTransport(Transport):
         where: Where | None = None,
     ) -> tuple[list[Handle], list[Handle]]:
         dist = self._dist
+        group = self.group
         if not self.prepost:  # NCCL: one group per step, sends first
-            ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for p, t in sends]
-            ops += [dist.P2POp(dist.irecv, b, self._global[p], self.group) for p, b in recvs]
+            ops = [dist.P2POp(dist.isend, t, self._global[p], group) for p, t in sends]
+            ops += [dist.P2POp(dist.irecv, b, self._global[p], group) for p, b in recvs]
             works = dist.batch_isend_irecv(ops) if ops else []
             handles: list[Handle] = [
                 _DistHandle(w, p, k, self.rank)
@@ -186,7 +200,7 @@ class DistTransport(Transport):
         ):
             for p, t in items:
                 try:
-                    work = op(t, self._global[p], group=self.group)
+                    work = op(t, self._global[p], group=group)
                 except RuntimeError as e:  # a pair already closed fails at posting
                     raise _transport_error(
                         str(e), self.rank, p, kind, Deadline(1.0), where or Where("a call", 0, 0)
