@@ -362,15 +362,17 @@ def _hard_data(n: int, seed: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("element", ["int8", "e4m3", "e5m2"])
 @pytest.mark.parametrize("layout", ["strided", "contiguous"])
 @pytest.mark.parametrize("scale", ["bf16", "fp32"])
 @pytest.mark.parametrize("geometry", [(1, 1), (3, 5), (64, 1024)])
-def test_cpu_kernel_matches_reference_bit_for_bit(layout, scale, geometry):
+def test_cpu_kernel_matches_reference_bit_for_bit(element, layout, scale, geometry):
     """Encode, decode, decode-accumulate and the fused hop of the numba kernel give
-    the reference's bytes and floats, for every geometry and awkward part size."""
+    the reference's bytes and floats, for every element format, geometry and
+    awkward part size."""
     _kernel_or_skip()
     block, scales = geometry
-    kw = dict(layout=layout, scale=scale, block=block, scales=scales)
+    kw = dict(element=element, layout=layout, scale=scale, block=block, scales=scales)
     ref, cpu = EQuARX(backend="reference", **kw), EQuARX(backend="cpu", **kw)
     assert cpu.kernels(torch.device("cpu")) is not None
     for i, n in enumerate((1, 2, 63, 65, 1607, 70001)):
@@ -389,13 +391,45 @@ def test_cpu_kernel_matches_reference_bit_for_bit(layout, scale, geometry):
             assert torch.equal(a, b), (n, kw)
 
 
+@pytest.mark.parametrize("element", ["e4m3", "e5m2"])
+def test_cpu_kernel_fp8_cast_is_torchs_at_every_tie(element):
+    """The kernel's FP8 cast against torch's on every code's value, every midpoint
+    between neighbouring codes (ties to even), one float32 ulp either side of
+    each, in both signs, subnormals included."""
+    _kernel_or_skip()
+    import numpy as np
+
+    from hopq.kernels import _equarx_cpu_jit as jit
+    from hopq.kernels.equarx_cpu import ELEMENTS
+
+    el, q, dtype = ELEMENTS[element]
+    vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    pos = torch.unique(vals[torch.isfinite(vals) & (vals >= 0)])
+    mids = (pos[1:] + pos[:-1]) / 2  # exact in float32
+    pts = torch.cat([pos, mids])
+    pts = torch.cat(
+        [pts, torch.nextafter(pts, torch.tensor(0.0)), torch.nextafter(pts, torch.tensor(q))]
+    )
+    pts = pts[pts <= q]
+    v = torch.cat([pts, -pts])
+    want = v.to(dtype).view(torch.uint8)
+    vb = v.view(torch.int32).numpy()
+    got = [
+        jit._fp8(np.float32(a), np.int32(b), np.int32(b), el) & 0xFF
+        for a, b in zip(v.numpy(), vb, strict=True)
+    ]
+    assert torch.equal(torch.tensor(got, dtype=torch.uint8), want)
+
+
+@pytest.mark.parametrize("element", ["int8", "e4m3", "e5m2"])
 @pytest.mark.parametrize("scale", ["bf16", "fp32"])
-def test_cpu_kernel_decodes_any_valid_payload_like_the_reference(scale):
-    """Random codes (the non-finite marker -128 included) under zero, tiny and
-    huge scales: the same floats."""
+def test_cpu_kernel_decodes_any_valid_payload_like_the_reference(element, scale):
+    """Random codes (every byte: int8's non-finite marker -128, FP8's NaN and Inf
+    codes and subnormals) under zero, tiny and huge scales: the same floats."""
     _kernel_or_skip()
     g = torch.Generator().manual_seed(3)
-    ref, cpu = EQuARX(backend="reference", scale=scale), EQuARX(backend="cpu", scale=scale)
+    kw = dict(element=element, scale=scale)
+    ref, cpu = EQuARX(backend="reference", **kw), EQuARX(backend="cpu", **kw)
     n = 3 * 65536 + 999
     plan = ref.plan(torch.empty(n), LocalStats())
     ns, sb = ref.config.n_scales(n), 2 if scale == "bf16" else 4
@@ -409,6 +443,11 @@ def test_cpu_kernel_decodes_any_valid_payload_like_the_reference(scale):
     ref.decode(plan, p, CTX, a)
     cpu.decode(plan, p, CTX, b)
     assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    acc_a, acc_b = torch.randn(n, generator=g), None
+    acc_b = acc_a.clone()
+    ref.decode_accumulate(plan, p, acc_a, CTX)
+    cpu.decode_accumulate(plan, p, acc_b, CTX)
+    assert torch.equal(acc_a.view(torch.int32), acc_b.view(torch.int32))
 
 
 def test_cpu_kernel_rejects_bad_scales_before_writing():
@@ -435,7 +474,12 @@ def test_cpu_kernel_rejects_bad_scales_before_writing():
 def test_simulation_with_kernel_equals_reference(topology):
     _kernel_or_skip()
     xs = [_hard_data(70001, s) for s in range(5)]
-    for kw in ({}, {"layout": "contiguous", "scale": "fp32"}):
+    for kw in (
+        {},
+        {"layout": "contiguous", "scale": "fp32"},
+        {"element": "e4m3"},
+        {"element": "e5m2"},
+    ):
         ref = hopq.simulate(xs, EQuARX(backend="reference", **kw), topology, microshards=3)
         got = hopq.simulate(xs, EQuARX(backend="cpu", **kw), topology, microshards=3)
         assert got.identical
@@ -456,7 +500,7 @@ def test_bench_equarx_reports_every_part():
     for section in ("## Error", "## Time relative to bf16", "## Kernels"):
         assert section in report
     rows = [r for r in report.split("## Kernels")[1].splitlines() if "|    fused hop" in r]
-    assert len(rows) == 2  # strided and contiguous
+    assert len(rows) == 6  # int8, E4M3, E5M2, each strided and contiguous
     for r in rows:
         assert float(r.split("|")[-2].strip().rstrip("x")) > 0
     with pytest.raises(ValueError):

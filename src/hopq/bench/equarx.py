@@ -232,7 +232,8 @@ def _stage_times(
 
 def kernel_table(o: EquarxOptions) -> str:
     """M coordinates/s on one core of each stage, the PyTorch reference against the
-    numba kernel (the same bits), for both block geometries."""
+    numba kernel (the same bits), for every element format and both block
+    geometries."""
     from hopq.bench.kernels import one_thread, timer
     from hopq.codecs.base import HopContext
     from hopq.codecs.equarx import EQuARX
@@ -246,23 +247,26 @@ def kernel_table(o: EquarxOptions) -> str:
     ctx = HopContext(0, 0, 0, 1, 0, o.world_size)
     rows = []
     with one_thread():
-        for layout in ("strided", "contiguous"):
-            speeds: dict[str, list[float]] = {}
-            for backend in ("reference", "cpu"):
-                c = EQuARX(backend=backend, layout=layout, block=o.block)
-                speeds[backend] = [n / t / 1e6 for t in _stage_times(c, x, ctx, measure)]
-            for name, ref, cpu in zip(
-                ("compress", "decompress", "decode + add", "fused hop"), *speeds.values(),
-                strict=True,
-            ):  # fmt: skip
-                rows.append([layout, name, f"{ref:.0f}", f"{cpu:.0f}", f"{cpu / ref:.1f}x"])
+        for element in equarx_cpu.ELEMENTS:
+            for layout in ("strided", "contiguous"):
+                speeds: dict[str, list[float]] = {}
+                for backend in ("reference", "cpu"):
+                    c = EQuARX(backend=backend, element=element, layout=layout, block=o.block)
+                    speeds[backend] = [n / t / 1e6 for t in _stage_times(c, x, ctx, measure)]
+                for name, ref, cpu in zip(
+                    ("compress", "decompress", "decode + add", "fused hop"), *speeds.values(),
+                    strict=True,
+                ):  # fmt: skip
+                    rows.append(
+                        [element, layout, name, f"{ref:.0f}", f"{cpu:.0f}", f"{cpu / ref:.1f}x"]
+                    )
     head = (
-        f"One core ({machine()}), {n:,} float32 coordinates from N(0, 1), int8 codes, "
-        f"bfloat16 scales, block {o.block}; M coordinates/s, median of {o.repeats} "
+        f"One core ({machine()}), {n:,} float32 coordinates from N(0, 1), bfloat16 "
+        f"scales, block {o.block}; M coordinates/s, median of {o.repeats} "
         "(decode + add and the fused hop include a copy that resets the sum).\n\n"
     )
     return head + markdown_table(
-        ["layout", "stage", "reference (M/s)", "numba kernel (M/s)", "speed-up"], rows
+        ["element", "layout", "stage", "reference (M/s)", "numba kernel (M/s)", "speed-up"], rows
     )
 
 

@@ -129,7 +129,7 @@ class EQuARXConfig(CodecConfig):
     scale: ScaleFormat = option(ScaleFormat.BF16, "scale format ('none': naive FP8 cast)")
     backend: CpuBackend = option(
         CpuBackend.AUTO,
-        "implementation of int8 encode and decode (same bits; FP8 runs the reference)",
+        "implementation of encode and decode (same bits; the naive cast runs the reference)",
         choices=CpuBackend,
     )
 
@@ -210,10 +210,10 @@ class EQuARXCodec(Codec[Plan]):
 
     # -- kernels -------------------------------------------------------------
     def kernels(self, device: torch.device) -> Any:
-        """The kernel module for int8 codes on ``device`` (:mod:`hopq.kernels.equarx_cpu`),
-        or None for the reference (FP8 elements, the naive cast, no numba)."""
+        """The kernel module on ``device`` (:mod:`hopq.kernels.equarx_cpu`), or None
+        for the reference (the naive cast, no numba)."""
         cfg = self.config
-        if cfg.element is not Element.INT8 or cfg.scale is ScaleFormat.NONE:
+        if cfg.scale is ScaleFormat.NONE:
             return None
         return _resolve(cfg.backend.value, device.type)
 
@@ -230,7 +230,7 @@ class EQuARXCodec(Codec[Plan]):
         return int(
             k.run(
                 mode, n, cfg.minishard, cfg.per_minishard, cfg.block,
-                _SCALE_BYTES[cfg.scale], **tensors,
+                _SCALE_BYTES[cfg.scale], element=cfg.element.value, **tensors,
             )
         )  # fmt: skip
 

@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit
 
 ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3  # hopq.kernels.Mode
+INT8, E4M3, E5M2 = 0, 1, 2  # element formats (hopq.kernels.equarx_cpu.ELEMENTS)
 
 _F0 = np.float32(0.0)
 _INF = np.float32(np.inf)
@@ -23,6 +24,12 @@ _LIM = np.float32(128.0)
 _MAGIC = np.float32(12582912.0)
 _ABS = np.int32(0x7FFFFFFF)
 _INF_BITS = np.int32(0x7F800000)
+#: Bits of the smallest normal of E4M3 (2^-6) and E5M2 (2^-14) as float32, and
+#: the factors that make their subnormal steps (2^-9, 2^-16) one.
+_E4M3_MIN_NORMAL = np.int32(121 << 23)
+_E5M2_MIN_NORMAL = np.int32(113 << 23)
+_E4M3_SUB = np.float32(2.0**9)
+_E5M2_SUB = np.float32(2.0**16)
 
 
 @njit(inline="always")
@@ -61,6 +68,51 @@ def _code(x, a):
 
 
 @njit(inline="always")
+def _decoded8(t, f):
+    """The reference's dequantization of an FP8 code whose value (torch's cast to
+    float32) is t, with factor A / Q: clamped to float32's range; NaN and Inf
+    codes keep torch's bits (a product or clamp of NaN keeps its payload)."""
+    v = t * f
+    v = min(max(v, -_FMAX), _FMAX)
+    return v if abs(t) < _INF else t
+
+
+@njit(inline="always")
+def _scaled8(x, a, q):
+    """x / A * Q clamped to +-Q (0 under a zero scale), as the reference before
+    its cast; a non-finite x is replaced by its own code later."""
+    v = x / a * q if a > _F0 else _F0
+    return min(max(v, -q), q)
+
+
+@njit(inline="always")
+def _fp8(v, vb, xb, el):
+    """torch's cast of the finite float32 v (bits vb, |v| <= the format's largest
+    value) to E4M3fn or E5M2, round to nearest even, subnormals included; xb is
+    the entry's own bits: a non-finite entry is E4M3's NaN (0x7F) or E5M2's
+    signed Inf (0x7C) or NaN (0x7F)."""
+    sign = (vb >> 31) & 1
+    u = vb & _ABS
+    if el == E4M3:
+        thr, shift, off, sub = _E4M3_MIN_NORMAL, 20, 960, _E4M3_SUB
+    else:
+        thr, shift, off, sub = _E5M2_MIN_NORMAL, 21, 448, _E5M2_SUB
+    # below the smallest normal: a multiple of the subnormal step (exact power
+    # of two scaling, then the FPU's ties-to-even rounding via _MAGIC); its
+    # rounding up to 2^mbits is the smallest normal's code, as it should be
+    small = np.int32((abs(v) * sub + _MAGIC) - _MAGIC)
+    big = ((u + ((np.int32(1) << (shift - 1)) - 1) + ((u >> shift) & 1)) >> shift) - off
+    code = (small if u < thr else big) | (sign << 7)
+    xa = xb & _ABS
+    if xa >= _INF_BITS:  # the entry itself is non-finite
+        if el == E4M3:
+            code = np.int32(0x7F)
+        else:
+            code = (np.int32(0x7C) if xa == _INF_BITS else np.int32(0x7F)) | (((xb >> 31) & 1) << 7)
+    return code
+
+
+@njit(inline="always")
 def _put_scale(outb, k, sbytes, amax_bits, bits, fbits):
     """Write scale k from the bit pattern of a block's finite absmax (bf16:
     rounded up, finite in, finite out) and return its float32 value."""
@@ -80,13 +132,15 @@ def _put_scale(outb, k, sbytes, amax_bits, bits, fbits):
 
 
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
-def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
+def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb, el, q, table):
     """One part of n entries in ``mode`` (hopq.kernels.Mode). Geometry as
     EQuARXCodec._views: segments of M entries laid out as rows of S columns,
     scale c of a segment covering its column c; a shorter last segment of r
     entries has min(S, ceil(r / block)) columns. Payload: every scale
-    (``sbytes`` = 2: bfloat16 rounded up, 4: float32), then one int8 code per
-    entry (-128: a non-finite entry).
+    (``sbytes`` = 2: bfloat16 rounded up, 4: float32), then one code per entry:
+    ``el`` INT8 (-128: a non-finite entry), E4M3 or E5M2 (torch's float8
+    bytes; ``table``: the float32 value of each of the 256 codes). ``q``: the
+    element's largest value, Q in x / A * Q.
 
     ENCODE: local -> outb. DECODE: inb -> outf. DECODE_ACC: local += decode(inb).
     DAR: local += decode(inb), then local -> outb. Every float operation is the
@@ -114,6 +168,8 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
     fac = np.empty(S, np.float32)
     amaxi = np.empty(S, np.int32)
     a32 = np.empty(S, np.float32)
+    tmp = np.empty(max(S, M) if el != INT8 else 0, np.float32)
+    tmpi = tmp.view(np.int32)
     nseg = full + (1 if rest > 0 else 0)
     for j in range(nseg):
         p = j * M
@@ -125,23 +181,33 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
         # over the row instead of over one-entry rows.
         if mode != ENCODE:
             for c in range(C):
-                fac[c] = _scale(inb, s0 + c, sbytes, bits, fbits) / _Q
+                fac[c] = _scale(inb, s0 + c, sbytes, bits, fbits) / q
             if C == 1:
                 f = fac[0]
                 codes = inb[sb + p : sb + p + L]
                 dst = outf[p : p + L] if mode == DECODE else local[p : p + L]
-                for i in range(L):
-                    v = _decoded(np.int32(np.int8(codes[i])), f)
-                    dst[i] = v if mode == DECODE else dst[i] + v
+                if el == INT8:
+                    for i in range(L):
+                        v = _decoded(np.int32(np.int8(codes[i])), f)
+                        dst[i] = v if mode == DECODE else dst[i] + v
+                else:
+                    for i in range(L):
+                        v = _decoded8(table[codes[i]], f)
+                        dst[i] = v if mode == DECODE else dst[i] + v
             else:
                 for r0 in range(0, L, C):
                     w = min(C, L - r0)
-                    q = p + r0
-                    codes = inb[sb + q : sb + q + w]
-                    dst = outf[q : q + w] if mode == DECODE else local[q : q + w]
-                    for c in range(w):
-                        v = _decoded(np.int32(np.int8(codes[c])), fac[c])
-                        dst[c] = v if mode == DECODE else dst[c] + v
+                    o = p + r0
+                    codes = inb[sb + o : sb + o + w]
+                    dst = outf[o : o + w] if mode == DECODE else local[o : o + w]
+                    if el == INT8:
+                        for c in range(w):
+                            v = _decoded(np.int32(np.int8(codes[c])), fac[c])
+                            dst[c] = v if mode == DECODE else dst[c] + v
+                    else:
+                        for c in range(w):
+                            v = _decoded8(table[codes[c]], fac[c])
+                            dst[c] = v if mode == DECODE else dst[c] + v
         if mode in (DECODE, DECODE_ACC):
             continue
         # -- encode: per column the largest finite |x| ------------------------
@@ -165,17 +231,31 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb):
         for c in range(C):
             a32[c] = _put_scale(outb, s0 + c, sbytes, amaxi[c], bits, fbits)
         # -- encode: codes ----------------------------------------------------
-        if C == 1:
-            ac = a32[0]
-            row = local[p : p + L]
-            dst = outb[sb + p : sb + p + L]
-            for i in range(L):
-                dst[i] = np.uint8(_code(row[i], ac) & 0xFF)
-        else:
-            for r0 in range(0, L, C):
-                w = min(C, L - r0)
-                row = local[p + r0 : p + r0 + w]
-                dst = outb[sb + p + r0 : sb + p + r0 + w]
-                for c in range(w):
-                    dst[c] = np.uint8(_code(row[c], a32[c]) & 0xFF)
+        if el == INT8:
+            if C == 1:
+                ac = a32[0]
+                row = local[p : p + L]
+                dst = outb[sb + p : sb + p + L]
+                for i in range(L):
+                    dst[i] = np.uint8(_code(row[i], ac) & 0xFF)
+            else:
+                for r0 in range(0, L, C):
+                    w = min(C, L - r0)
+                    row = local[p + r0 : p + r0 + w]
+                    dst = outb[sb + p + r0 : sb + p + r0 + w]
+                    for c in range(w):
+                        dst[c] = np.uint8(_code(row[c], a32[c]) & 0xFF)
+            continue
+        # FP8: the scaled values first (into tmp), then their casts from the bits
+        for r0 in range(0, L, C):
+            w = min(C, L - r0) if C > 1 else L
+            row = local[p + r0 : p + r0 + w]
+            rowi = locali[p + r0 : p + r0 + w]
+            dst = outb[sb + p + r0 : sb + p + r0 + w]
+            for c in range(w):
+                tmp[c] = _scaled8(row[c], a32[c] if C > 1 else a32[0], q)
+            for c in range(w):
+                dst[c] = np.uint8(_fp8(tmp[c], tmpi[c], rowi[c], el) & 0xFF)
+            if C == 1:
+                break
     return 0

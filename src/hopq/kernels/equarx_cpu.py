@@ -1,6 +1,6 @@
-"""EQuARX's CPU kernel (numba): int8 codes with bfloat16 or float32 scales, in
-either block geometry, one pass per stage over a part; the same bits as the
-PyTorch reference (:class:`hopq.codecs.equarx.EQuARXCodec`).
+"""EQuARX's CPU kernel (numba): int8, FP8 E4M3 or FP8 E5M2 codes with bfloat16
+or float32 scales, in either block geometry, one pass per stage over a part;
+the same bits as the PyTorch reference (:class:`hopq.codecs.equarx.EQuARXCodec`).
 ``tests/test_equarx.py`` holds it to the reference bit for bit.
 
 The reference builds each stage from about ten whole-part tensor operations
@@ -8,7 +8,9 @@ The reference builds each stage from about ten whole-part tensor operations
 rounding, clamps, selects, the byte concatenation); here a segment of the part
 (64 K entries at the paper's geometry, 256 KB) is decoded and accumulated in
 one pass, its column maxima taken in a second and its codes written in a third,
-while it stays in cache. The FP8 elements (E4M3, E5M2) run the reference.
+while it stays in cache. FP8 codes are cast with integer arithmetic on the
+float32 bits (round to nearest even, subnormals, torch's NaN and Inf codes) and
+decoded through a 256-entry table of torch's own values.
 
 numba is optional (``pip install hopq[cpu]``); without it the codec runs the
 reference. The first call compiles (cached on disk afterwards).
@@ -23,6 +25,28 @@ from hopq.kernels import Mode, backend
 
 _EMPTY_U8 = np.empty(0, np.uint8)
 _EMPTY_F32 = np.empty(0, np.float32)
+#: Element formats the kernel codes: name -> (its number in the kernel, Q, the
+#: torch dtype whose 256 codes' values make the decode table).
+ELEMENTS = {
+    "int8": (0, 127.0, None),
+    "e4m3": (1, 448.0, torch.float8_e4m3fn),
+    "e5m2": (2, 57344.0, torch.float8_e5m2),
+}
+_TABLES: dict[str, np.ndarray] = {}
+
+
+def _table(element: str) -> np.ndarray:
+    """float32 value of each of the 256 codes, as torch casts them (NaN bits too)."""
+    t = _TABLES.get(element)
+    if t is None:
+        dtype = ELEMENTS[element][2]
+        t = (
+            _EMPTY_F32
+            if dtype is None
+            else torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy().copy()
+        )
+        _TABLES[element] = t
+    return t
 
 
 def available() -> bool:
@@ -37,6 +61,7 @@ def run(
     block: int,
     scale_bytes: int,
     *,
+    element: str = "int8",
     payload: torch.Tensor | None = None,
     local: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
@@ -47,6 +72,7 @@ def run(
     column; a shorter last one has min(columns, ceil(rest / block)) columns),
     scales of ``scale_bytes`` (2: bfloat16, 4: float32). Tensors are contiguous
     CPU tensors: payloads uint8, ``local`` / ``out_rows`` float32 of n entries.
+    ``element``: the code format (:data:`ELEMENTS`).
     Returns the number of invalid scales in ``payload`` (negative, NaN or Inf),
     in which case nothing was written."""
     from hopq.kernels._equarx_cpu_jit import hop
@@ -55,11 +81,18 @@ def run(
     loc = local.detach().numpy() if local is not None else _EMPTY_F32
     outf = out_rows.detach().numpy() if out_rows is not None else _EMPTY_F32
     outb = out_payload.detach().numpy() if out_payload is not None else _EMPTY_U8
-    return int(hop(int(mode), n, minishard, columns, block, scale_bytes, inb, loc, outf, outb))
+    el, q, _ = ELEMENTS[element]
+    return int(
+        hop(
+            int(mode), n, minishard, columns, block, scale_bytes, inb, loc, outf, outb,
+            el, np.float32(q), _table(element),
+        )
+    )  # fmt: skip
 
 
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) the kernel."""
     x = torch.randn(300)
     out = torch.empty(300 + 2 * 10, dtype=torch.uint8)
-    run(Mode.ENCODE, 300, 64, 2, 32, 2, local=x, out_payload=out)
+    for element in ELEMENTS:
+        run(Mode.ENCODE, 300, 64, 2, 32, 2, element=element, local=x, out_payload=out)
