@@ -259,6 +259,7 @@ def test_simulation_with_kernel_equals_reference(topology):
         lambda b: GQSGDExp(backend=b),
         lambda b: GQSGDLinear(backend=b),
         lambda b: GQSGDLinear(bits=4, backend=b),
+        lambda b: GQSGDLinear(min_levels=64, backend=b),  # 16-bit lanes from n = 2
     ]
     for n in (3, 4, 5):
         # heavy-tailed magnitudes reach the bottom of the exponent range; signed zeros
@@ -315,6 +316,52 @@ def test_training_quality_in_the_loop():
         GQSGDOptions(parts=("nope",))
     with pytest.raises(ValueError, match="optimizer"):
         SimTraining(optimizer="lion")
+
+
+@pytest.mark.parametrize("bits", [4, 8, 16])
+def test_cpu_linear_lanes_match_the_reference_bit_for_bit(bits):
+    """The kernel's hop (with and without encode), lane decode and leaf pack on
+    4-, 8- and 16-bit lanes against the reference's bit packing, odd sizes, and
+    the count of lanes and sums beyond the limit."""
+    k = _cpu_kernels()
+    from hopq.numerics.bitpack import pack_bits, sign_extend, unpack_bits
+
+    g = torch.Generator().manual_seed(bits)
+    top = (1 << (bits - 1)) - 1
+    lim = top // 2
+    mask = (1 << bits) - 1
+
+    def ref_pack(t: torch.Tensor) -> torch.Tensor:
+        t = t & mask
+        return pack_bits(t.to(torch.uint8) if bits <= 8 else t, bits)
+
+    for n in (1, 2, 3, 33, 10_001):
+        a = torch.randint(-(lim // 2), lim // 2 + 1, (n,), generator=g).to(torch.float32)
+        b = torch.randint(-(lim // 2), lim // 2 + 1, (n,), generator=g)
+
+        body = ref_pack(b)
+        assert torch.equal(k.linear_pack(b.to(torch.float32), bits), body)
+        v = torch.empty(n)
+        assert k.linear_unpack(body, bits, lim, v) == 0
+        assert torch.equal(v, sign_extend(unpack_bits(body, bits, n).to(torch.int64), bits).float())
+        acc, out = a.clone(), torch.empty_like(body)
+        assert k.linear_hop(acc, body, bits, lim, out) == 0
+        assert torch.equal(acc, a + b.float())
+        assert torch.equal(out, ref_pack(a.long() + b))
+        acc2 = a.clone()
+        assert k.linear_hop(acc2, body, bits, lim) == 0 and torch.equal(acc2, acc)
+        # one lane at the top of the lane, one sum past the limit
+        b2 = b.clone()
+        b2[0] = top
+        a2 = a.clone()
+        a2[-1] = lim
+        b2[-1] = 1 if n > 1 else b2[-1]
+        bad = k.linear_hop(a2, ref_pack(b2), bits, lim, out)
+        assert bad == (2 if n > 1 else 1)
+    with pytest.raises(ValueError, match="lanes of 4, 8 or 16"):
+        k.linear_pack(torch.zeros(4), 3)
+    with pytest.raises(ValueError, match="take"):
+        k.linear_hop(torch.zeros(5), torch.zeros(2, dtype=torch.uint8), 4, 7)
 
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])

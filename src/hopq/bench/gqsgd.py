@@ -189,11 +189,15 @@ def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
 
 
 LINEAR_HOP = "numba linear hop (int8 lanes: add, check, encode)"
+LINEAR_HOP4 = "numba linear hop (4-bit lanes)"
+LINEAR_HOP16 = "numba linear hop (16-bit lanes)"
 
 
 def _other_kernels(n: int, repeats: int, only: str | None = None) -> list[tuple[str, float]]:
     """M coordinates/s (one core) of gqsgd_cpu's other kernels on n coordinates
     (``only``: just the one with that label)."""
+    from hopq.codecs.base import HopContext, LocalStats
+    from hopq.codecs.gqsgd import GQSGDLinear
     from hopq.kernels import gqsgd_cpu
 
     g = torch.Generator().manual_seed(1)
@@ -201,11 +205,25 @@ def _other_kernels(n: int, repeats: int, only: str | None = None) -> list[tuple[
     lanes = torch.randint(-31, 32, (n,), generator=g, dtype=torch.int8).view(torch.uint8)
     acc0 = torch.randint(-31, 32, (n,), generator=g).to(torch.float32)
     out = torch.empty(n, dtype=torch.uint8)
-    accs = [acc0.clone() for _ in range(repeats + 1)]
+    accs = [acc0.clone() for _ in range(3 * (repeats + 1))]
     codes = torch.randint(1, 40, (n,), generator=g).to(torch.float32)
     key = (0x1234567, 0x89ABCDE)
+    small = torch.randint(-3, 4, (n,), generator=g).to(torch.float32)  # 2 ranks x 3 levels
+    smalls = [small.clone() for _ in range(2 * (repeats + 1))]
+    nib = gqsgd_cpu.linear_pack(small, 4)
+    half = gqsgd_cpu.linear_pack(acc0, 16)
+    nib_out, half_out = torch.empty_like(nib), torch.empty_like(half)
+    ref4 = GQSGDLinear(bits=4, backend="reference")
+    plan4 = ref4.plan(small, LocalStats(world_size=2))
+    ctx = HopContext(0, 0, 0, 1, 0, 2)
     fns = [
-        (LINEAR_HOP, lambda: gqsgd_cpu.linear_hop8(accs.pop(), lanes, 124, out)),
+        (LINEAR_HOP, lambda: gqsgd_cpu.linear_hop(accs.pop(), lanes, 8, 124, out)),
+        (LINEAR_HOP4, lambda: gqsgd_cpu.linear_hop(smalls.pop(), nib, 4, 6, nib_out)),
+        (
+            "PyTorch reference linear hop (4-bit lanes)",
+            lambda: ref4.decode_accumulate_encode(plan4, nib, smalls.pop(), ctx),
+        ),
+        (LINEAR_HOP16, lambda: gqsgd_cpu.linear_hop(accs.pop(), half, 16, 32767, half_out)),
         ("numba linear leaf quantize", lambda: gqsgd_cpu.linear_quantize(x, 7.0, 31, key)),
         ("numba exp leaf quantize", lambda: gqsgd_cpu.exp_quantize(x, 5.0, 3, key)),
         ("numba linear decode (finish)", lambda: gqsgd_cpu.linear_finish(acc0, 0.1, 4, 3e38)),

@@ -273,6 +273,9 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         b = plan.lane_bits
         if b == 8:  # exact integers in [-127, 127]
             return chunk.to(torch.int8).view(torch.uint8)
+        k = _kernels("gqsgd-linear", self.config.backend, chunk.device)
+        if k is not None and chunk.is_contiguous() and chunk.dtype == torch.float32:
+            return k.linear_pack(chunk, b)
         i = chunk.to(torch.int64)
         if b == 4:
             return pack_bits((i & 0xF).to(torch.uint8), 4)
@@ -281,6 +284,12 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
     def _unpack(self, plan: GQSGDLinearPlan, payload: torch.Tensor, n: int, c: int) -> torch.Tensor:
         check_payload(payload, plan.payload_nbytes[c], f"gqsgd-linear chunk {c} payload")
         b = plan.lane_bits
+        k = _kernels("gqsgd-linear", self.config.backend, payload.device)
+        if k is not None:
+            v = torch.empty(n, dtype=torch.float32)
+            if k.linear_unpack(payload, b, self._limit(plan), v):
+                self._beyond(plan, c)
+            return v
         if b == 8:
             v = payload.view(torch.int8).to(torch.float32)
         elif b == 4:
@@ -288,41 +297,44 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         else:
             v = sign_extend(unpack_bits(payload, 16, n).to(torch.int64), 16).to(torch.float32)
         if n and float(v.abs().max()) > self._limit(plan):
-            raise PayloadError(
-                f"gqsgd-linear chunk {c}: a partial sum beyond {self._limit(plan)}, more "
-                f"than {plan.world_size} ranks of {plan.levels} levels can add up to"
-            )
+            self._beyond(plan, c)
         return v
+
+    def _beyond(self, plan: GQSGDLinearPlan, c: int) -> None:
+        raise PayloadError(
+            f"gqsgd-linear chunk {c}: a partial sum beyond {self._limit(plan)}, more "
+            f"than {plan.world_size} ranks of {plan.levels} levels can add up to"
+        )
 
     def decode(
         self, plan: GQSGDLinearPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
     ) -> None:
         out.copy_(self._unpack(plan, payload, out.numel(), ctx.chunk))
 
-    def _hop8(
+    def _hop(
         self, plan: GQSGDLinearPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext,
         encode: bool,
     ) -> torch.Tensor | None:  # fmt: skip
-        """The numba hop on 8-bit lanes, or None (the caller runs the reference)."""
+        """The numba hop on the plan's lanes, or None (the caller runs the reference)."""
         k = _kernels("gqsgd-linear", self.config.backend, acc.device)
-        if k is None or plan.lane_bits != 8 or not acc.is_contiguous():
+        if k is None or not acc.is_contiguous():
             return None
         check_payload(
             payload, plan.payload_nbytes[ctx.chunk], f"gqsgd-linear chunk {ctx.chunk} payload"
         )
-        out = torch.empty_like(payload)
-        if k.linear_hop8(acc, payload, self._limit(plan), out):
+        out = torch.empty_like(payload) if encode else None
+        if k.linear_hop(acc, payload, plan.lane_bits, self._limit(plan), out):
             raise PayloadError(
                 f"gqsgd-linear chunk {ctx.chunk}: a partial sum beyond {self._limit(plan)}, "
                 f"more than {plan.world_size} ranks of {plan.levels} levels can add up to "
                 "(a corrupt payload, or a contribution counted twice)"
             )
-        return out if encode else payload
+        return out if out is not None else payload
 
     def decode_accumulate_encode(
         self, plan: GQSGDLinearPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
     ) -> torch.Tensor:
-        out = self._hop8(plan, payload, local, ctx, encode=True)
+        out = self._hop(plan, payload, local, ctx, encode=True)
         if out is not None:
             return out
         self.decode_accumulate(plan, payload, local, ctx)
@@ -331,7 +343,7 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
     def decode_accumulate(
         self, plan: GQSGDLinearPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
     ) -> None:
-        if self._hop8(plan, payload, acc, ctx, encode=False) is not None:
+        if self._hop(plan, payload, acc, ctx, encode=False) is not None:
             return
         acc.add_(self._unpack(plan, payload, acc.numel(), ctx.chunk))  # exact integers
         if acc.numel() and float(acc.abs().max()) > self._limit(plan):

@@ -255,10 +255,25 @@ class GQSGDExpKernels(Protocol):
         """gqsgd-exp's leaf codes (signed exponents, float32)."""
         ...
 
-    def linear_hop8(
-        self, acc: torch.Tensor, body: torch.Tensor, limit: int, out: torch.Tensor | None = None
+    def linear_hop(
+        self,
+        acc: torch.Tensor,
+        body: torch.Tensor,
+        bits: int,
+        limit: int,
+        out: torch.Tensor | None = None,
     ) -> int:
-        """gqsgd-linear's hop on int8 lanes; returns the number of out-of-range lanes."""
+        """gqsgd-linear's hop on 4-, 8- or 16-bit lanes; returns the number of
+        out-of-range lanes or sums."""
+        ...
+
+    def linear_unpack(self, body: torch.Tensor, bits: int, limit: int, out: torch.Tensor) -> int:
+        """gqsgd-linear's lanes as float32 into ``out``; returns the number beyond
+        +-limit."""
+        ...
+
+    def linear_pack(self, x: torch.Tensor, bits: int) -> torch.Tensor:
+        """gqsgd-linear's float32 integers packed into lanes."""
         ...
 
     def linear_finish(

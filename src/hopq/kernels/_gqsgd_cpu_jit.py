@@ -120,20 +120,80 @@ def exp_quantize(x, scale, chain, k0, k1, start, out):
             os[j] = np.float32(isub32(I32(0), e) if xs[j] < np.float32(0.0) else e)
 
 
+@njit(inline="always")
+def _lane(body, i, bits):
+    """Lane i of a packed payload (little-endian bit stream), sign-extended."""
+    if bits == 8:
+        return np.int32(np.int8(body[i]))
+    if bits == 4:
+        b = np.int32(body[i >> 1])
+        v = (b >> (4 * (i & 1))) & np.int32(0xF)
+        return v - ((v >> 3) & np.int32(1)) * np.int32(16)
+    return np.int32(np.int16(np.int32(body[2 * i]) | (np.int32(body[2 * i + 1]) << 8)))
+
+
+@njit(inline="always")
+def _put_lane(out, i, v, bits):
+    """Write v's low ``bits`` bits as lane i (4-bit lanes: or'ed into a byte the
+    caller zeroed)."""
+    if bits == 8:
+        out[i] = np.uint8(v & np.int32(0xFF))
+    elif bits == 4:
+        out[i >> 1] |= np.uint8((v & np.int32(0xF)) << (4 * (i & 1)))
+    else:
+        out[2 * i] = np.uint8(v & np.int32(0xFF))
+        out[2 * i + 1] = np.uint8((v >> 8) & np.int32(0xFF))
+
+
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
-def linear_hop8(acc, body, limit, out):
-    """acc (float32 integers) += the int8 lanes of ``body``; ``out`` <- the sums
-    as int8 bytes. Returns how many received lanes or sums lie beyond +-limit
+def linear_hop(acc, body, bits, limit, out, encode):
+    """acc (float32 integers) += the ``bits``-bit lanes (4, 8 or 16) of ``body``;
+    with ``encode``, ``out`` <- the sums' lanes (as :func:`hopq.numerics.bitpack.pack_bits`
+    lays them out). Returns how many received lanes or sums lie beyond +-limit
     (the caller raises PayloadError)."""
     bad = np.int32(0)
     lim = np.int32(limit)
-    for i in range(acc.size):
-        v = np.int32(np.int8(body[i]))
+    n = acc.size
+    if bits == 8:  # the common case, one branch-free loop
+        for i in range(n):
+            v = np.int32(np.int8(body[i]))
+            s = np.int32(acc[i]) + v
+            bad += np.int32(abs(v) > lim) | np.int32(abs(s) > lim)
+            acc[i] = np.float32(s)
+            out[i] = np.uint8(s & np.int32(0xFF))
+        return bad
+    if encode and bits == 4:
+        out[:] = 0
+    for i in range(n):
+        v = _lane(body, i, bits)
         s = np.int32(acc[i]) + v
         bad += np.int32(abs(v) > lim) | np.int32(abs(s) > lim)
         acc[i] = np.float32(s)
-        out[i] = np.uint8(s & np.int32(0xFF))
+        if encode:
+            _put_lane(out, i, s, bits)
     return bad
+
+
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def linear_unpack(body, bits, limit, out):
+    """out (float32) <- the ``bits``-bit lanes of ``body``; returns how many lie
+    beyond +-limit."""
+    bad = np.int32(0)
+    lim = np.int32(limit)
+    for i in range(out.size):
+        v = _lane(body, i, bits)
+        bad += np.int32(abs(v) > lim)
+        out[i] = np.float32(v)
+    return bad
+
+
+@njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+def linear_pack(x, bits, out):
+    """out <- the float32 integers of ``x`` as ``bits``-bit lanes (low bits)."""
+    if bits == 4:
+        out[:] = 0
+    for i in range(x.size):
+        _put_lane(out, i, np.int32(x[i]), bits)
 
 
 @njit(inline="always")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from hopq.kernels import backend
+from hopq.numerics.bitpack import packed_nbytes
 
 
 def available() -> bool:
@@ -110,19 +111,59 @@ def exp_quantize(
     return out
 
 
-def linear_hop8(
-    acc: torch.Tensor, body: torch.Tensor, limit: int, out: torch.Tensor | None = None
+def linear_hop(
+    acc: torch.Tensor,
+    body: torch.Tensor,
+    bits: int,
+    limit: int,
+    out: torch.Tensor | None = None,
 ) -> int:
-    """gqsgd-linear's hop on 8-bit lanes: acc (contiguous float32 integers) +=
-    the int8 lanes of ``body`` in place, ``out`` (uint8) <- the sums' lanes.
-    Returns the number of lanes or sums beyond +-limit (a corrupt payload)."""
-    from hopq.kernels._gqsgd_cpu_jit import linear_hop8 as jit
+    """gqsgd-linear's hop on ``bits``-bit lanes (4, 8 or 16): acc (contiguous
+    float32 integers) += the lanes of ``body`` in place; ``out`` (uint8, the
+    packed size), when given, <- the sums' lanes. Returns the number of lanes or
+    sums beyond +-limit (a corrupt payload)."""
+    from hopq.kernels._gqsgd_cpu_jit import linear_hop as jit
 
-    if not (acc.is_contiguous() and acc.dtype == torch.float32 and body.dtype == torch.uint8):
-        raise TypeError("gqsgd_cpu.linear_hop8: contiguous float32 acc and uint8 body")
+    _check_lanes(acc, body, bits)
     a = acc.numpy()
-    o = out.numpy() if out is not None else np.empty(a.size, np.uint8)
-    return int(jit(a, body.contiguous().numpy(), limit, o))
+    o = out.numpy() if out is not None else np.empty(body.numel(), np.uint8)
+    return int(jit(a, body.contiguous().numpy(), bits, limit, o, out is not None))
+
+
+def linear_unpack(body: torch.Tensor, bits: int, limit: int, out: torch.Tensor) -> int:
+    """``out`` (contiguous float32) <- the ``bits``-bit lanes of ``body``; returns
+    the number of lanes beyond +-limit."""
+    from hopq.kernels._gqsgd_cpu_jit import linear_unpack as jit
+
+    _check_lanes(out, body, bits)
+    return int(jit(body.contiguous().numpy(), bits, limit, out.numpy()))
+
+
+def linear_pack(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The float32 integers of ``x`` (contiguous) packed as ``bits``-bit lanes."""
+    from hopq.kernels._gqsgd_cpu_jit import linear_pack as jit
+
+    _check_bits(bits)
+    out = torch.empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8)
+    _check_lanes(x, out, bits)
+    jit(x.numpy(), bits, out.numpy())
+    return out
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in (4, 8, 16):
+        raise ValueError(f"gqsgd_cpu: lanes of 4, 8 or 16 bits, got {bits}")
+
+
+def _check_lanes(v: torch.Tensor, body: torch.Tensor, bits: int) -> None:
+    _check_bits(bits)
+    if not (v.is_contiguous() and v.dtype == torch.float32 and body.dtype == torch.uint8):
+        raise TypeError("gqsgd_cpu: contiguous float32 values and a uint8 payload")
+    if body.numel() != packed_nbytes(v.numel(), bits):
+        raise ValueError(
+            f"gqsgd_cpu: {v.numel()} lanes of {bits} bits take "
+            f"{packed_nbytes(v.numel(), bits)} bytes, the payload has {body.numel()}"
+        )
 
 
 def _finish_args(y: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
