@@ -339,8 +339,8 @@ class Codec(ABC, Generic[P]):
     first_stats_nbytes: ClassVar[int | None] = None
     #: Coordinates per microshard the engine aims at when the call does not say
     #: (:func:`hopq.comm.engine.auto_microshards`): the pipeline hides codec work
-    #: behind transfers, so a codec whose work is a cast gains nothing from a
-    #: deeper one and pays for its extra messages (docs/bench/allreduce.md).
+    #: behind transfers, at the price of one message per microshard
+    #: (docs/bench/allreduce.md).
     microshard_coords: ClassVar[int] = 1 << 18
 
     def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:

@@ -89,9 +89,6 @@ class WireCodec(Codec[P]):
 class Uncompressed(WireCodec[Plan]):
     """Send each chunk as ``wire_dtype``; no statistics exchange."""
 
-    #: A cast: on a 200 Mbit/s link 1 to 16 microshards per chunk time the same,
-    #: on loopback 4-8 of them take 1.3-1.4x as long as one (16 and 64 MiB).
-    microshard_coords: ClassVar[int] = 1 << 20
 
     layout_preserving = True
     chunk_local = True

@@ -66,9 +66,11 @@ DEFAULT_TIMEOUT_S = 300.0
 #: ceil(d / n / coords) messages (at most MAX_MICROSHARDS). Measured with
 #: ``hopq bench allreduce --microshards 1 2 4 8 16`` (4 ranks, ring, 200 Mbit/s
 #: emulated link, docs/bench/allreduce.md): at 16 and 64 MiB, EQuARX and DynamiQ
-#: gain 10-20% from 1 to 4-8 messages per chunk and bf16 is flat; on plain
-#: loopback, where a message costs about a millisecond here, more messages cost
-#: bf16 and fp32 1.3-1.4x, so those keep 1M-coordinate microshards.
+#: gain 10-20% from 1 to 4-8 messages per chunk, and bf16 and fp32 5-7% from 1
+#: to 4 (21 alternating calls each: otherwise the link idles while a whole
+#: chunk is added and re-encoded); on plain loopback, where a message costs
+#: about a millisecond here and nothing waits on a link, 4 cost the casts
+#: 17-20% more than 1. The network-bound case sets the default.
 MICROSHARD_COORDS: int | None = None  # tests set it to force deep pipelines
 MAX_MICROSHARDS = 8
 #: Whether calls start with the agreement. Only ``hopq bench allreduce
