@@ -89,7 +89,6 @@ class WireCodec(Codec[P]):
 class Uncompressed(WireCodec[Plan]):
     """Send each chunk as ``wire_dtype``; no statistics exchange."""
 
-
     layout_preserving = True
     chunk_local = True
     gather_stage = True
