@@ -432,9 +432,15 @@ def test_engine_prepares_each_part_once_before_its_first_use(codec, topology, n)
 
 def test_pipeline_depth_follows_the_codec():
     """Without ``microshards`` the engine cuts chunks at the codec's
-    ``microshard_coords``: a cast (bf16) keeps one message per 1M coordinates,
-    a codec with real codec work (equarx) pipelines 256K at a time."""
+    ``microshard_coords``: 256K coordinates by default (casts included: on a
+    link, a whole-chunk message leaves it idle while the chunk is added), and
+    whatever a codec class sets instead."""
     xs = _inputs(4, 1 << 22, seed=3)  # 1M coordinates per ring chunk
     depth = {c: hopq.simulate(xs, c, "ring").stats[0].microshards for c in ("bf16", "equarx")}
-    assert depth == {"bf16": 1, "equarx": 4}
+    assert depth == {"bf16": 4, "equarx": 4}
+
+    class Coarse(type(hopq.get_codec("bf16"))):  # type: ignore[misc]
+        microshard_coords = 1 << 20
+
+    assert hopq.simulate(xs, Coarse(), "ring").stats[0].microshards == 1
     assert hopq.simulate(xs, "bf16", "ring", microshards=3).stats[0].microshards == 3
