@@ -399,10 +399,12 @@ def test_cpu_kernel_fp8_cast_is_torchs_at_every_tie(element):
     _kernel_or_skip()
     import numpy as np
 
+    from hopq.codecs.equarx import _ELEMENT_DTYPE, _QMAX, Element
     from hopq.kernels import _equarx_cpu_jit as jit
-    from hopq.kernels.equarx_cpu import ELEMENTS
+    from hopq.kernels.equarx_cpu import CODES
 
-    el, q, dtype = ELEMENTS[element]
+    dtype, q = _ELEMENT_DTYPE[Element(element)], _QMAX[Element(element)]
+    el = CODES[dtype]
     vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
     pos = torch.unique(vals[torch.isfinite(vals) & (vals >= 0)])
     mids = (pos[1:] + pos[:-1]) / 2  # exact in float32

@@ -236,7 +236,7 @@ def kernel_table(o: EquarxOptions) -> str:
     geometries."""
     from hopq.bench.kernels import one_thread, timer
     from hopq.codecs.base import HopContext
-    from hopq.codecs.equarx import EQuARX
+    from hopq.codecs.equarx import Element, EQuARX
     from hopq.kernels import equarx_cpu
 
     if not equarx_cpu.available():
@@ -247,7 +247,7 @@ def kernel_table(o: EquarxOptions) -> str:
     ctx = HopContext(0, 0, 0, 1, 0, o.world_size)
     rows = []
     with one_thread():
-        for element in equarx_cpu.ELEMENTS:
+        for element in (e.value for e in Element):
             for layout in ("strided", "contiguous"):
                 speeds: dict[str, list[float]] = {}
                 for backend in ("reference", "cpu"):

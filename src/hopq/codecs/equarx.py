@@ -230,7 +230,8 @@ class EQuARXCodec(Codec[Plan]):
         return int(
             k.run(
                 mode, n, cfg.minishard, cfg.per_minishard, cfg.block,
-                _SCALE_BYTES[cfg.scale], element=cfg.element.value, **tensors,
+                _SCALE_BYTES[cfg.scale], element=_ELEMENT_DTYPE[cfg.element],
+                q=_QMAX[cfg.element], **tensors,
             )
         )  # fmt: skip
 

@@ -301,9 +301,11 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         return v
 
     def _beyond(self, plan: GQSGDLinearPlan, c: int) -> None:
+        """A received lane or a sum beyond what n ranks of L levels can add up to."""
         raise PayloadError(
             f"gqsgd-linear chunk {c}: a partial sum beyond {self._limit(plan)}, more "
-            f"than {plan.world_size} ranks of {plan.levels} levels can add up to"
+            f"than {plan.world_size} ranks of {plan.levels} levels can add up to "
+            "(a corrupt payload, or a contribution counted twice)"
         )
 
     def decode(
@@ -324,11 +326,7 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         )
         out = torch.empty_like(payload) if encode else None
         if k.linear_hop(acc, payload, plan.lane_bits, self._limit(plan), out):
-            raise PayloadError(
-                f"gqsgd-linear chunk {ctx.chunk}: a partial sum beyond {self._limit(plan)}, "
-                f"more than {plan.world_size} ranks of {plan.levels} levels can add up to "
-                "(a corrupt payload, or a contribution counted twice)"
-            )
+            self._beyond(plan, ctx.chunk)
         return out if out is not None else payload
 
     def decode_accumulate_encode(
@@ -347,10 +345,7 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
             return
         acc.add_(self._unpack(plan, payload, acc.numel(), ctx.chunk))  # exact integers
         if acc.numel() and float(acc.abs().max()) > self._limit(plan):
-            raise PayloadError(
-                f"gqsgd-linear chunk {ctx.chunk}: partial sums beyond {self._limit(plan)} "
-                "(a corrupt payload, or a contribution counted twice)"
-            )
+            self._beyond(plan, ctx.chunk)
 
     def _values(
         self, plan: GQSGDLinearPlan, y: torch.Tensor, op: ReduceOp, world_size: int,

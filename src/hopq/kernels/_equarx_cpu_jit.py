@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3  # hopq.kernels.Mode
-INT8, E4M3, E5M2 = 0, 1, 2  # element formats (hopq.kernels.equarx_cpu.ELEMENTS)
+INT8, E4M3, E5M2 = 0, 1, 2  # element formats (hopq.kernels.equarx_cpu.CODES)
 
 _F0 = np.float32(0.0)
 _INF = np.float32(np.inf)
@@ -247,15 +247,15 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb, el, q, table):
                         dst[c] = np.uint8(_code(row[c], a32[c]) & 0xFF)
             continue
         # FP8: the scaled values first (into tmp), then their casts from the bits
-        for r0 in range(0, L, C):
-            w = min(C, L - r0) if C > 1 else L
+        # (C == 1: the whole run is one row under scale 0)
+        step = C if C > 1 else L
+        for r0 in range(0, L, step):
+            w = min(step, L - r0)
             row = local[p + r0 : p + r0 + w]
             rowi = locali[p + r0 : p + r0 + w]
             dst = outb[sb + p + r0 : sb + p + r0 + w]
             for c in range(w):
-                tmp[c] = _scaled8(row[c], a32[c] if C > 1 else a32[0], q)
+                tmp[c] = _scaled8(row[c], a32[c if C > 1 else 0], q)
             for c in range(w):
                 dst[c] = np.uint8(_fp8(tmp[c], tmpi[c], rowi[c], el) & 0xFF)
-            if C == 1:
-                break
     return 0

@@ -18,6 +18,8 @@ reference. The first call compiles (cached on disk afterwards).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -25,28 +27,17 @@ from hopq.kernels import Mode, backend
 
 _EMPTY_U8 = np.empty(0, np.uint8)
 _EMPTY_F32 = np.empty(0, np.float32)
-#: Element formats the kernel codes: name -> (its number in the kernel, Q, the
-#: torch dtype whose 256 codes' values make the decode table).
-ELEMENTS = {
-    "int8": (0, 127.0, None),
-    "e4m3": (1, 448.0, torch.float8_e4m3fn),
-    "e5m2": (2, 57344.0, torch.float8_e5m2),
-}
-_TABLES: dict[str, np.ndarray] = {}
+#: The kernel's number for each element format, by the torch dtype of its codes.
+CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
-def _table(element: str) -> np.ndarray:
-    """float32 value of each of the 256 codes, as torch casts them (NaN bits too)."""
-    t = _TABLES.get(element)
-    if t is None:
-        dtype = ELEMENTS[element][2]
-        t = (
-            _EMPTY_F32
-            if dtype is None
-            else torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy().copy()
-        )
-        _TABLES[element] = t
-    return t
+@lru_cache(maxsize=4)
+def _table(dtype: torch.dtype) -> np.ndarray:
+    """float32 value of each of the 256 FP8 codes, as torch casts them (NaN bits
+    too); empty for int8, which the kernel decodes itself."""
+    if dtype == torch.int8:
+        return _EMPTY_F32
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float().numpy().copy()
 
 
 def available() -> bool:
@@ -61,7 +52,8 @@ def run(
     block: int,
     scale_bytes: int,
     *,
-    element: str = "int8",
+    element: torch.dtype,
+    q: float,
     payload: torch.Tensor | None = None,
     local: torch.Tensor | None = None,
     out_rows: torch.Tensor | None = None,
@@ -72,7 +64,8 @@ def run(
     column; a shorter last one has min(columns, ceil(rest / block)) columns),
     scales of ``scale_bytes`` (2: bfloat16, 4: float32). Tensors are contiguous
     CPU tensors: payloads uint8, ``local`` / ``out_rows`` float32 of n entries.
-    ``element``: the code format (:data:`ELEMENTS`).
+    ``element``: the codes' dtype (:data:`CODES`), ``q`` its largest value (Q in
+    x / A * Q); the codec holds both.
     Returns the number of invalid scales in ``payload`` (negative, NaN or Inf),
     in which case nothing was written."""
     from hopq.kernels._equarx_cpu_jit import hop
@@ -81,18 +74,20 @@ def run(
     loc = local.detach().numpy() if local is not None else _EMPTY_F32
     outf = out_rows.detach().numpy() if out_rows is not None else _EMPTY_F32
     outb = out_payload.detach().numpy() if out_payload is not None else _EMPTY_U8
-    el, q, _ = ELEMENTS[element]
     return int(
         hop(
             int(mode), n, minishard, columns, block, scale_bytes, inb, loc, outf, outb,
-            el, np.float32(q), _table(element),
+            CODES[element], np.float32(q), _table(element),
         )
     )  # fmt: skip
 
 
 def warm_up() -> None:
-    """Compile (or load from numba's disk cache) the kernel."""
+    """Compile (or load from numba's disk cache) the kernel, through the codec."""
+    from hopq.codecs.base import HopContext, LocalStats
+    from hopq.codecs.equarx import Element, EQuARX
+
     x = torch.randn(300)
-    out = torch.empty(300 + 2 * 10, dtype=torch.uint8)
-    for element in ELEMENTS:
-        run(Mode.ENCODE, 300, 64, 2, 32, 2, element=element, local=x, out_payload=out)
+    for element in Element:
+        codec = EQuARX(backend="cpu", element=element)
+        codec.encode(codec.plan(x, LocalStats()), x, HopContext(0, 0, 0, 1, 0, 1))
