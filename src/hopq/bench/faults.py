@@ -212,11 +212,16 @@ def death_worker(
     from hopq.comm import engine
 
     x = _input(rank, d)
+    # every rank has joined the group before the victim acts: a victim that dies
+    # while a peer is still in init_process_group fails that peer's init (Gloo's
+    # "remote worker crashing"), not hopq's call, and the run measures nothing
+    torch.distributed.barrier()
     if rank == victim:
         if kind == "never calls":
             time.sleep(timeout + 5.0)
             return ("did not call", 0.0, "")
         if kind == "dies before calling":
+            time.sleep(0.5)  # the peers' barriers have completed: they are in their call
             _die()
         if kind == "dies in the statistics exchange":
             engine._StatsExchange.all_reduce = lambda *a, **k: _die()  # type: ignore[method-assign,assignment]
