@@ -229,6 +229,28 @@ def test_exact_allocation_uses_the_budget_greedily():
     assert sum(cost[int(v)] for v in w) <= 4 * cost[4]
 
 
+@pytest.mark.parametrize("kind", ["distinct", "few values", "bf16", "zeros and huge"])
+def test_exact_allocation_ranks_steps_like_a_stable_sort(kind, monkeypatch):
+    """The exact allocation's fast ranking (unstable sort, ties put in index
+    order) is the stable sort's order, with and without numpy; statistics that
+    went through bfloat16 tie a lot."""
+    g = torch.Generator().manual_seed(len(kind))
+    for k in (0, 1, 2, 7, 3000, 49152):
+        if kind == "distinct":
+            x = torch.rand(k, generator=g, dtype=torch.float64)
+        elif kind == "few values":
+            x = torch.randint(0, 4, (k,), generator=g).double()
+        elif kind == "bf16":
+            x = torch.randn(k, generator=g).to(torch.bfloat16).double().abs() * 0.37
+        else:
+            x = torch.randint(0, 3, (k,), generator=g).double()
+            x[::7], x[1::11], x[2::13] = 0.0, -0.0, 1e300
+        want = torch.sort(-x, stable=True).indices
+        assert torch.equal(allocation.descending_order(x), want), (kind, k)
+    monkeypatch.setitem(__import__("sys").modules, "numpy", None)  # a torch-only install
+    assert torch.equal(allocation.descending_order(x), want)
+
+
 @pytest.mark.parametrize(
     "kw, words",
     [

@@ -167,6 +167,36 @@ def test_simulation_with_kernels_equals_reference(backend, topology, n):
             assert torch.equal(_bits(ya), _bits(yb))
 
 
+@pytest.mark.skipif(not cpu_kernels.available(), reason="numba is not installed")
+@pytest.mark.parametrize("avg", [False, True])
+def test_row_scatter_saturates_like_the_reference(avg):
+    """The CPU row scatter with ``saturate`` (DynamiQ finishes part by part with
+    it) equals the reference scatter followed by ``saturate_finite_rows``: sums
+    past float32's limit saturate in rows with a finite mean, Inf and NaN rows
+    keep their poison; a scatter a part at a time gives the same bits."""
+    from hopq.codecs.dynamiq.codec import saturate_finite_rows
+    from hopq.numerics.rows import scatter_rows
+
+    S, m, d, n = 256, 12, 12 * 256 - 100, 4
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(m * S, generator=g) * 3e38
+    mu = torch.randn(m, generator=g) * 1e38
+    mu[2], mu[5], mu[7] = float("inf"), float("nan"), -float("inf")
+    y[S * 4 + 3] = float("inf")
+    y[S * 6 + 1] = -float("inf")
+    perm = torch.randperm(m, generator=g)
+    want = saturate_finite_rows(scatter_rows(y, perm, mu, S, n, avg, d), mu, S)
+    assert not torch.isfinite(want).all() and (want.abs() == torch.finfo(torch.float32).max).any()
+    whole = cpu_kernels.scatter_rows(y, perm, mu, S, n, avg, d, saturate=True)
+    parts = torch.empty(d)
+    for lo, hi in ((0, 5), (5, 6), (6, 12)):
+        cpu_kernels.scatter_rows(
+            y[lo * S : hi * S], perm[lo:hi], mu, S, n, avg, d, out=parts, saturate=True
+        )
+    for got in (whole, parts):
+        assert torch.equal(_bits(got), _bits(want))
+
+
 def test_backend_selection(monkeypatch):
     x = torch.randn(1000)
     stats = LocalStats(n_chunks=2, world_size=2)

@@ -1,8 +1,10 @@
-"""Schedules, checked as pure data for every world size 1..16."""
+"""Schedules, checked as pure data for every world size 1..16; the statistics
+exchange's ring over in-process ranks."""
 
 import math
 
 import pytest
+import torch
 
 from hopq.comm.topology import TOPOLOGIES, Phase, equal_shards, get_schedule, shard_layout
 
@@ -158,3 +160,51 @@ def test_shard_layout_deliveries_and_refusals():
     for bad in ((0, 5), (1, 5, 10), (0, 6, 5)):
         with pytest.raises(ValueError, match="shards"):
             shard_layout(get_schedule("ring", 2), bad)
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
+@pytest.mark.parametrize("numel", [1, 2, 7, 1000])
+def test_direct_all_reduce_of_statistics(n, numel):
+    """Large statistics' reduce-scatter + all-gather: every rank gets the bits of
+    an all-gather folded in rank order (bfloat16 makes the order visible), for
+    sizes that do not divide evenly; fewer elements than ranks are refused."""
+    import threading
+
+    from hopq.comm.framing import Deadline, Where
+    from hopq.comm.transport import all_gather, direct_all_reduce, make_inprocess_group
+
+    g = torch.Generator().manual_seed(n * 1000 + numel)
+    xs = [(torch.randn(2, numel, generator=g) * 1e3).to(torch.bfloat16) for _ in range(n)]
+
+    def run(fn):
+        ts = make_inprocess_group(n)
+        out: list = [None] * n
+
+        def work(r: int) -> None:
+            try:
+                out[r] = fn(ts[r], xs[r])
+            except Exception as e:  # noqa: BLE001 - checked below
+                out[r] = e
+                ts[r].hub.abort()
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        return out
+
+    def add(acc, x):
+        acc.add_(x)
+
+    here = Where("test", 1, -2)
+    got = run(lambda t, x: direct_all_reduce(t, x, add, Deadline(60), here))
+    if 2 * numel < n:
+        assert all(isinstance(o, ValueError) for o in got)
+        return
+    parts = run(lambda t, x: all_gather(t, x, Deadline(60), here))[0]
+    want = parts[0].clone()
+    for p in parts[1:]:
+        want += p
+    for o in got:
+        assert o.shape == xs[0].shape and torch.equal(o.view(torch.int16), want.view(torch.int16))

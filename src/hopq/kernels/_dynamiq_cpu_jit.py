@@ -29,7 +29,8 @@ ENCODE, DECODE, DECODE_ACC = int(Mode.ENCODE), int(Mode.DECODE), int(Mode.DECODE
 
 
 ABS = np.int32(0x7FFFFFFF)
-BIG = np.float32(2.0**120)  # hopq.codecs.dynamiq.reference.BIG_SCALE
+BIG = np.float32(2.0**120)
+FLOAT_MAX = float(np.finfo(np.float32).max)  # hopq.codecs.dynamiq.reference.BIG_SCALE
 FASTMOD_MAX = 1 << 16  # fastmod below is exact for numerators and divisors < 2^16
 POW2_MAX = 1 << 15  # (2u + 1) me stays below 2^31
 COUNT_MAX = 8  # tables of at most this many levels below the top: counted, not searched
@@ -366,19 +367,27 @@ def gather_rows(x, perm, mu, S, out):
 
 
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
-def scatter_rows(y, perm, mu, S, n, avg, out):
-    """out row perm[k] = y row k + n mu (sum) or y / n + mu (average), cut at out.size."""
+def scatter_rows(y, perm, mu, S, n, avg, sat, out):
+    """out row perm[k] = y row k + n mu (sum) or y / n + mu (average), cut at out.size.
+    With ``sat``: an infinite entry of a row whose mean is finite saturates at
+    float32's largest value (``saturate_finite_rows``, done row by row here)."""
     d = out.size
     fn = np.float32(n)
+    big = np.float32(FLOAT_MAX)
+    inf = np.float32(np.inf)
     for k in range(perm.size):
         dst = perm[k]
         base = dst * S
         cnt = min(S, d - base)
+        m = mu[dst]
         if avg:
-            m = mu[dst]
             for j in range(cnt):
                 out[base + j] = y[k * S + j] / fn + m
         else:
-            m = mu[dst] * fn
+            mn = m * fn
             for j in range(cnt):
-                out[base + j] = y[k * S + j] + m
+                out[base + j] = y[k * S + j] + mn
+        if sat and abs(m) < inf:
+            for j in range(cnt):
+                v = out[base + j]
+                out[base + j] = big if v == inf else (-big if v == -inf else v)

@@ -152,11 +152,13 @@ def gather_rows(
 
 def scatter_rows(
     y: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int, n: int, avg: bool, d: int,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, saturate: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The reference ``finish``: the inverse reorder, means added back; rows of y
     go to rows ``perm`` of ``out`` (float32 of d entries) when given, so that a
-    part of the working vector lands in the result (:meth:`DynamiQ.finish_part`)."""
+    part of the working vector lands in the result (:meth:`DynamiQ.finish_part`).
+    ``saturate``: also :func:`~hopq.codecs.dynamiq.codec.saturate_finite_rows`
+    on the rows written (the result of a whole finish, a part at a time)."""
     from hopq.kernels._dynamiq_cpu_jit import scatter_rows as kernel
 
     if out is None:
@@ -168,6 +170,7 @@ def scatter_rows(
         S,
         n,
         avg,
+        saturate,
         out.numpy(),
     )
     return out

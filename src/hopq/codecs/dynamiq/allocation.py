@@ -16,13 +16,14 @@ from hopq.codecs.dynamiq.config import STATS_BITS, Allocation, DynamiQConfig
 
 def allocate(
     cfg: DynamiQConfig, F: torch.Tensor, d: int, budget: float, stats_weight: float = 1.0
-) -> list[int]:
-    """Width per super-group (original order) for ``budget`` bits per coordinate
-    over ``d`` coordinates, statistics included (``stats_weight`` times their
-    bits: 2 in a reduce-scatter, whose coordinates move once, not twice)."""
+) -> torch.Tensor:
+    """Width per super-group (original order, int64) for ``budget`` bits per
+    coordinate over ``d`` coordinates, statistics included (``stats_weight``
+    times their bits: 2 in a reduce-scatter, whose coordinates move once, not
+    twice)."""
     m = F.numel()
     if m == 0:
-        return []
+        return torch.zeros(0, dtype=torch.int64)
     W = list(cfg.widths)
     budget_bits = budget * d - stats_weight * STATS_BITS * m
     F = torch.nan_to_num(F, nan=math.inf)
@@ -38,7 +39,7 @@ def allocate(
     else:
         width = exact(F, live, W, cost, budget_bits)
     width[zero] = 0
-    return width.tolist()
+    return width
 
 
 def heuristic(
@@ -124,14 +125,40 @@ def exact(
         levels.append(torch.full((idx.numel(),), k + 1, dtype=torch.int64))
     level = torch.zeros(m, dtype=torch.int64)
     if gains:
-        g = torch.cat(gains)
-        order = torch.sort(-g, stable=True).indices
+        order = descending_order(torch.cat(gains))
         csum = torch.cumsum(torch.cat(costs)[order], 0) + spent
         take = order[csum <= budget]
         own = torch.cat(owners)[take]
         lev = torch.cat(levels)[take]
         level.scatter_reduce_(0, own, lev, reduce="amax")
     return torch.tensor(W, dtype=torch.int64)[level]
+
+
+def descending_order(g: torch.Tensor) -> torch.Tensor:
+    """``torch.sort(-g, stable=True).indices`` for a float64 ``g`` without NaN:
+    largest first, equal values in index order. An unstable (SIMD) sort, then
+    the runs of equal values put in index order by one sort of unique int64
+    keys (run, index): 3-6x faster than the stable sort on the tens of
+    thousands of steps a call ranks, with the same order. Without numpy (a
+    torch-only install): the stable sort itself."""
+    try:
+        import numpy as np
+    except ImportError:
+        return torch.sort(-g, stable=True).indices
+    k = g.numel()
+    if k < 2:
+        return torch.arange(k, dtype=torch.int64)
+    neg = -g.numpy()
+    order = np.argsort(neg)
+    ranked = neg[order]
+    run = np.empty(k, dtype=np.int64)
+    run[0] = 0
+    np.cumsum(ranked[1:] != ranked[:-1], out=run[1:])
+    if run[-1] == k - 1:  # every value distinct: no ties to order
+        return torch.from_numpy(order.astype(np.int64, copy=False))
+    shift = int(k - 1).bit_length()
+    keys = np.sort((run << shift) | order)
+    return torch.from_numpy(keys & ((1 << shift) - 1))
 
 
 def split_budget(
@@ -147,8 +174,10 @@ def split_budget(
     if not keys:
         return {}
     widths = allocate(cfg, torch.cat([step[k][1] for k in keys]), total, cfg.budget)
-    per_width = {w: cfg.sg_bits(w) + STATS_BITS for w in (0, *cfg.widths)}
-    sg_cost = torch.tensor([per_width[w] for w in widths], dtype=torch.float64)
+    lut = torch.zeros(max(cfg.widths) + 1, dtype=torch.float64)
+    for w in (0, *cfg.widths):
+        lut[w] = cfg.sg_bits(w) + STATS_BITS
+    sg_cost = lut[widths]
     sizes = [step[k][1].numel() for k in keys]
     bits = [float(c.sum()) for c in torch.split(sg_cost, sizes)]
     slack = max(0.0, cfg.budget * total - sum(bits))

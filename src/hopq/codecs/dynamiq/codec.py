@@ -185,6 +185,11 @@ class DynamiQ(Codec[DynamiQPlan]):
             # gathered a part at a time (prepare_part), each just before its
             # first use: all but the first part's overlap the transfers
             plan.source = x.detach().reshape(-1).contiguous()
+            if scratch and plan.source.data_ptr() == x.data_ptr():
+                # the result goes back into x, part by part: a part's rows are
+                # read (prepare_part) before that part is finished, and no
+                # other part reads them
+                plan.out = plan.source
             return torch.empty(plan.work_numel, dtype=torch.float32, device=x.device)
         kern = self.kernels(x.device)
         gather = kern.gather_rows if kern is not None and x.dtype == torch.float32 else gather_rows
@@ -233,7 +238,7 @@ class DynamiQ(Codec[DynamiQPlan]):
         kern = self.kernels(work.device)
         kern.scatter_rows(  # type: ignore[union-attr, call-arg]
             work[s:e], plan.perm[s // S : e // S], plan.mu, S, world_size,
-            op is ReduceOp.AVG, plan.numel, out=plan.out,
+            op is ReduceOp.AVG, plan.numel, out=plan.out, saturate=True,
         )  # fmt: skip
         plan.finished.add(part)
 
@@ -248,7 +253,7 @@ class DynamiQ(Codec[DynamiQPlan]):
             if out is None:  # no parts (an empty tensor)
                 out = torch.empty(plan.numel, dtype=torch.float32, device=y.device)
             plan.source = plan.out = None  # the plan holds no tensors after the call
-            return saturate_finite_rows(out, plan.mu, S)
+            return out  # saturated part by part (scatter_rows)
         kern = self.kernels(y.device)
         scatter = kern.scatter_rows if kern is not None else scatter_rows
         avg = op is ReduceOp.AVG

@@ -98,7 +98,7 @@ def nested_split(
 def build_plan(
     cfg: DynamiQConfig,
     d: int,
-    widths: list[int],
+    widths: torch.Tensor | list[int],
     n_chunks: int,
     mu: torch.Tensor,
     budget: float,
@@ -116,8 +116,8 @@ def build_plan(
     operations throughout: the Python loop per super-group it replaces took
     8 ms for 4M coordinates, this about half."""
     S = cfg.supergroup_size
-    m = len(widths)
-    w = torch.tensor(widths, dtype=torch.int64)
+    w = torch.as_tensor(widths, dtype=torch.int64)
+    m = w.numel()
     ranges = [(0, m)] if bounds is None else list(zip(sg_starts, sg_starts[1:], strict=False))
     # stable: by width, then position (within each of the caller's chunks)
     parts = [lo + torch.argsort(w[lo:hi], stable=True) for lo, hi in ranges if hi > lo]
@@ -125,7 +125,7 @@ def build_plan(
     sw = w[order]
     sorted_widths = tuple(sw.tolist())
     perm = order.to(mu.device)
-    lut = torch.zeros(max(widths, default=0) + 1, dtype=torch.int64)
+    lut = torch.zeros(int(w.max()) + 1 if m else 1, dtype=torch.int64)
     for v in set(sorted_widths):
         lut[v] = cfg.sg_bits(v) // 8
     cum64 = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lut[sw], 0)])
