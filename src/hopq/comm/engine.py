@@ -56,7 +56,13 @@ from hopq.comm import agreement, framing
 from hopq.comm.agreement import digest
 from hopq.comm.framing import Deadline, Where
 from hopq.comm.topology import Phase, Schedule, Transfer, shard_layout
-from hopq.comm.transport import Handle, Transport, all_gather, direct_all_reduce
+from hopq.comm.transport import (
+    DIRECT_EXCHANGE_MAX,
+    Handle,
+    Transport,
+    all_gather,
+    direct_all_reduce,
+)
 from hopq.errors import CodecError
 
 #: hopq's own timeout for a call, in seconds: a few minutes, not Gloo's 30.
@@ -177,15 +183,15 @@ class _Agreement:
         self.done = True
         t0 = time.perf_counter()
         try:
-            out = agreement.agree(
-                self.transport, self.mine, self.deadline, self.where, self.describe, extra
-            )
+            started = agreement.start(self.transport, self.mine, self.where, extra)
+            out = started.finish(self.deadline, self.describe)
         finally:
             self.seconds += time.perf_counter() - t0
         n = self.transport.world_size
-        self.bytes += max(1, (n - 1).bit_length()) * (
-            framing.header_nbytes(1) + 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
-        )
+        block = 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
+        direct = n <= DIRECT_EXCHANGE_MAX
+        messages = n - 1 if direct else max(1, (n - 1).bit_length())
+        self.bytes += (n - 1) * block + messages * framing.header_nbytes(1)
         return out
 
 

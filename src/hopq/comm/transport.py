@@ -325,6 +325,55 @@ def all_gather(
     return [b.view(t.dtype).view(t.shape) for b in ordered]
 
 
+#: Ranks up to which :class:`Exchange` sends its block to every peer at once (one
+#: round of n - 1 messages); beyond, Bruck's all-gather (ceil(log2 n) rounds).
+DIRECT_EXCHANGE_MAX = 32
+
+
+class Exchange:
+    """Every rank's ``block`` (the same number of bytes everywhere), in rank
+    order: for n <= :data:`DIRECT_EXCHANGE_MAX` one round, posted when this is
+    made, so that the caller computes while the messages travel; ``wait``
+    collects them. Larger groups run :func:`all_gather` in ``wait``."""
+
+    def __init__(self, transport: Transport, block: torch.Tensor, where: Where) -> None:
+        self.transport, self.where = transport, where
+        self.block = block.contiguous().reshape(-1).view(torch.uint8)
+        n, r = transport.world_size, transport.rank
+        self.direct = 1 < n <= DIRECT_EXCHANGE_MAX
+        if not self.direct:
+            return
+        size = self.block.numel()
+        self.peers = [q for q in range(n) if q != r]
+        parts = framing.pack(framing.frame(where, [size]), self.block, size)
+        self.bufs = {
+            q: [transport.buffer(nb, block.device) for nb in framing.expect(1, size)]
+            for q in self.peers
+        }
+        self.sends, self.recvs = transport.post(
+            [(q, p) for q in self.peers for p in parts],
+            [(q, b) for q in self.peers for b in self.bufs[q]],
+            where,
+        )
+        self.parts = parts  # kept alive until sent
+
+    def wait(self, deadline: Deadline) -> list[torch.Tensor]:
+        t, where = self.transport, self.where
+        if not self.direct:
+            return all_gather(t, self.block, deadline, where)
+        size = self.block.numel()
+        for h in self.recvs:
+            h.wait(deadline, where)
+        out = {t.rank: self.block}
+        for q in self.peers:
+            head, body = framing.unpack(self.bufs[q], 1, size)
+            framing.check(head, where, q, t.rank, [size], exact=True)
+            out[q] = body[:size].clone()
+        for h in self.sends:
+            h.wait(deadline, where)
+        return [out[q] for q in range(t.world_size)]
+
+
 def direct_all_reduce(
     transport: Transport,
     t: torch.Tensor,
