@@ -208,3 +208,30 @@ def test_direct_all_reduce_of_statistics(n, numel):
         want += p
     for o in got:
         assert o.shape == xs[0].shape and torch.equal(o.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("n", [2, 5, 33])
+def test_exchange_gives_every_block_in_rank_order(n):
+    """The agreement's exchange: one round to every peer up to 32 ranks, Bruck's
+    all-gather beyond; either way every rank gets every block in rank order."""
+    import threading
+
+    from hopq.comm.framing import Deadline, Where
+    from hopq.comm.transport import DIRECT_EXCHANGE_MAX, Exchange, make_inprocess_group
+
+    assert (n > DIRECT_EXCHANGE_MAX) == (n == 33)
+    ts = make_inprocess_group(n)
+    out: list = [None] * n
+
+    def work(r: int) -> None:
+        block = torch.full((24,), r, dtype=torch.uint8)
+        out[r] = Exchange(ts[r], block, Where("test", 1, -1000)).wait(Deadline(60))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for blocks in out:
+        assert [int(b[0]) for b in blocks] == list(range(n))
+        assert all(b.numel() == 24 and torch.all(b == b[0]) for b in blocks)
