@@ -9,6 +9,7 @@ import torch
 import hopq
 from hopq.codecs.base import ReduceOp
 from hopq.codecs.thc import THC, THCConfig, fwht
+from hopq.kernels import thc_cpu
 from hopq.sim import virtual_ranks
 
 
@@ -19,6 +20,48 @@ def test_fwht_is_orthonormal_and_involutive():
     assert torch.allclose(y.norm(dim=1), x.norm(dim=1))
     h = fwht(torch.eye(8, dtype=torch.float64))
     assert torch.allclose(h.abs(), torch.full((8, 8), 8**-0.5, dtype=torch.float64))
+
+
+@pytest.mark.skipif(not thc_cpu.available(), reason="numba is not installed")
+def test_thc_kernels_match_the_reference_bit_for_bit():
+    """The CPU kernel's signs, uniforms and Hadamard transform are the reference's
+    (float32 and float64, every block size kind, large magnitudes)."""
+    from hopq.numerics.rng import hash32, stream_key, uniform
+
+    key = stream_key(7, 3, 0xFFFF0, 0)
+    idx = torch.arange(100003, dtype=torch.int64)
+    want = 1.0 - 2.0 * (hash32(idx, key) & 1).to(torch.float32)
+    assert torch.equal(thc_cpu.signs(100003, key), want)
+    for off in (0, 5, 2**32 - 1000):
+        assert torch.equal(thc_cpu.uniform(1000, key, off), uniform(1000, key, offset=off))
+    with pytest.raises(ValueError, match="32-bit counter"):
+        thc_cpu.uniform(10, key, 2**32 - 5)
+    g = torch.Generator().manual_seed(1)
+    for H in (1, 2, 8, 4096, 65536):
+        for dt, mag in ((torch.float32, 1e30), (torch.float64, 1e200)):
+            x = torch.randn(3, H, generator=g, dtype=dt) * mag
+            x[0, 0] = float("nan") if H > 1 else x[0, 0]
+            a, b = fwht(x), thc_cpu.fwht(x)
+            assert a.dtype == b.dtype and torch.equal(a.view(-1).isnan(), b.view(-1).isnan())
+            assert torch.equal(a.nan_to_num(), b.nan_to_num()), (H, dt)
+
+
+@pytest.mark.skipif(not thc_cpu.available(), reason="numba is not installed")
+@pytest.mark.parametrize("topology, n", [("ring", 4), ("butterfly", 3)])
+def test_thc_with_kernels_equals_the_reference(topology, n):
+    """Whole calls with the kernel equal the reference's: all-reduce, average,
+    a reduce-scatter over rank shards (chunk-wise rotation), float64 rotation."""
+    g = torch.Generator().manual_seed(n)
+    xs = [torch.randn(70001, generator=g) for _ in range(n)]
+    wide = [x * 1e37 for x in xs]  # rotated in float64; the sums stay below 3.4e38
+    for inputs, kw in ((xs, {}), (xs, {"op": "avg"}), (wide, {})):
+        a = hopq.simulate(inputs, THC(backend="reference"), topology, seed=2, **kw).outputs
+        b = hopq.simulate(inputs, THC(backend="cpu"), topology, seed=2, **kw).outputs
+        assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+        assert all(torch.isfinite(p).all() for p in a)  # finite in, finite out
+    a = hopq.simulate_reduce_scatter(xs, THC(backend="reference"), topology, shards="equal")
+    b = hopq.simulate_reduce_scatter(xs, THC(backend="cpu"), topology, shards="equal")
+    assert all(torch.equal(p, q) for p, q in zip(a.outputs, b.outputs, strict=True))
 
 
 def test_thc_unbiased():

@@ -51,6 +51,8 @@ QUALITY_CODECS: tuple[tuple[str, str | None, dict[str, Any]], ...] = (
     ("mxfp8", "mxfp8", {}),
     ("thc", "thc", {}),
 )
+#: ``--quality-codecs`` names of the rows after the fp32 baseline (which always runs).
+QUALITY_KEYS = ("L8", "L4", "E8", "dynamiq", "mxfp8", "thc")
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,11 @@ class GQSGDOptions:
     quality_steps: int = option(60, "training steps of the quality table")
     quality_workers: int = option(4, "simulated workers of the quality table")
     quality_batch: int = option(4, "sequences per worker of the quality table")
+    quality_codecs: tuple[str, ...] = option(
+        QUALITY_KEYS,
+        "rows of the quality table beside the fp32 baseline",
+        choices=lambda: QUALITY_KEYS,
+    )
     model_rates: tuple[float, ...] = option(
         (1000.0, 100.0), "cost model: per-worker link rates (Mbit/s), the paper's P2P and SHM"
     )
@@ -83,6 +90,9 @@ class GQSGDOptions:
         bad = set(self.quality_workloads) - {"gpt", "minilm"}
         if bad:
             raise ValueError(f"unknown workloads {sorted(bad)}; choose from gpt, minilm")
+        bad = set(self.quality_codecs) - set(QUALITY_KEYS)
+        if bad:
+            raise ValueError(f"unknown quality codecs {sorted(bad)}; choose from {QUALITY_KEYS}")
         check_int("quality_seeds", self.quality_seeds, lo=1)
         check_int("quality_steps", self.quality_steps, lo=1)
         check_int("quality_workers", self.quality_workers, lo=2, hi=64)
@@ -370,12 +380,16 @@ def quality_section(o: GQSGDOptions, say: Any = None) -> str:
     from hopq.codecs.registry import get_codec
 
     out = []
-    total = len(o.quality_workloads) * len(QUALITY_CODECS) * o.quality_seeds
+    chosen = [QUALITY_CODECS[0]] + [
+        row for key, row in zip(QUALITY_KEYS, QUALITY_CODECS[1:], strict=True)
+        if key in o.quality_codecs
+    ]  # fmt: skip
+    total = len(o.quality_workloads) * len(chosen) * o.quality_seeds
     with Progress("quality", total, every=1) as bar:
         for w in o.quality_workloads:
             rows = []
             base = float("nan")
-            for label, name, kw in QUALITY_CODECS:
+            for label, name, kw in chosen:
                 held, bits = [], []
                 for seed in range(o.quality_seeds):
                     cfg = SimTraining(

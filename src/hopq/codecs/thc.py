@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, ClassVar
 
 import torch
@@ -45,12 +46,13 @@ from hopq.codecs.base import (
     to_segments,
 )
 from hopq.codecs.registry import register
+from hopq.kernels import CpuBackend, resolve
 from hopq.numerics.bitpack import pack_bits, sign_extend, unpack_bits
 from hopq.numerics.blocks import n_blocks, pad_to_blocks
 from hopq.numerics.div import div, div_
 from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
-from hopq.options import check_int, option
+from hopq.options import check_int, coerce_enums, option
 
 #: Stream coordinates of THC's randomness (chunk field; distinct from real chunks).
 SIGN_STREAM, ROUND_STREAM = 0xFFFF0, 0xFFFF1
@@ -75,8 +77,14 @@ class THCConfig(CodecConfig):
     #: leave low-energy blocks with far more rounding noise than signal (measured
     #: on MiniLM gradients, n = 4: vNMSE 1.7 contiguous vs interleaved, README).
     hadamard_block: int = option(1 << 16, "Hadamard block (a power of two)")
+    backend: CpuBackend = option(
+        CpuBackend.AUTO,
+        "implementation of the signs, uniforms and Hadamard transform (same bits)",
+        choices=CpuBackend,
+    )
 
     def __post_init__(self) -> None:
+        coerce_enums(self, "thc")
         check_int("thc: q", self.q, lo=2, hi=8)
         if self.lane_bits is not None and self.lane_bits not in LANES:
             raise ValueError(f"thc: lane_bits must be one of {LANES}, got {self.lane_bits}")
@@ -165,16 +173,35 @@ class THC(Codec[THCPlan]):
     def nonfinite_block(self) -> int:
         return 1 << 62  # the global scale carries the poison everywhere
 
+    # -- kernels -------------------------------------------------------------
+    def kernels(self, device: torch.device) -> Any:
+        """The kernel module on ``device`` (:mod:`hopq.kernels.thc_cpu`), or None
+        for the reference (the same bits)."""
+        return _resolve(self.config.backend.value, device.type)
+
+    def _fwht(self, x: torch.Tensor) -> torch.Tensor:
+        k = self.kernels(x.device)
+        return fwht(x) if k is None else k.fwht(x)
+
     def _signs(self, n: int, seed: int, round: int, device: torch.device) -> torch.Tensor:
+        key = stream_key(seed, round, SIGN_STREAM, 0)
+        k = self.kernels(device)
+        if k is not None:
+            return k.signs(n, key)
         idx = torch.arange(n, dtype=torch.int64, device=device)
-        bit = hash32(idx, stream_key(seed, round, SIGN_STREAM, 0)) & 1
+        bit = hash32(idx, key) & 1
         return 1.0 - 2.0 * bit.to(torch.float32)
 
     def _rotate(self, x: torch.Tensor, H: int, seed: int, round: int, numel: int) -> torch.Tensor:
-        """Signs, then interleave (block j = coordinates j, j + m, ...), then FWHT per block."""
-        padded = pad_to_blocks(x, H).reshape(-1) if numel else x.new_zeros(0)
+        """Signs, then interleave (block j = coordinates j, j + m, ...), then FWHT per block.
+        In x's dtype: float64 for inputs whose rotation would overflow float32."""
+        if x.dtype == torch.float32:
+            padded = pad_to_blocks(x, H).reshape(-1) if numel else x.new_zeros(0)
+        else:  # pad_to_blocks would round to float32 and overflow the transform
+            padded = x.new_zeros(numel)
+            padded[: x.numel()] = x
         signed = padded * self._signs(numel, seed, round, x.device)
-        return fwht(signed.view(H, -1).t().contiguous()).reshape(-1)
+        return self._fwht(signed.view(H, -1).t().contiguous()).reshape(-1)
 
     def _rotate_chunks(
         self,
@@ -193,7 +220,7 @@ class THC(Codec[THCPlan]):
         out = torch.empty_like(signed)
         for s, e in zip(starts, starts[1:], strict=False):
             if e > s:
-                out[s:e] = fwht(signed[s:e].view(H, -1).t().contiguous()).reshape(-1)
+                out[s:e] = self._fwht(signed[s:e].view(H, -1).t().contiguous()).reshape(-1)
         return out
 
     def _unrotate_chunks(self, plan: THCPlan, vals: torch.Tensor) -> torch.Tensor:
@@ -202,7 +229,7 @@ class THC(Codec[THCPlan]):
         out = torch.empty_like(vals)
         for s, e in zip(plan.starts, plan.starts[1:], strict=False):
             if e > s:
-                out[s:e] = fwht(vals[s:e].view(-1, H)).t().reshape(-1)
+                out[s:e] = self._fwht(vals[s:e].view(-1, H)).t().reshape(-1)
         out *= self._signs(out.numel(), plan.seed, plan.round, vals.device)
         assert plan.bounds is not None
         return from_segments(out, plan.bounds, max(H, 2))
@@ -269,9 +296,9 @@ class THC(Codec[THCPlan]):
         if not math.isfinite(plan.step):  # non-finite input: finish() multiplies by it
             return torch.zeros_like(rot)
         v = div(rot, plan.step)
-        u = uniform(
-            v.numel(), stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank), device=v.device
-        )
+        key = stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank)
+        k = self.kernels(v.device)
+        u = uniform(v.numel(), key, device=v.device) if k is None else k.uniform(v.numel(), key)
         lo = torch.floor(v)
         q = (lo + (u < v - lo).to(v.dtype)).to(torch.float32)
         L = self.config.levels
@@ -324,7 +351,7 @@ class THC(Codec[THCPlan]):
         if plan.bounds is not None:
             out = self._unrotate_chunks(plan, vals)
         else:
-            rot = fwht(vals.view(-1, H))  # the transform is its own inverse
+            rot = self._fwht(vals.view(-1, H))  # the transform is its own inverse
             rot = rot.t().reshape(-1)  # undo the interleave
             out = (rot * self._signs(plan.work_numel, plan.seed, plan.round, y.device))[
                 : plan.numel
@@ -344,3 +371,8 @@ class THC(Codec[THCPlan]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round = int(state["round"])
         self.overflows = int(state.get("overflows", 0))
+
+
+@lru_cache(maxsize=8)
+def _resolve(choice: str, device_type: str) -> Any:
+    return resolve("thc", choice, device_type)

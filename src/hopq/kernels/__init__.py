@@ -17,6 +17,7 @@ dynamiq        ``triton``  :mod:`hopq.kernels.dynamiq_triton`          ``hopq[tr
 equarx         ``cpu``     :mod:`hopq.kernels.equarx_cpu` (numba)      ``hopq[cpu]``
 gqsgd-exp      ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
 gqsgd-linear   ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
+thc            ``cpu``     :mod:`hopq.kernels.thc_cpu` (numba)         ``hopq[cpu]``
 ============  ==========  ========================================  ===================
 """
 
@@ -108,6 +109,7 @@ _BACKENDS: list[KernelBackend] = [
     KernelBackend(
         "gqsgd-linear", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
     ),
+    KernelBackend("thc", "cpu", "hopq.kernels.thc_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
 ]
 
 

@@ -1,0 +1,60 @@
+"""THC's CPU kernel (numba): the random signs and the rounding uniforms of its
+rotation and quantization, and the Walsh-Hadamard transform, the same bits as
+the PyTorch reference (:mod:`hopq.codecs.thc`; ``tests/test_thc_omnireduce.py``
+holds them to it bit for bit).
+
+The reference hashes with 64-bit tensors that emulate 32-bit multiplies (about
+12 M draws per second here) and runs the transform as log2(H) passes over the
+whole vector, each building a new tensor; here the hash runs in 32-bit lanes
+and each Hadamard block is transformed in place while it stays in cache.
+
+numba is optional (``pip install hopq[cpu]``); without it the codec runs the
+reference. The first call compiles (cached on disk afterwards).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from hopq.kernels import backend
+
+
+def available() -> bool:
+    return backend("thc", "cpu").available()
+
+
+def signs(n: int, key: tuple[int, int]) -> torch.Tensor:
+    """float32 +-1 of elements 0 .. n-1 (``THC._signs``)."""
+    from hopq.kernels._thc_cpu_jit import signs as kernel
+
+    out = torch.empty(n, dtype=torch.float32)
+    kernel(out.numpy(), np.uint32(key[0]), np.uint32(key[1]))
+    return out
+
+
+def uniform(n: int, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
+    """:func:`hopq.numerics.rng.uniform` of elements offset .. offset + n - 1."""
+    from hopq.kernels._thc_cpu_jit import uniforms as kernel
+
+    if offset < 0 or offset + n > 2**32:
+        raise ValueError(f"element indices [{offset}, {offset + n}) exceed the 32-bit counter")
+    out = torch.empty(n, dtype=torch.float32)
+    kernel(out.numpy(), np.uint32(offset), np.uint32(key[0]), np.uint32(key[1]))
+    return out
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """:func:`hopq.codecs.thc.fwht` (float32 or float64, CPU): a new tensor."""
+    from hopq.kernels._thc_cpu_jit import fwht_rows
+
+    H = x.shape[-1]
+    y = x.detach().reshape(-1, H).contiguous().clone()
+    if y.numel():
+        # the reference multiplies by the Python float 1/sqrt(H), which torch
+        # applies in the tensor's dtype
+        scale = np.float32(1.0 / math.sqrt(H)) if y.dtype == torch.float32 else 1.0 / math.sqrt(H)
+        fwht_rows(y.numpy(), scale)
+    return y.view(x.shape)
