@@ -136,7 +136,8 @@ def test_pipelined_equals_serial_for_any_microshards(codec, topology, n):
 @pytest.mark.parametrize("codec", CODECS)
 def test_finite_in_finite_out(codec):
     """No codec turns finite input into NaN or Inf while the sums stay finite in
-    float32: one huge entry (either sign) among ordinary ones, up to 3.3e38."""
+    float32: one huge entry (either sign) among ordinary ones, up to 3.3e38; and
+    every entry huge (THC's float64 rotation once rounded back to float32 there)."""
     for mag in (1e5, 1e30, 1e36, 1e37, 3.3e38):
         xs = _inputs(4, 3000, seed=1)
         xs[1][100] = mag
@@ -144,6 +145,12 @@ def test_finite_in_finite_out(codec):
         for topo in ("ring", "butterfly"):
             r = hopq.simulate(xs, codec, topo, seed=2)
             assert all(torch.isfinite(o).all() for o in r.outputs), (mag, topo)
+    base = _inputs(4, 3000, seed=1)
+    for mag in (1e30, 1e37):
+        xs = [x * (mag / 4 / float(x.abs().max())) for x in base]  # sums below 1e38
+        for topo in ("ring", "butterfly"):
+            r = hopq.simulate(xs, codec, topo, seed=2)
+            assert all(torch.isfinite(o).all() for o in r.outputs), ("all", mag, topo)
 
 
 def test_omnireduce_never_hides_nonfinite_blocks():
