@@ -106,6 +106,27 @@ def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
     return torch.stack([mean, sq])
 
 
+def finite_means(x: torch.Tensor, S: int, stats: torch.Tensor) -> torch.Tensor:
+    """``stats`` (:func:`supergroup_stats` of ``x``, from any backend) with the
+    means that overflowed although every entry of their super-group is finite
+    recomputed: the float32 tree sum of S entries near 1e38 can exceed float32's
+    range while their mean does not. Those rows sum x / S instead (exact for a
+    power-of-two S), divide by the count and scale back; every other row keeps
+    its bits. In place; returns ``stats``."""
+    mean = stats[0]
+    bad = ~torch.isfinite(mean)
+    if not bool(bad.any()):
+        return stats
+    xs = pad_to_blocks(x, S)
+    rows = torch.nonzero(bad & torch.isfinite(xs).all(1)).flatten()
+    if rows.numel():
+        d = x.numel()
+        counts = torch.full((rows.numel(),), float(S), device=xs.device)
+        counts[rows == xs.shape[0] - 1] = float(d - (xs.shape[0] - 1) * S)
+        mean[rows] = tree_sum(xs[rows] * (1.0 / S)) / counts * S
+    return stats
+
+
 def _bf16_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(-1)
 
