@@ -6,9 +6,9 @@ A call goes through four phases:
    same call; any difference raises :class:`~hopq.MismatchError` on every rank
    before anything else is sent.
 2. **Plan**: the codec's statistics exchange (an all-gather reduced in rank
-   order; large statistics reduce-scattered first) and its plan, identical on every rank. The plan cuts the working
-   vector into ``n_chunks * u`` parts: *microshard* j of schedule chunk c is
-   part ``c * u + j``.
+   order; large statistics reduce-scattered first) and its plan, identical on
+   every rank. The plan cuts the working vector into ``n_chunks * u`` parts:
+   *microshard* j of schedule chunk c is part ``c * u + j``.
 3. **Hops**: per chunk, a rank plays one role per phase, read off the schedule:
 
    * leaf: it sends the chunk before receiving any of it -> ``encode``;
