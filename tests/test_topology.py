@@ -217,7 +217,7 @@ def test_exchange_gives_every_block_in_rank_order(n):
     import threading
 
     from hopq.comm.framing import Deadline, Where
-    from hopq.comm.transport import DIRECT_EXCHANGE_MAX, Exchange, make_inprocess_group
+    from hopq.comm.transport import DIRECT_EXCHANGE_MAX, exchange, make_inprocess_group
 
     assert (n > DIRECT_EXCHANGE_MAX) == (n == 33)
     ts = make_inprocess_group(n)
@@ -225,7 +225,7 @@ def test_exchange_gives_every_block_in_rank_order(n):
 
     def work(r: int) -> None:
         block = torch.full((24,), r, dtype=torch.uint8)
-        out[r] = Exchange(ts[r], block, Where("test", 1, -1000)).wait(Deadline(60))
+        out[r] = exchange(ts[r], block, Deadline(60), Where("test", 1, -1000))
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
     for th in threads:

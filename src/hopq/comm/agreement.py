@@ -3,7 +3,7 @@ the same call.
 
 Each rank sends a fixed-size fingerprint of its call to every peer (so the
 exchange itself cannot go wrong when the calls differ; one round of messages,
-:class:`~hopq.comm.transport.Exchange`): the call's number on this group,
+:func:`~hopq.comm.transport.exchange`): the call's number on this group,
 the tensor's size, dtype and device type, the codecs of both stages with their
 full configuration and their agreed adaptive state, the topology, the op, the
 seed, the round and the key. Every rank then compares all fingerprints and, on
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hopq.comm.framing import Deadline, Where
-from hopq.comm.transport import Exchange, Transport
+from hopq.comm.transport import Transport, exchange
 from hopq.errors import MismatchError
 
 #: Fields of the fingerprint, in order; values are int64.
@@ -143,62 +143,18 @@ def fingerprint(
 FOLD_BYTES = 64
 
 
-class Started:
-    """An agreement whose messages are on their way (:func:`start`);
-    :meth:`finish` collects and checks them."""
-
-    def __init__(
-        self, transport: Transport, block: torch.Tensor, where: Where, raw: torch.Tensor | None
-    ) -> None:
-        self.transport, self.where, self.raw = transport, where, raw
-        self.exchange = None if transport.world_size == 1 else Exchange(transport, block, where)
-        self.block = block
-
-    def finish(self, deadline: Deadline, describe: dict[str, str]) -> list[torch.Tensor] | None:
-        """Wait for every rank's fingerprint; raise MismatchError on every rank if
-        they differ; return every rank's ``extra`` (rank order), or None."""
-        k = len(FIELDS)
-        transport, where, raw = self.transport, self.where, self.raw
-        blocks = [self.block] if self.exchange is None else self.exchange.wait(deadline)
-        prints = [b[: 8 * k].clone().view(torch.int64).tolist() for b in blocks]
-        diffs = []
-        for i, field in enumerate(FIELDS):
-            values = [p[i] for p in prints]
-            if len(set(values)) > 1:
-                groups: dict[int, list[int]] = {}
-                for rank, v in enumerate(values):
-                    groups.setdefault(v, []).append(rank)
-                split = " vs ".join(
-                    "ranks " + ",".join(map(str, g)) if len(g) > 1 else f"rank {g[0]}"
-                    for g in groups.values()
-                )
-                shown = _show(field, values)
-                diffs.append(f"{field} ({split}{shown})")
-        if diffs:
-            raise MismatchError(
-                f"rank {transport.rank}: the ranks disagree about {where.what} (call "
-                f"{where.call}): {'; '.join(diffs)}. This rank has {describe_line(describe, diffs)}. "
-                "No payload was sent; the group is still usable."
-            )
-        if raw is None:
-            return None
-        out = []
-        for b in blocks:
-            n = int(b[8 * k : 8 * k + 8].clone().view(torch.int64))
-            if n != raw.numel():
-                raise MismatchError(
-                    f"rank {transport.rank}: the ranks' first statistics differ in size in "
-                    f"{where.what} (call {where.call})"
-                )
-            out.append(b[8 * k + 8 : 8 * k + 8 + n].clone())
-        return out
-
-
-def start(
-    transport: Transport, mine: list[int], where: Where, extra: torch.Tensor | None = None
-) -> Started:
-    """Post this rank's fingerprint (and ``extra``, at most FOLD_BYTES bytes) to
-    every peer now; :meth:`Started.finish` collects and checks them."""
+def agree(
+    transport: Transport,
+    mine: list[int],
+    deadline: Deadline,
+    where: Where,
+    describe: dict[str, str],
+    extra: torch.Tensor | None = None,
+) -> list[torch.Tensor] | None:
+    """Exchange the fingerprints; raise MismatchError on every rank if they differ.
+    ``describe`` gives this rank's readable value of each field (for the message).
+    ``extra`` (at most FOLD_BYTES bytes) rides along; every rank's is returned,
+    in rank order, once the fingerprints agree."""
     k = len(FIELDS)
     block = torch.zeros(8 * (k + 1) + FOLD_BYTES, dtype=torch.uint8)
     block[: 8 * k] = torch.tensor(mine, dtype=torch.int64).view(torch.uint8)
@@ -210,7 +166,39 @@ def start(
             )
         block[8 * k : 8 * k + 8] = torch.tensor([raw.numel()], dtype=torch.int64).view(torch.uint8)
         block[8 * k + 8 : 8 * k + 8 + raw.numel()] = raw
-    return Started(transport, block, where, raw)
+    blocks = exchange(transport, block, deadline, where)
+    prints = [b[: 8 * k].clone().view(torch.int64).tolist() for b in blocks]
+    diffs = []
+    for i, field in enumerate(FIELDS):
+        values = [p[i] for p in prints]
+        if len(set(values)) > 1:
+            groups: dict[int, list[int]] = {}
+            for rank, v in enumerate(values):
+                groups.setdefault(v, []).append(rank)
+            split = " vs ".join(
+                "ranks " + ",".join(map(str, g)) if len(g) > 1 else f"rank {g[0]}"
+                for g in groups.values()
+            )
+            shown = _show(field, values)
+            diffs.append(f"{field} ({split}{shown})")
+    if diffs:
+        raise MismatchError(
+            f"rank {transport.rank}: the ranks disagree about {where.what} (call "
+            f"{where.call}): {'; '.join(diffs)}. This rank has {describe_line(describe, diffs)}. "
+            "No payload was sent; the group is still usable."
+        )
+    if raw is None:
+        return None
+    out = []
+    for b in blocks:
+        n = int(b[8 * k : 8 * k + 8].clone().view(torch.int64))
+        if n != raw.numel():
+            raise MismatchError(
+                f"rank {transport.rank}: the ranks' first statistics differ in size in "
+                f"{where.what} (call {where.call})"
+            )
+        out.append(b[8 * k + 8 : 8 * k + 8 + n].clone())
+    return out
 
 
 def _show(field: str, values: list[int]) -> str:

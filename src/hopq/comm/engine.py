@@ -183,8 +183,9 @@ class _Agreement:
         self.done = True
         t0 = time.perf_counter()
         try:
-            started = agreement.start(self.transport, self.mine, self.where, extra)
-            out = started.finish(self.deadline, self.describe)
+            out = agreement.agree(
+                self.transport, self.mine, self.deadline, self.where, self.describe, extra
+            )
         finally:
             self.seconds += time.perf_counter() - t0
         n = self.transport.world_size

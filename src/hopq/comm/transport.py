@@ -13,10 +13,11 @@ Every wait has a deadline (hopq's own timeout); a peer that does not answer in
 time, or whose connection closes, raises :class:`~hopq.TransportError` naming
 the peer and where in the call this rank was.
 
-:func:`all_gather` (the statistics exchange and the agreement before a call)
-runs over the same point-to-point operations (Bruck's algorithm: ceil(log2 n)
-rounds), so its failures name a peer too, and its result is assembled in rank
-order: bit-identical on every rank and in the simulator. Statistics of many
+:func:`all_gather` (the statistics exchange) runs over the same point-to-point
+operations (Bruck's algorithm: ceil(log2 n) rounds), so its failures name a
+peer too, and its result is assembled in rank order: bit-identical on every
+rank and in the simulator. The agreement before a call uses :func:`exchange`
+(one round to every peer, Bruck beyond 32 ranks). Statistics of many
 bytes (DynamiQ's, two per super-group) go through :func:`direct_all_reduce`
 instead, which sends 2(n-1)/n of them rather than n-1 copies, with the same
 bits.
@@ -325,53 +326,59 @@ def all_gather(
     return [b.view(t.dtype).view(t.shape) for b in ordered]
 
 
-#: Ranks up to which :class:`Exchange` sends its block to every peer at once (one
+#: Ranks up to which :func:`exchange` sends its block to every peer at once (one
 #: round of n - 1 messages); beyond, Bruck's all-gather (ceil(log2 n) rounds).
 DIRECT_EXCHANGE_MAX = 32
 
 
-class Exchange:
-    """Every rank's ``block`` (the same number of bytes everywhere), in rank
-    order: for n <= :data:`DIRECT_EXCHANGE_MAX` one round, posted when this is
-    made, so that the caller computes while the messages travel; ``wait``
-    collects them. Larger groups run :func:`all_gather` in ``wait``."""
+def _each_peer(
+    transport: Transport,
+    bodies: dict[int, torch.Tensor],
+    sizes: dict[int, int],
+    deadline: Deadline,
+    where: Where,
+) -> dict[int, torch.Tensor]:
+    """One round with every peer q at once: send ``bodies[q]`` (framed), receive
+    ``sizes[q]`` bytes from q (its header checked); the received bytes by peer."""
+    sends, recvs, bufs = [], [], {}
+    for q, body in bodies.items():
+        raw = body.contiguous().reshape(-1).view(torch.uint8)
+        sends += [
+            (q, p) for p in framing.pack(framing.frame(where, [raw.numel()]), raw, raw.numel())
+        ]
+        bufs[q] = [transport.buffer(nb, body.device) for nb in framing.expect(1, sizes[q])]
+        recvs += [(q, b) for b in bufs[q]]
+    sh, rh = transport.post(sends, recvs, where)
+    for h in rh:
+        h.wait(deadline, where)
+    got = {}
+    for q, size in sizes.items():
+        head, body = framing.unpack(bufs[q], 1, size)
+        framing.check(head, where, q, transport.rank, [size], exact=True)
+        got[q] = body[:size].clone()
+    for h in sh:
+        h.wait(deadline, where)
+    return got
 
-    def __init__(self, transport: Transport, block: torch.Tensor, where: Where) -> None:
-        self.transport, self.where = transport, where
-        self.block = block.contiguous().reshape(-1).view(torch.uint8)
-        n, r = transport.world_size, transport.rank
-        self.direct = 1 < n <= DIRECT_EXCHANGE_MAX
-        if not self.direct:
-            return
-        size = self.block.numel()
-        self.peers = [q for q in range(n) if q != r]
-        parts = framing.pack(framing.frame(where, [size]), self.block, size)
-        self.bufs = {
-            q: [transport.buffer(nb, block.device) for nb in framing.expect(1, size)]
-            for q in self.peers
-        }
-        self.sends, self.recvs = transport.post(
-            [(q, p) for q in self.peers for p in parts],
-            [(q, b) for q in self.peers for b in self.bufs[q]],
-            where,
-        )
-        self.parts = parts  # kept alive until sent
 
-    def wait(self, deadline: Deadline) -> list[torch.Tensor]:
-        t, where = self.transport, self.where
-        if not self.direct:
-            return all_gather(t, self.block, deadline, where)
-        size = self.block.numel()
-        for h in self.recvs:
-            h.wait(deadline, where)
-        out = {t.rank: self.block}
-        for q in self.peers:
-            head, body = framing.unpack(self.bufs[q], 1, size)
-            framing.check(head, where, q, t.rank, [size], exact=True)
-            out[q] = body[:size].clone()
-        for h in self.sends:
-            h.wait(deadline, where)
-        return [out[q] for q in range(t.world_size)]
+def exchange(
+    transport: Transport, block: torch.Tensor, deadline: Deadline, where: Where
+) -> list[torch.Tensor]:
+    """Every rank's ``block`` (the same number of bytes everywhere) as uint8, in
+    rank order: one round to every peer for n <= :data:`DIRECT_EXCHANGE_MAX`
+    (the agreement's fingerprints), Bruck's :func:`all_gather` beyond."""
+    n, r = transport.world_size, transport.rank
+    raw = block.contiguous().reshape(-1).view(torch.uint8)
+    if n == 1:
+        return [raw]
+    if n > DIRECT_EXCHANGE_MAX:
+        return all_gather(transport, raw, deadline, where)
+    peers = [q for q in range(n) if q != r]
+    got = _each_peer(
+        transport, dict.fromkeys(peers, raw), dict.fromkeys(peers, raw.numel()), deadline, where
+    )
+    got[r] = raw
+    return [got[q] for q in range(n)]
 
 
 def direct_all_reduce(
@@ -397,38 +404,23 @@ def direct_all_reduce(
     item = flat.element_size()
     peers = [q for q in range(n) if q != r]
 
-    def exchange(
-        rnd: int, send: dict[int, torch.Tensor], size: dict[int, int]
-    ) -> dict[int, torch.Tensor]:
-        here = Where(where.what, where.call, where.step, rnd, where.phase)
-        sends, recvs, bufs = [], [], {}
-        for q in peers:
-            body = send[q].reshape(-1).view(torch.uint8)
-            sends += [
-                (q, p)
-                for p in framing.pack(framing.frame(here, [body.numel()]), body, body.numel())
-            ]
-            bufs[q] = [transport.buffer(nb, t.device) for nb in framing.expect(1, size[q] * item)]
-            recvs += [(q, b) for b in bufs[q]]
-        sh, rh = transport.post(sends, recvs, here)
-        for h in rh:
-            h.wait(deadline, here)
-        got = {}
-        for q in peers:
-            bound = size[q] * item
-            head, body = framing.unpack(bufs[q], 1, bound)
-            framing.check(head, here, q, r, [bound], exact=True)
-            got[q] = body[:bound].clone().view(t.dtype)
-        for h in sh:
-            h.wait(deadline, here)
-        return got
+    def at(rnd: int) -> Where:
+        return Where(where.what, where.call, where.step, rnd, where.phase)
 
-    mine = cuts[r + 1] - cuts[r]
-    held = exchange(0, {q: flat[cuts[q] : cuts[q + 1]] for q in peers}, dict.fromkeys(peers, mine))
-    held[r] = flat[cuts[r] : cuts[r + 1]]
-    acc = held[0].clone()
+    mine = (cuts[r + 1] - cuts[r]) * item
+    held = _each_peer(
+        transport, {q: flat[cuts[q] : cuts[q + 1]] for q in peers}, dict.fromkeys(peers, mine),
+        deadline, at(0),
+    )  # fmt: skip
+    pieces = {q: b.view(t.dtype) for q, b in held.items()}
+    pieces[r] = flat[cuts[r] : cuts[r + 1]]
+    acc = pieces[0].clone()
     for q in range(1, n):
-        combine(acc, held[q])
-    done = exchange(1, dict.fromkeys(peers, acc), {q: cuts[q + 1] - cuts[q] for q in peers})
+        combine(acc, pieces[q])
+    sizes = {q: (cuts[q + 1] - cuts[q]) * item for q in peers}
+    done = {
+        q: b.view(t.dtype)
+        for q, b in _each_peer(transport, dict.fromkeys(peers, acc), sizes, deadline, at(1)).items()
+    }
     done[r] = acc
     return torch.cat([done[q] for q in range(n)]).view(t.shape)

@@ -29,8 +29,8 @@ ENCODE, DECODE, DECODE_ACC = int(Mode.ENCODE), int(Mode.DECODE), int(Mode.DECODE
 
 
 ABS = np.int32(0x7FFFFFFF)
-BIG = np.float32(2.0**120)
-FLOAT_MAX = float(np.finfo(np.float32).max)  # hopq.codecs.dynamiq.reference.BIG_SCALE
+BIG = np.float32(2.0**120)  # hopq.codecs.dynamiq.reference.BIG_SCALE
+FLOAT_MAX = float(np.finfo(np.float32).max)  # hopq.codecs.dynamiq.codec._FLOAT_MAX
 FASTMOD_MAX = 1 << 16  # fastmod below is exact for numerators and divisors < 2^16
 POW2_MAX = 1 << 15  # (2u + 1) me stays below 2^31
 COUNT_MAX = 8  # tables of at most this many levels below the top: counted, not searched

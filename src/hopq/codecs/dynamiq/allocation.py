@@ -138,9 +138,9 @@ def descending_order(g: torch.Tensor) -> torch.Tensor:
     """``torch.sort(-g, stable=True).indices`` for a float64 ``g`` without NaN:
     largest first, equal values in index order. An unstable (SIMD) sort, then
     the runs of equal values put in index order by one sort of unique int64
-    keys (run, index): 3-6x faster than the stable sort on the tens of
-    thousands of steps a call ranks, with the same order. Without numpy (a
-    torch-only install): the stable sort itself."""
+    keys (run, index): 1.4 against 2.6 ms for the 49K steps of a 16 MiB call
+    (gains from bfloat16 statistics, many ties), with the same order. Without
+    numpy (a torch-only install): the stable sort itself."""
     try:
         import numpy as np
     except ImportError:

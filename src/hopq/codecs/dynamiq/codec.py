@@ -127,10 +127,11 @@ class DynamiQ(Codec[DynamiQPlan]):
         d = x.numel()
         kern = self.kernels(x.device)
         flat = x.reshape(-1).to(torch.float32)
-        raw_stats = kern.supergroup_stats if kern is not None else reference.supergroup_stats
 
         def sg_stats(v: torch.Tensor, S: int) -> torch.Tensor:
-            return reference.finite_means(v, S, raw_stats(v, S))
+            if kern is None:
+                return reference.supergroup_stats(v, S)
+            return reference.finite_means(v, S, kern.supergroup_stats(v, S))
 
         bounds = check_bounds(stats, d)
         sg_starts: tuple[int, ...] = ()

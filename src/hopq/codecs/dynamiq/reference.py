@@ -103,11 +103,11 @@ def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
     # squares of tiny entries underflow, so floor F at the smallest normal.
     nonzero = xs.ne(0).any(1)
     sq = torch.where(nonzero & (sq == 0), torch.finfo(torch.float32).smallest_normal, sq)
-    return torch.stack([mean, sq])
+    return finite_means(x, S, torch.stack([mean, sq]))
 
 
 def finite_means(x: torch.Tensor, S: int, stats: torch.Tensor) -> torch.Tensor:
-    """``stats`` (:func:`supergroup_stats` of ``x``, from any backend) with the
+    """``stats`` (the tree-order statistics of ``x``; the kernels' too) with the
     means that overflowed although every entry of their super-group is finite
     recomputed: the float32 tree sum of S entries near 1e38 can exceed float32's
     range while their mean does not. Those rows sum x / S instead (exact for a
