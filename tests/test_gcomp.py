@@ -292,7 +292,7 @@ def test_ddp_hook_with_optimizer_in_a_real_gloo_job():
 
 
 def test_fused_hop_kernel_equals_reference_hop():
-    """The one-pass kernel hop (decode a value, add, encode the sum) gives the
+    """The kernel hop (decode, add, encode the sum, chunk by chunk) gives the
     reference's decode-accumulate-then-encode bits, sums included, and refuses
     corrupt payloads like the decoder."""
     pytest.importorskip("numba")

@@ -1,15 +1,19 @@
 """numba kernels of GComp (compiled on first import, cached on disk). Same bits
 as :mod:`hopq.codecs.gcomp.reference`; errors come back as negative codes.
 
-Bit streams are MSB first. Writers keep a 64-bit accumulator and store a whole
-32-bit big-endian word at every value without a branch (the word index only
-advances once 32 bits are complete; until then the store is overwritten), into
-word buffers that are copied to the payload at the end of the chunk. Readers
-copy each stream into big-endian 64-bit words (zero padded) and peek any field
-at any bit position with two loads and shifts. Every value is handled without
-a data-dependent branch: a zero (pruned) value writes level and mantissa fields
-of width 0. The fused hop decodes a value, adds the local one and encodes the
-sum in the same iteration."""
+Bit streams are MSB first. The encoder makes two passes over a chunk: the
+levels (a loop LLVM vectorizes), then the three streams. Writers keep a 64-bit
+accumulator and store a whole 32-bit big-endian word at every value without a
+branch (the word index only advances once 32 bits are complete; until then the
+store is overwritten), into word buffers copied to the payload at the end of
+the chunk; the loop's indices are unsigned (no negative-index wrap-around
+code). Readers copy each stream into big-endian 64-bit words (zero padded).
+Exponents are decoded from a 64-bit bit buffer refilled 32 bits at a time, so
+that the loop's serial chain is only lookup -> shift; a 2-bit level is one
+load; a mantissa field is peeked at its bit position with two loads and
+shifts. A zero (pruned) value writes level and mantissa fields of width 0. The
+fused hop works chunk by chunk while the chunk is in cache: decode, add, then
+encode the sum (one loop doing all three spilled registers and was slower)."""
 
 # mypy: ignore-errors
 from __future__ import annotations
@@ -53,10 +57,8 @@ def _words(p, start, nbytes, buf8):
     """The stream p[start : start + nbytes] as big-endian uint64 words (two zero
     words of padding) in buf8's memory; returns the word view."""
     nw = (nbytes + 7) >> 3
-    for j in range(nbytes):
-        buf8[j] = p[start + j]
-    for j in range(nbytes, 8 * nw + 16):
-        buf8[j] = 0
+    buf8[:nbytes] = p[start : start + nbytes]
+    buf8[nbytes : 8 * nw + 16] = 0
     w = buf8[: 8 * nw + 16].view(np.uint64)
     for j in range(nw):
         w[j] = _bswap64(w[j])
@@ -73,17 +75,6 @@ def _peek(w0, w1, pos, width):
     return hi >> _U64(64 - width)
 
 
-@njit(inline="always", **_O)
-def _level(a, t, has_thr, fixed, ex):
-    lv = 0
-    if fixed >= 0:
-        lv = fixed
-    elif has_thr:
-        lv = int(a * np.float32(64.0) < t) + int(a * np.float32(4096.0) < t)
-        lv += int(a * np.float32(262144.0) < t)
-    return lv * int(ex != 255)
-
-
 @njit(**_O)
 def _flush(wbuf, wi, acc, nacc, out, pos):
     """Write the last partial word and copy the stream's bytes into out at pos;
@@ -92,9 +83,7 @@ def _flush(wbuf, wi, acc, nacc, out, pos):
         wbuf[wi] = _bswap32(_U32((acc << _U64(32 - nacc)) & _U64(0xFFFFFFFF)))
     nbits = 32 * wi + nacc
     nb = (nbits + 7) >> 3
-    b = wbuf.view(np.uint8)
-    for j in range(nb):
-        out[pos + j] = b[j]
+    out[pos : pos + nb] = wbuf.view(np.uint8)[:nb]
     return nb
 
 
@@ -109,55 +98,84 @@ def _scratch(C, n_theta):
 
 
 @njit(**_O)
-def _encode_chunk(xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, e, ew, lw, mw, out, pos):
+def _levels(xu, xf, thr, has_thr, fixed, s, e, lvs):
+    """Pass 1 of a chunk (vectorized by LLVM): each value's level, 0 for zeros
+    and Inf/NaN exponents."""
+    m = e - s
+    if fixed >= 0:
+        for i in range(m):
+            lvs[i] = _U32(fixed)
+    elif has_thr:
+        for i in range(m):
+            a = abs(xf[s + i])
+            t = thr[s + i]
+            lvs[i] = (
+                _U32(a * np.float32(64.0) < t)
+                + _U32(a * np.float32(4096.0) < t)
+                + _U32(a * np.float32(262144.0) < t)
+            )
+    else:
+        for i in range(m):
+            lvs[i] = _U32(0)
+    for i in range(m):
+        ex = (xu[s + i] >> _U32(23)) & _U32(0xFF)
+        lvs[i] = lvs[i] * _U32((ex != _U32(0)) & (ex != _U32(255)))
+
+
+@njit(**_O)
+def _encode_chunk(xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, e, ew, lw, mw, out, pos, lvs):
     """Encode values s..e of xu (uint32 bits; xf the same memory as float32) as
     one chunk at out[pos:]; returns (bytes, nnz, exponent bits, mantissa bits)."""
+    _levels(xu, xf, thr, has_thr, fixed, s, e, lvs)
     eacc = _U64(0)
-    en = 0
-    ei = 0
+    en = _U64(0)
+    ei = _U64(0)
     lacc = _U64(0)
-    ln_ = 0
-    li = 0
+    ln_ = _U64(0)
+    li = _U64(0)
     macc = _U64(0)
-    mn = 0
-    mi = 0
-    nnz = 0
-    for i in range(s, e):
-        b = xu[i]
+    mn = _U64(0)
+    mi = _U64(0)
+    nnz = _U64(0)
+    m31 = _U64(31)
+    for i in range(e - s):
+        b = xu[_U64(s + i)]
         ex = (b >> _U32(23)) & _U32(0xFF)
-        w = enc_len[ex]
-        eacc = (eacc << _U64(w)) | _U64(enc_code[ex])
+        w = _U64(enc_len[ex])
+        eacc = (eacc << w) | _U64(enc_code[ex])
         en += w
-        f = en >> 5
-        en -= f << 5
-        ew[ei] = _bswap32(_U32((eacc >> _U64(en)) & _U64(0xFFFFFFFF)))
-        ei += f
-        nz = int(ex != 0)
+        ew[ei] = _bswap32(_U32((eacc >> (en & m31)) & _U64(0xFFFFFFFF)))
+        ei += en >> _U64(5)
+        en &= m31
+        nz = _U64(ex != _U32(0))
         nnz += nz
-        t = thr[i] if has_thr else np.float32(0.0)
-        lv = _level(abs(xf[i]), t, has_thr, fixed, ex) * nz
-        lacc = (lacc << _U64(2 * nz)) | _U64(lv)
-        ln_ += 2 * nz
-        f = ln_ >> 5
-        ln_ -= f << 5
-        lw[li] = _bswap32(_U32((lacc >> _U64(ln_)) & _U64(0xFFFFFFFF)))
-        li += f
-        keep = (24 - 6 * lv) * nz
-        field = (((b >> _U32(31)) << _U32(23)) | (b & _U32(0x7FFFFF))) >> _U32(6 * lv)
-        field = field & _U32(-nz & 0xFFFFFFFF)
-        macc = (macc << _U64(keep)) | _U64(field)
+        lv = _U64(lvs[_U64(i)])
+        lacc = (lacc << (nz + nz)) | lv
+        ln_ += nz + nz
+        lw[li] = _bswap32(_U32((lacc >> (ln_ & m31)) & _U64(0xFFFFFFFF)))
+        li += ln_ >> _U64(5)
+        ln_ &= m31
+        sh = _U64(6) * lv
+        keep = (_U64(24) - sh) & (_U64(0) - nz)
+        field = (_U64(((b >> _U32(31)) << _U32(23)) | (b & _U32(0x7FFFFF))) >> sh) & (_U64(0) - nz)
+        macc = (macc << keep) | field
         mn += keep
-        f = mn >> 5
-        mn -= f << 5
-        mw[mi] = _bswap32(_U32((macc >> _U64(mn)) & _U64(0xFFFFFFFF)))
-        mi += f
+        mw[mi] = _bswap32(_U32((macc >> (mn & m31)) & _U64(0xFFFFFFFF)))
+        mi += mn >> _U64(5)
+        mn &= m31
+    ei = int(ei)
+    en = int(en)
+    li = int(li)
+    ln_ = int(ln_)
+    mi = int(mi)
+    mn = int(mn)
     eb = 32 * ei + en
     mb = 32 * mi + mn
     p = pos
     p += _flush(ew, ei, eacc, en, out, p)
     p += _flush(lw, li, lacc, ln_, out, p)
     p += _flush(mw, mi, macc, mn, out, p)
-    return p - pos, nnz, eb, mb
+    return p - pos, int(nnz), eb, mb
 
 
 @njit(**_O)
@@ -189,11 +207,12 @@ def encode_block(xu, xf, thr, has_thr, fixed, enc_code, enc_len, n_theta, C, out
     k = (n + C - 1) // C
     pos = 32 + 24 * k
     ew, lw, mw = _scratch(min(C, max(n, 1)), n_theta)
+    lvs = np.empty(min(C, max(n, 1)), np.uint32)
     for c in range(k):
         s = c * C
         e = min(n, s + C)
         nb, nnz, eb, mb = _encode_chunk(
-            xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, e, ew, lw, mw, out, pos
+            xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, e, ew, lw, mw, out, pos, lvs
         )
         _chunk_header(out, c, pos, nb, e - s, nnz, eb, mb)
         pos += nb
@@ -226,63 +245,84 @@ def _read_bufs(C, n_theta):
 
 
 @njit(**_O)
+def _decode_chunk(p, heads, c, bufs, lut, lengths, n_theta, dst):
+    """Chunk c's values as float32 bits into dst (uint32, the chunk's length).
+    Returns 0, or -1 bad exponent stream, -2 escaped short code, -3 non-zero
+    count, -4 mantissa length."""
+    vals = heads[c, 2]
+    nnz = heads[c, 3]
+    eb = heads[c, 4]
+    mb = heads[c, 5]
+    EW, LW, MW = _stream_words(p, heads, c, bufs)
+    # exponents: a 64-bit buffer holding 32 to 64 unread bits, MSB first,
+    # refilled 32 bits at a time (the loop's one serial chain is lookup -> shift)
+    bb = EW[0]
+    cnt = 64
+    fill = 64
+    ebit = 0
+    sh = _U64(64 - n_theta)
+    li = 0
+    mbit = 0
+    for i in range(vals):
+        ent = lut[bb >> sh]
+        ln = ent >> 16
+        sym = ent & 0xFFFF
+        if ln == 0 or ebit + ln > eb:
+            return -1
+        if sym == 256:
+            sym = int((bb << _U64(n_theta)) >> _U64(56))
+            if lengths[sym] <= n_theta:
+                return -2
+        ebit += ln
+        bb <<= _U64(ln)
+        cnt -= ln
+        if cnt < 32:
+            h = fill >> 5
+            w32 = (EW[h >> 1] >> _U64(32 - 32 * (h & 1))) & _U64(0xFFFFFFFF)
+            bb |= w32 << _U64(32 - cnt)
+            cnt += 32
+            fill += 32
+        nz = int(sym != 0)
+        # 2-bit levels never straddle a word: one load
+        lv = int((LW[li >> 5] >> _U64(62 - 2 * (li & 31))) & _U64(3))
+        keep = 24 - 6 * lv
+        q = mbit >> 6
+        field = _U32(_peek(MW[q], MW[q + 1], mbit, keep))
+        sign = (field >> _U32(keep - 1)) & _U32(1)
+        mant = (field & _U32((1 << (keep - 1)) - 1)) << _U32(6 * lv)
+        r = ((sign << _U32(31)) | (_U32(sym) << _U32(23)) | mant) & _U32(-nz & 0xFFFFFFFF)
+        li += nz
+        mbit += keep * nz
+        if li > nnz:
+            return -3
+        if mbit > mb:
+            return -4
+        dst[i] = r
+    if ebit != eb:
+        return -1
+    if li != nnz:
+        return -3
+    if mbit != mb:
+        return -4
+    return 0
+
+
+@njit(**_O)
 def decode_chunks(p, heads, C, lut, lengths, n_theta, out, out_u, acc):
     """Decode (acc=False) or accumulate (acc=True) every chunk into out (float32;
-    out_u: the same memory as uint32). Returns 0, or -1 bad exponent stream, -2
-    escaped short code, -3 non-zero count, -4 mantissa length."""
+    out_u: the same memory as uint32). Returns 0 or an error code of
+    :func:`_decode_chunk`."""
     bufs = _read_bufs(C, n_theta)
     res = np.empty(C, np.uint32)
     resf = res.view(np.float32)
     for c in range(heads.shape[0]):
         vals = heads[c, 2]
-        nnz = heads[c, 3]
-        eb = heads[c, 4]
-        mb = heads[c, 5]
-        EW, LW, MW = _stream_words(p, heads, c, bufs)
-        ebit = 0
-        li = 0
-        mbit = 0
         s = c * C
-        for i in range(vals):
-            # decode one value (inline: no array crosses a call in the loop)
-            q = ebit >> 6
-            win = _peek(EW[q], EW[q + 1], ebit, n_theta)
-            ent = lut[win]
-            ln = ent >> 16
-            sym = ent & 0xFFFF
-            if ln == 0 or ebit + ln > eb:
-                return -1
-            if sym == 256:
-                q = (ebit + n_theta) >> 6
-                sym = int(_peek(EW[q], EW[q + 1], ebit + n_theta, 8))
-                if lengths[sym] <= n_theta:
-                    return -2
-            ebit += ln
-            nz = int(sym != 0)
-            q = (2 * li) >> 6
-            lv = int(_peek(LW[q], LW[q + 1], 2 * li, 2))
-            keep = 24 - 6 * lv
-            q = mbit >> 6
-            field = _U32(_peek(MW[q], MW[q + 1], mbit, keep))
-            sign = (field >> _U32(keep - 1)) & _U32(1)
-            mant = (field & _U32((1 << (keep - 1)) - 1)) << _U32(6 * lv)
-            r = ((sign << _U32(31)) | (_U32(sym) << _U32(23)) | mant) & _U32(-nz & 0xFFFFFFFF)
-            li += nz
-            mbit += keep * nz
-            if li > nnz:
-                return -3
-            if mbit > mb:
-                return -4
-            if acc:
-                res[i] = r
-            else:
-                out_u[s + i] = r
-        if ebit != eb:
-            return -1
-        if li != nnz:
-            return -3
-        if mbit != mb:
-            return -4
+        err = _decode_chunk(
+            p, heads, c, bufs, lut, lengths, n_theta, res if acc else out_u[s : s + vals]
+        )
+        if err:
+            return err
         if acc:
             for i in range(vals):
                 out[s + i] += resf[i]
@@ -293,114 +333,31 @@ def decode_chunks(p, heads, C, lut, lengths, n_theta, out, out_u, acc):
 def hop_block(
     p, heads, lut, lengths, xu, xf, thr, has_thr, fixed, enc_code, enc_len, n_theta, C, out, head
 ):
-    """The fused hop in one pass: per value, decode it from p, add it to the local
-    value (xf, overwritten with the sum; xu: the same memory as uint32) and
-    encode the sum into out. Returns the payload length, or a decode error code
-    (negative; xf is then partly overwritten)."""
+    """The fused hop, chunk by chunk while the chunk stays in cache: decode it
+    from p, add it to the local values (xf, overwritten with the sum; xu: the
+    same memory as uint32) and encode the sum into out. Returns the payload
+    length, or a decode error code (negative; xf is then partly overwritten)."""
     n = xu.shape[0]
     k = (n + C - 1) // C
     pos = 32 + 24 * k
     cm = min(C, max(n, 1))
     bufs = _read_bufs(cm, n_theta)
     ew, lw, mw = _scratch(cm, n_theta)
-    one = np.empty(1, np.uint32)
-    onef = one.view(np.float32)
+    lvs = np.empty(cm, np.uint32)
+    res = np.empty(cm, np.uint32)
+    resf = res.view(np.float32)
     for c in range(k):
         vals = heads[c, 2]
-        dnnz = heads[c, 3]
-        deb = heads[c, 4]
-        dmb = heads[c, 5]
-        EW, LW, MW = _stream_words(p, heads, c, bufs)
-        ebit = 0
-        dli = 0
-        mbit = 0
         s = c * C
-        e = s + vals
-        eacc = _U64(0)
-        en = 0
-        ei = 0
-        lacc = _U64(0)
-        ln_ = 0
-        li = 0
-        macc = _U64(0)
-        mn = 0
-        mi = 0
-        nnz = 0
-        for i in range(s, e):
-            # decode one value (inline: no array crosses a call in the loop)
-            q = ebit >> 6
-            win = _peek(EW[q], EW[q + 1], ebit, n_theta)
-            ent = lut[win]
-            ln = ent >> 16
-            sym = ent & 0xFFFF
-            if ln == 0 or ebit + ln > deb:
-                return -1
-            if sym == 256:
-                q = (ebit + n_theta) >> 6
-                sym = int(_peek(EW[q], EW[q + 1], ebit + n_theta, 8))
-                if lengths[sym] <= n_theta:
-                    return -2
-            ebit += ln
-            nz = int(sym != 0)
-            q = (2 * dli) >> 6
-            lv = int(_peek(LW[q], LW[q + 1], 2 * dli, 2))
-            keep = 24 - 6 * lv
-            q = mbit >> 6
-            field = _U32(_peek(MW[q], MW[q + 1], mbit, keep))
-            sign = (field >> _U32(keep - 1)) & _U32(1)
-            mant = (field & _U32((1 << (keep - 1)) - 1)) << _U32(6 * lv)
-            r = ((sign << _U32(31)) | (_U32(sym) << _U32(23)) | mant) & _U32(-nz & 0xFFFFFFFF)
-            dli += nz
-            mbit += keep * nz
-            if dli > dnnz:
-                return -3
-            if mbit > dmb:
-                return -4
-            one[0] = r
-            v = xf[i] + onef[0]
-            xf[i] = v
-            b = xu[i]
-            # encode the sum (as _encode_chunk)
-            ex = (b >> _U32(23)) & _U32(0xFF)
-            w = enc_len[ex]
-            eacc = (eacc << _U64(w)) | _U64(enc_code[ex])
-            en += w
-            f = en >> 5
-            en -= f << 5
-            ew[ei] = _bswap32(_U32((eacc >> _U64(en)) & _U64(0xFFFFFFFF)))
-            ei += f
-            nz = int(ex != 0)
-            nnz += nz
-            t = thr[i] if has_thr else np.float32(0.0)
-            lv = _level(abs(v), t, has_thr, fixed, ex) * nz
-            lacc = (lacc << _U64(2 * nz)) | _U64(lv)
-            ln_ += 2 * nz
-            f = ln_ >> 5
-            ln_ -= f << 5
-            lw[li] = _bswap32(_U32((lacc >> _U64(ln_)) & _U64(0xFFFFFFFF)))
-            li += f
-            keep = (24 - 6 * lv) * nz
-            field = (((b >> _U32(31)) << _U32(23)) | (b & _U32(0x7FFFFF))) >> _U32(6 * lv)
-            field = field & _U32(-nz & 0xFFFFFFFF)
-            macc = (macc << _U64(keep)) | _U64(field)
-            mn += keep
-            f = mn >> 5
-            mn -= f << 5
-            mw[mi] = _bswap32(_U32((macc >> _U64(mn)) & _U64(0xFFFFFFFF)))
-            mi += f
-        if ebit != deb:
-            return -1
-        if dli != dnnz:
-            return -3
-        if mbit != dmb:
-            return -4
-        eb = 32 * ei + en
-        mb = 32 * mi + mn
-        q = pos
-        q += _flush(ew, ei, eacc, en, out, q)
-        q += _flush(lw, li, lacc, ln_, out, q)
-        q += _flush(mw, mi, macc, mn, out, q)
-        _chunk_header(out, c, pos, q - pos, vals, nnz, eb, mb)
-        pos = q
+        err = _decode_chunk(p, heads, c, bufs, lut, lengths, n_theta, res)
+        if err:
+            return err
+        for i in range(vals):
+            xf[s + i] += resf[i]
+        nb, nnz, eb, mb = _encode_chunk(
+            xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, s + vals, ew, lw, mw, out, pos, lvs
+        )
+        _chunk_header(out, c, pos, nb, vals, nnz, eb, mb)
+        pos += nb
     _block_header(out, head, pos)
     return pos

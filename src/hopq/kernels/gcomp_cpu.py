@@ -1,5 +1,5 @@
 """GComp's CPU kernels (numba): encode a block and decode (or accumulate) one,
-one pass per chunk with bit accumulators and the lookup table; the same bits as
+chunk by chunk with bit accumulators, a bit buffer and the lookup table; the same bits as
 :mod:`hopq.codecs.gcomp.reference` (``tests/test_gcomp.py`` holds them to it).
 Headers are checked by :func:`hopq.codecs.gcomp.format.parse` before any stream
 is read; the stream checks (a code the table does not know, a read past a
@@ -116,8 +116,9 @@ def hop(
     table: Table,
     chunk_values: int,
 ) -> torch.Tensor:
-    """The fused hop in one pass: decode ``payload``, add it to ``local`` (a
-    contiguous float32 tensor, overwritten with the sum) and encode the sum."""
+    """The fused hop, chunk by chunk while each is in cache: decode ``payload``,
+    add it to ``local`` (a contiguous float32 tensor, overwritten with the sum)
+    and encode the sum."""
     n = local.numel()
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if not local.is_contiguous():
