@@ -196,3 +196,40 @@ def test_refusals_and_views(monkeypatch):
     with pytest.raises(ValueError, match="unknown topology"):
         hopq.FSDPReduceScatter(topology="star")
     assert comm.allocate((2, 3), dtype=torch.bfloat16, device=torch.device("cpu")).shape == (2, 3)
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="takes no optimizer"):
+        hopq.FSDPReduceScatter("bf16", optimizer=opt)
+    with pytest.raises(ValueError, match="thresholds_every"):
+        hopq.FSDPReduceScatter("gcomp", optimizer=opt, thresholds_every=0)
+    # a view not set by install() cannot know its parameters: it says so, once
+    loose = hopq.FSDPReduceScatter("gcomp", optimizer=opt, key=3)
+    with pytest.warns(RuntimeWarning, match="GComp truncates nothing for FSDP module 3"):
+        assert loose._local_thresholds(4) is None
+
+
+def test_gcomp_takes_the_optimizer_under_fsdp():
+    """GComp's truncation under FSDP: each rank's thresholds for its own slice,
+    gathered as float32 exponents. Fewer bits than lossless GComp, parameters
+    within float32 rounding of native FSDP's, the same thresholds everywhere."""
+    from tests.workers_fsdp import fsdp_gcomp_optimizer
+
+    res = run_ranks(2, fsdp_gcomp_optimizer, 6, timeout=600)
+    a, b = res
+    lossless, trunc = a["lossless"], a["optimizer"]
+    assert trunc["thr"] is not None and lossless["thr"] is None
+    assert torch.equal(trunc["thr"], b["optimizer"]["thr"])  # one table of thresholds
+    thr = trunc["thr"]  # powers of two (exponent bytes), 0 on FSDP's padding
+    assert torch.equal(thr, torch.exp2(torch.log2(thr).floor()).where(thr > 0, thr))
+    # calls 0, 2, 4 of a key exchange the thresholds: one byte per coordinate of a
+    # slice, 8 bits in a reduce-scatter's accounting; before AdamW's first step
+    # its state is empty and the thresholds truncate (almost) nothing
+    bits, free = trunc["bits"], lossless["bits"]
+    assert bits[0] == pytest.approx(free[0] + 8, abs=0.05)
+    # steps 3 and 5 use the thresholds of steps 2 and 4, with AdamW's state in
+    assert bits[3] < free[3] - 2 and bits[5] < free[5] - 2
+    for k, v in trunc["params"].items():
+        assert torch.equal(v, b["optimizer"]["params"][k]), k  # ranks agree
+        nat = a["native"]["params"][k]
+        assert torch.allclose(v, nat, rtol=1e-5, atol=1e-6), k
+    for x, y in zip(trunc["losses"], a["native"]["losses"], strict=True):
+        assert abs(x - y) <= 1e-5 * abs(y)

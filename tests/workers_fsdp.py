@@ -104,3 +104,44 @@ def fsdp_codecs(rank: int, n: int, runs: list[dict[str, Any]], steps: int) -> di
     work.wait()
     out["async"] = o.clone()
     return out
+
+
+def fsdp_gcomp_optimizer(rank: int, n: int, steps: int) -> dict[str, Any]:
+    """AdamW under native FSDP, then GComp with and without the optimizer handed
+    over (thresholds exchanged every 2 calls): losses, parameters, bits per
+    coordinate, and the thresholds the codec held for one key at the end."""
+    widths = (40, 96, 72, 5)
+    out: dict[str, Any] = {}
+    for name, kwargs in (
+        ("native", None),
+        ("lossless", {}),
+        ("optimizer", {"thresholds_every": 2}),
+    ):
+        model = build(n, widths)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        comm = None
+        if kwargs is not None:
+            if name == "optimizer":
+                kwargs = {**kwargs, "optimizer": opt}
+            comm = hopq.FSDPReduceScatter("gcomp", seed=7, **kwargs)
+            comm.install(model)
+        g = torch.Generator().manual_seed(100 + rank)
+        losses, bits = [], []
+        for _ in range(steps):
+            x = torch.randn(8, widths[0], generator=g)
+            y = torch.randn(8, widths[-1], generator=g)
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if comm is not None:
+                bits.append(comm.pop_step().bits_per_coordinate)
+        out[name] = {
+            "losses": losses,
+            "bits": bits,
+            "params": {k: v.full_tensor().clone() for k, v in model.state_dict().items()},
+        }
+        if comm is not None:
+            out[name]["thr"] = comm.codec.thresholds.get("1")
+    return out

@@ -23,10 +23,21 @@ same on every rank, like the DDP hook's bucket index: DynamiQ shares a step's
 bit budget across them (``share_budget``). All of a model's keyed views share
 one codec instance (its round counter and adaptive state) and one list of
 call records (``step_metrics``).
+
+GComp's optimizer-aware truncation (``optimizer=``): rank r holds the
+optimizer state of its slice only, while the hops that truncate a slice's
+partial sums run on the other ranks. So each rank computes the thresholds
+|A| of its own slice (its shards of the group's parameters, in FSDP's order,
+padding at 0) and the ranks all-gather them, as one byte per coordinate
+(|A|'s float32 exponent: 2^e <= |A|, so a rank never truncates more than the
+exact threshold allows), every ``thresholds_every`` calls of a key; the
+gathered bytes count in the call's bits per coordinate. Between exchanges a
+key's thresholds are those of its last exchange.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +50,9 @@ from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
 from hopq.comm.topology import get_schedule
 from hopq.integrations.records import CallRecords, StepMetrics
 from hopq.options import check_finite, check_int
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 #: The torch release whose FSDP2 first takes a custom reduce-scatter.
 MIN_TORCH = "2.9"
@@ -72,12 +86,20 @@ def _require_api() -> None:
 
 
 class _Shared(CallRecords):
-    """What the keyed views of one model share: the codec and the records."""
+    """What the keyed views of one model share: the codec, the records and the
+    optimizer with the thresholds last exchanged per key."""
 
     records_owner = "FSDPReduceScatter"
 
-    def __init__(self, codec: Codec[Any], topology: str, seed: int, timeout: float) -> None:
+    def __init__(
+        self, codec: Codec[Any], topology: str, seed: int, timeout: float,
+        optimizer: torch.optim.Optimizer | None = None, thresholds_every: int = 10,
+    ) -> None:  # fmt: skip
         self.codec, self.topology, self.seed, self.timeout = codec, topology, seed, timeout
+        self.optimizer, self.thresholds_every = optimizer, thresholds_every
+        #: key -> (calls since the last exchange, the gathered thresholds or None)
+        self.thresholds: dict[int | None, tuple[int, torch.Tensor | None]] = {}
+        self.warned: set[int | None] = set()
         self._init_records()
 
 
@@ -85,7 +107,11 @@ class FSDPReduceScatter(_ReduceScatterBase):
     """hopq's compressed reduce-scatter in FSDP2's place.
 
     ``codec`` (a registered name with ``codec_config`` options, or a Codec
-    instance), ``topology`` and ``seed`` as in :func:`hopq.all_reduce`. Use
+    instance), ``topology`` and ``seed`` as in :func:`hopq.all_reduce`.
+    ``optimizer``: for GComp, the optimizer of the sharded parameters, whose
+    state sets the truncation thresholds (exchanged every
+    ``thresholds_every`` calls of a module, one byte per coordinate; see the
+    module's docstring); it needs :meth:`install`. Use
     :meth:`install` to hand every FSDP module of a model its own keyed view
     (``module.set_custom_reduce_scatter(comm)`` on one module works too; its
     calls then carry ``key``, None by default). Bits per coordinate in
@@ -101,17 +127,25 @@ class FSDPReduceScatter(_ReduceScatterBase):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         key: int | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        thresholds_every: int = 10,
         **codec_config: Any,
     ) -> None:
         _require_api()
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
+        c = get_codec(codec, **codec_config)
+        if optimizer is not None and not hasattr(c, "set_thresholds"):
+            raise ValueError(f"codec {c.name!r} takes no optimizer (GComp's truncation does)")
         self._shared = _Shared(
-            get_codec(codec, **codec_config),
+            c,
             topology,
             check_int("seed", seed, lo=0),
             check_finite("timeout", timeout, positive=True),
+            optimizer,
+            check_int("thresholds_every", thresholds_every, lo=1),
         )
         self.key = None if key is None else check_int("key", key, lo=0)
+        self._module: FSDPModule | None = None
 
     # -- what the views share --------------------------------------------------
     @property
@@ -131,6 +165,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         view = object.__new__(type(self))
         view._shared = self._shared
         view.key = None if key is None else check_int("key", key, lo=0)
+        view._module = None
         return view
 
     def install(self, module: torch.nn.Module) -> int:
@@ -142,7 +177,9 @@ class FSDPReduceScatter(_ReduceScatterBase):
         count = 0
         for m in module.modules():
             if isinstance(m, FSDPModule):
-                m.set_custom_reduce_scatter(self.for_key(count))
+                view = self.for_key(count)
+                view._module = m  # whose parameters the thresholds are for
+                m.set_custom_reduce_scatter(view)
                 count += 1
         if not count:
             raise ValueError("no FSDP module found: call fully_shard on the model first")
@@ -178,10 +215,14 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 f"not {n} x the output's {output_tensor.numel()}"
             )
         shared = self._shared
+        gathered = 0
+        if shared.optimizer is not None:
+            gathered = self._set_thresholds(output_tensor.numel(), group)
         shard, info = reduce_scatter_with_stats(
             input_tensor, shared.codec, shared.topology, op, group, shared.seed,
             key=self.key, timeout=shared.timeout, shards="equal",
         )  # fmt: skip
+        info.stats_bytes += gathered
         with torch.no_grad():
             output_tensor.copy_(shard.view(output_tensor.shape))
         shared._record(info)
@@ -190,6 +231,66 @@ class FSDPReduceScatter(_ReduceScatterBase):
         fut: torch.futures.Future[Any] = torch.futures.Future()
         fut.set_result([output_tensor])
         return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+    # -- GComp's thresholds --------------------------------------------------------
+    def _local_thresholds(self, numel: int) -> torch.Tensor | None:
+        """|A| of this rank's slice (its shards of the module's parameters in
+        FSDP's order, each padded with 0 to FSDP's padded shard size), or None,
+        with a warning once per key, where the slice is not laid out so."""
+        from hopq.codecs.gcomp.optim import thresholds
+
+        shared = self._shared
+        module = self._module
+        reason = None
+        parts: list[torch.Tensor] = []
+        if module is None:
+            reason = "the view was not set by install(model), so its parameters are unknown"
+        else:
+            group = module._get_fsdp_state()._fsdp_param_group
+            params = [] if group is None else list(group.fsdp_params)
+            if any(fp.fsdp_placement.dim != 0 for fp in params):
+                reason = "a parameter is sharded on a dimension other than 0"
+            elif sum(fp.padded_sharded_param_size.numel() for fp in params) != numel:
+                reason = "some of its parameters have no gradient in this backward pass"
+            else:
+                assert shared.optimizer is not None
+                for fp in params:
+                    a = thresholds(shared.optimizer, [fp.sharded_param])
+                    pad = fp.padded_sharded_param_size.numel() - a.numel()
+                    parts += [a, a.new_zeros(pad)]
+        if reason is not None:
+            if self.key not in shared.warned:
+                shared.warned.add(self.key)
+                warnings.warn(
+                    f"hopq FSDPReduceScatter: GComp truncates nothing for FSDP module "
+                    f"{self.key}: {reason}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+            return None
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _set_thresholds(self, numel: int, group: torch.distributed.ProcessGroup) -> int:
+        """Hand the codec this key's thresholds, exchanged anew every
+        ``thresholds_every`` calls; returns the bytes this rank sent for them."""
+        shared = self._shared
+        calls, full = shared.thresholds.get(self.key, (0, None))
+        sent = 0
+        if calls % shared.thresholds_every == 0:
+            local = self._local_thresholds(numel)
+            # every rank takes part in the exchange, each saying whether it has them
+            have = torch.tensor([local is not None], dtype=torch.int32)
+            torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=group)
+            full = None
+            if bool(have.item()) and local is not None:
+                e = ((local.view(torch.int32) >> 23) & 0xFF).clamp_(max=254).to(torch.uint8)
+                out = [torch.empty_like(e) for _ in range(group.size())]
+                torch.distributed.all_gather(out, e, group=group)
+                full = (torch.cat(out).to(torch.int32) << 23).view(torch.float32)
+                sent = (group.size() - 1) * e.numel()
+        shared.thresholds[self.key] = (calls + 1, full)
+        shared.codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
+        return sent
 
     # -- statistics and state ----------------------------------------------------
     @property

@@ -14,6 +14,9 @@ guaranteed conservative. theta is theta_{t-1}; lambda the weight decay.
 
 (t is the step being taken; before the first step torch's buffers are empty:
 b = g' and m = v = 0.) Other optimizers are refused with their name.
+
+A parameter held as a DTensor (FSDP2's sharded parameters, whose optimizer
+state is sharded alike) gives the thresholds of this rank's local shard.
 """
 
 from __future__ import annotations
@@ -37,11 +40,19 @@ def thresholds(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> 
     return torch.cat(out).abs().to(torch.float32)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 def _one(opt: torch.optim.Optimizer, p: torch.Tensor, g: dict[str, Any]) -> torch.Tensor:
-    th = p.detach().double()
+    th = _local(p.detach()).double()
     lr = float(g["lr"])
     lam = float(g.get("weight_decay", 0.0))
-    st = opt.state.get(p, {})
+    st = {
+        k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in opt.state.get(p, {}).items()
+    }
     if isinstance(opt, torch.optim.SGD):
         mu, tau = float(g.get("momentum", 0.0)), float(g.get("dampening", 0.0))
         b = st.get("momentum_buffer")
