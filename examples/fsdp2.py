@@ -3,7 +3,10 @@ layer, a few SGD steps, the bits per coordinate each step put on the wire.
 
 Run it with ``torchrun --nproc_per_node 2 examples/fsdp2.py`` (CPU and Gloo; on
 GPUs it takes NCCL and CUDA). ``--codec`` and ``--topology`` pick any registered
-codec and topology (``hopq codecs`` lists them).
+codec and topology (``hopq codecs`` lists them). ``--adamw`` trains with AdamW
+instead of SGD; with ``--codec gcomp`` add ``--truncate`` to hand GComp the
+optimizer (its optimizer-aware mantissa truncation, thresholds exchanged every
+``--thresholds-every`` steps).
 """
 
 import argparse
@@ -19,6 +22,9 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--codec", default="dynamiq")
 parser.add_argument("--topology", default="ring")
 parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--adamw", action="store_true", help="AdamW (lr 1e-3) instead of SGD")
+parser.add_argument("--truncate", action="store_true", help="GComp: hand it the optimizer")
+parser.add_argument("--thresholds-every", type=int, default=10)
 args = parser.parse_args()
 
 cuda = torch.cuda.is_available()
@@ -39,11 +45,15 @@ for layer in model:
         fully_shard(layer, mesh=mesh)
 fully_shard(model, mesh=mesh)
 
+if args.adamw:
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+else:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
 # one line: every FSDP module's reduce-scatter becomes hopq's, each with its own key
-comm = hopq.FSDPReduceScatter(args.codec, topology=args.topology)
+extra = {"optimizer": opt, "thresholds_every": args.thresholds_every} if args.truncate else {}
+comm = hopq.FSDPReduceScatter(args.codec, topology=args.topology, **extra)
 comm.install(model)
 
-opt = torch.optim.SGD(model.parameters(), lr=0.05)
 g = torch.Generator().manual_seed(rank)  # each rank its own data
 for step in range(args.steps):
     x = torch.randn(32, 256, generator=g).to(device)

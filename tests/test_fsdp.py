@@ -220,9 +220,9 @@ def test_gcomp_takes_the_optimizer_under_fsdp():
     assert torch.equal(trunc["thr"], b["optimizer"]["thr"])  # one table of thresholds
     thr = trunc["thr"]  # powers of two (exponent bytes), 0 on FSDP's padding
     assert torch.equal(thr, torch.exp2(torch.log2(thr).floor()).where(thr > 0, thr))
-    # calls 0, 2, 4 of a key exchange the thresholds: one byte per coordinate of a
-    # slice, 8 bits in a reduce-scatter's accounting; before AdamW's first step
-    # its state is empty and the thresholds truncate (almost) nothing
+    # calls 0, 1, 2, 4 of a key exchange the thresholds: one byte per coordinate
+    # of a slice, 8 bits in a reduce-scatter's accounting; before AdamW's first
+    # step its state is empty and the thresholds truncate (almost) nothing
     bits, free = trunc["bits"], lossless["bits"]
     assert bits[0] == pytest.approx(free[0] + 8, abs=0.05)
     # steps 3 and 5 use the thresholds of steps 2 and 4, with AdamW's state in

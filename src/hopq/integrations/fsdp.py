@@ -30,7 +30,8 @@ partial sums run on the other ranks. So each rank computes the thresholds
 |A| of its own slice (its shards of the group's parameters, in FSDP's order,
 padding at 0) and the ranks all-gather them, as one byte per coordinate
 (|A|'s float32 exponent: 2^e <= |A|, so a rank never truncates more than the
-exact threshold allows), every ``thresholds_every`` calls of a key; the
+exact threshold allows), at a key's second call (once the optimizer has
+state) and every ``thresholds_every`` calls; the
 gathered bytes count in the call's bits per coordinate. Between exchanges a
 key's thresholds are those of its last exchange.
 """
@@ -271,12 +272,15 @@ class FSDPReduceScatter(_ReduceScatterBase):
         return torch.cat(parts) if parts else torch.zeros(0)
 
     def _set_thresholds(self, numel: int, group: torch.distributed.ProcessGroup) -> int:
-        """Hand the codec this key's thresholds, exchanged anew every
-        ``thresholds_every`` calls; returns the bytes this rank sent for them."""
+        """Hand the codec this key's thresholds, exchanged anew at its second
+        call and every ``thresholds_every`` calls; returns the bytes this rank
+        sent for them."""
         shared = self._shared
         calls, full = shared.thresholds.get(self.key, (0, None))
         sent = 0
-        if calls % shared.thresholds_every == 0:
+        # also at the second call: before the optimizer's first step its state
+        # (momentum, second moments) is empty and the first thresholds are small
+        if calls % shared.thresholds_every == 0 or calls == 1:
             local = self._local_thresholds(numel)
             # every rank takes part in the exchange, each saying whether it has them
             have = torch.tensor([local is not None], dtype=torch.int32)
