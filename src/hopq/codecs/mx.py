@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +43,7 @@ from hopq.codecs.base import (
     to_segments,
 )
 from hopq.codecs.registry import register
+from hopq.kernels import CpuBackend, resolve
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
@@ -66,6 +68,10 @@ class MXConfig(CodecConfig):
     overflow_threshold: float = option(1e-5, "saturated share above which mu doubles")
     #: Otherwise mu shrinks by this factor per round (FP8-LM's 2^(-1/1000)).
     shrink: float = option(2 ** (-1 / 1000), "per-round shrink factor of mu otherwise")
+    backend: CpuBackend = option(
+        CpuBackend.AUTO, "implementation of encode, decode and the fused hop (same bits)",
+        choices=CpuBackend,
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         coerce_enums(self, "mx")
@@ -166,12 +172,32 @@ class MXCodec(Codec[MXPlan]):
         return out
 
     def _block_scale(self, plan: MXPlan, c: int, n: int) -> torch.Tensor:
+        return self._scales(plan, c, n).repeat_interleave(self.config.block)[:n]
+
+    def _scales(self, plan: MXPlan, c: int, n: int) -> torch.Tensor:
+        """The scales of the blocks of chunk c (n entries, from a block start)."""
         B = self.config.block
         start = plan.chunks[c][0] // B
-        return plan.scale[start : start + n // B].repeat_interleave(B)
+        return plan.scale[start : start - (-n // B)].contiguous()
+
+    def kernels(self, t: torch.Tensor) -> Any:
+        """The kernel module (:mod:`hopq.kernels.mx_cpu`) for a contiguous float32
+        tensor like ``t``, or None for the reference (the same bits)."""
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+        k = _resolve(self.name, self.config.backend.value, t.device.type)
+        return k if k is not None and k.supports(self.element, self.config.block) else None
 
     def encode(self, plan: MXPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         fmt = self.element
+        k = self.kernels(chunk)
+        if k is not None:
+            out, sat = k.encode(
+                chunk, self._scales(plan, ctx.chunk, chunk.numel()), fmt, self.config.block
+            )
+            self.overflow += sat
+            self.encoded += chunk.numel()
+            return out  # type: ignore[no-any-return]
         s = self._block_scale(plan, ctx.chunk, chunk.numel())
         v = torch.where(s > 0, chunk / s * fmt.max, chunk)
         sat = torch.isfinite(v) & (v.abs() > fmt.max)
@@ -187,12 +213,45 @@ class MXCodec(Codec[MXPlan]):
             payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
         )
         fmt, n = self.element, out.numel()
+        k = self.kernels(out)
+        if k is not None:
+            k.decode(payload, self._scales(plan, ctx.chunk, n), fmt, self.config.block, out, False)
+            return
         codes = payload if fmt.bits == 8 else unpack_bits(payload, fmt.bits, n)
         s = self._block_scale(plan, ctx.chunk, n)
         v = fpf.decode(codes, fmt)
         # v * s / FMAX, or v * (s / FMAX) where v * s would overflow float32
         safe = s <= _FLOAT_MAX / fmt.max
         out.copy_(torch.where(safe, div(v * s, fmt.max), v * div(s, fmt.max)))
+
+    def decode_accumulate(
+        self, plan: MXPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
+    ) -> None:
+        k = self.kernels(acc)
+        if k is None:
+            super().decode_accumulate(plan, payload, acc, ctx)
+            return
+        check_payload(
+            payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
+        )
+        scales = self._scales(plan, ctx.chunk, acc.numel())
+        k.decode(payload, scales, self.element, self.config.block, acc, True)
+
+    def decode_accumulate_encode(
+        self, plan: MXPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
+    ) -> torch.Tensor:
+        """With the kernels: block by block, decode, add and encode the sum."""
+        k = self.kernels(local)
+        if k is None:
+            return super().decode_accumulate_encode(plan, payload, local, ctx)
+        check_payload(
+            payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
+        )
+        scales = self._scales(plan, ctx.chunk, local.numel())
+        out, sat = k.hop(payload, local, scales, self.element, self.config.block)
+        self.overflow += sat
+        self.encoded += local.numel()
+        return out  # type: ignore[no-any-return]
 
     def finish(self, plan: MXPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         y = (
@@ -224,6 +283,11 @@ class MXCodec(Codec[MXPlan]):
 
     def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
         return None  # saturation makes the worst case data-dependent; see the vNMSE tables
+
+
+@lru_cache(maxsize=16)
+def _resolve(codec: str, choice: str, device_type: str) -> Any:
+    return resolve(codec, choice, device_type)
 
 
 @register(

@@ -17,6 +17,7 @@ dynamiq        ``triton``  :mod:`hopq.kernels.dynamiq_triton`          ``hopq[tr
 equarx         ``cpu``     :mod:`hopq.kernels.equarx_cpu` (numba)      ``hopq[cpu]``
 gqsgd-exp      ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
 gqsgd-linear   ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
+mxfp8/6/4      ``cpu``     :mod:`hopq.kernels.mx_cpu` (numba)          ``hopq[cpu]``
 thc            ``cpu``     :mod:`hopq.kernels.thc_cpu` (numba)         ``hopq[cpu]``
 ============  ==========  ========================================  ===================
 """
@@ -37,7 +38,7 @@ import torch
 
 class CpuBackend(str, Enum):
     """The ``backend`` option of the codecs whose kernels are numba CPU kernels
-    (equarx, gcomp, gqsgd): the same bits either way."""
+    (equarx, gcomp, gqsgd, mx, thc): the same bits either way."""
 
     #: The numba kernels for CPU tensors when numba is installed, else the reference.
     AUTO = "auto"
@@ -108,6 +109,10 @@ _BACKENDS: list[KernelBackend] = [
     ),
     KernelBackend(
         "gqsgd-linear", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
+    ),
+    *(
+        KernelBackend(mx, "cpu", "hopq.kernels.mx_cpu", ("cpu",), ("numba", "numpy"), "cpu")
+        for mx in ("mxfp8", "mxfp6", "mxfp4")
     ),
     KernelBackend("thc", "cpu", "hopq.kernels.thc_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
 ]
