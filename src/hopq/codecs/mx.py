@@ -197,7 +197,7 @@ class MXCodec(Codec[MXPlan]):
             )
             self.overflow += sat
             self.encoded += chunk.numel()
-            return out  # type: ignore[no-any-return]
+            return out
         s = self._block_scale(plan, ctx.chunk, chunk.numel())
         v = torch.where(s > 0, chunk / s * fmt.max, chunk)
         sat = torch.isfinite(v) & (v.abs() > fmt.max)
@@ -251,7 +251,7 @@ class MXCodec(Codec[MXPlan]):
         out, sat = k.hop(payload, local, scales, self.element, self.config.block)
         self.overflow += sat
         self.encoded += local.numel()
-        return out  # type: ignore[no-any-return]
+        return out
 
     def finish(self, plan: MXPlan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         y = (
