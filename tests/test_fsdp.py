@@ -203,8 +203,10 @@ def test_refusals_and_views(monkeypatch):
         hopq.FSDPReduceScatter("gcomp", optimizer=opt, thresholds_every=0)
     # a view not set by install() cannot know its parameters: it says so, once
     loose = hopq.FSDPReduceScatter("gcomp", optimizer=opt, key=3)
+    params, why = loose._params(4)
+    assert params is None and "install(model)" in why
     with pytest.warns(RuntimeWarning, match="GComp truncates nothing for FSDP module 3"):
-        assert loose._local_thresholds(4) is None
+        assert loose._local_thresholds(params, why) is None
 
 
 def test_gcomp_takes_the_optimizer_under_fsdp():
@@ -220,9 +222,10 @@ def test_gcomp_takes_the_optimizer_under_fsdp():
     assert torch.equal(trunc["thr"], b["optimizer"]["thr"])  # one table of thresholds
     thr = trunc["thr"]  # powers of two (exponent bytes), 0 on FSDP's padding
     assert torch.equal(thr, torch.exp2(torch.log2(thr).floor()).where(thr > 0, thr))
-    # calls 0, 1, 2, 4 of a key exchange the thresholds: one byte per coordinate
-    # of a slice, 8 bits in a reduce-scatter's accounting; before AdamW's first
-    # step its state is empty and the thresholds truncate (almost) nothing
+    # calls 0, 1 (the first after AdamW's first step), 2 and 4 of a key exchange
+    # the thresholds: one byte per coordinate of a slice, 8 bits in a
+    # reduce-scatter's accounting; before AdamW's first step its state is
+    # empty and the thresholds truncate (almost) nothing
     bits, free = trunc["bits"], lossless["bits"]
     assert bits[0] == pytest.approx(free[0] + 8, abs=0.05)
     # steps 3 and 5 use the thresholds of steps 2 and 4, with AdamW's state in
@@ -233,3 +236,10 @@ def test_gcomp_takes_the_optimizer_under_fsdp():
         assert torch.allclose(v, nat, rtol=1e-5, atol=1e-6), k
     for x, y in zip(trunc["losses"], a["native"]["losses"], strict=True):
         assert abs(x - y) <= 1e-5 * abs(y)
+    # a frozen bias (FSDP leaves it out of the reduce-scatter) and two
+    # reduce-scatters per optimizer step: the exchange at call 2, the first after
+    # AdamW's first step, already cuts bits; then none until call 8
+    frozen = a["frozen"]["bits"]
+    assert frozen[0] > frozen[1] + 6  # step 0's first call exchanged
+    assert frozen[2] < frozen[1] - 1  # steps 2-3 (calls 4-7): AdamW's thresholds
+    assert frozen[3] < frozen[1] - 1

@@ -104,3 +104,35 @@ def test_real_all_reduce_uses_the_kernels_and_matches_the_reference():
         ]
         for a, b in zip(*outs, strict=True):
             assert torch.equal(_bits(a), _bits(b)), name
+
+
+def test_partial_blocks_pack_like_the_reference_and_lengths_are_checked():
+    """Chunks the codec never makes (a partial last block) still pack as bitpack
+    lays them out; a tensor of the wrong length is refused before any read."""
+    from hopq.codecs.mx import MXCodec
+    from hopq.errors import PayloadError
+    from hopq.kernels import mx_cpu
+
+    for name in FORMATS:
+        kern, ref = _pair(name, mu_init=1.0)
+        assert isinstance(ref, MXCodec)
+        for n in (33, 35, 37, 63):
+            x = _nasty(n, n)
+            padded = torch.cat([x, torch.zeros(64 - n)])
+            plan = ref.plan(padded, LocalStats(n_chunks=1))
+            want = ref.encode(plan, padded, HopContext(0, 0, 0, 1, 0, 1))
+            got, _ = mx_cpu.encode(x, plan.scale, ref.element, 32)
+            assert torch.equal(got, want[: got.numel()]), (name, n)
+            out = torch.empty(n)
+            mx_cpu.decode(got, plan.scale, ref.element, 32, out, False)
+            full = torch.empty(64)
+            ref.decode(plan, want, HopContext(0, 0, 0, 1, 0, 1), full)
+            assert torch.equal(_bits(out), _bits(full[:n]))
+        plan = kern.plan(torch.ones(64), LocalStats(n_chunks=1))
+        with pytest.raises(PayloadError, match="of 64"):
+            kern.decode(
+                plan,
+                torch.zeros(plan.payload_nbytes[0], dtype=torch.uint8),
+                HopContext(0, 0, 0, 1, 0, 1),
+                torch.empty(96),
+            )

@@ -28,9 +28,12 @@ def _capturing_class() -> type:
     return Capturing
 
 
-def build(n: int, widths: tuple[int, ...] = (40, 96, 72, 5)) -> torch.nn.Module:
+def build(
+    n: int, widths: tuple[int, ...] = (40, 96, 72, 5), freeze_bias: bool = False
+) -> torch.nn.Module:
     """A small MLP, every Linear its own FSDP module, on a CPU device mesh. The
-    sizes are not multiples of 3: FSDP pads them for three ranks."""
+    sizes are not multiples of 3: FSDP pads them for three ranks.
+    ``freeze_bias``: the first layer's bias takes no gradient."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -39,6 +42,8 @@ def build(n: int, widths: tuple[int, ...] = (40, 96, 72, 5)) -> torch.nn.Module:
     for a, b in zip(widths, widths[1:], strict=False):
         layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
     model = torch.nn.Sequential(*layers[:-1])
+    if freeze_bias:
+        model[0].bias.requires_grad_(False)
     mesh = init_device_mesh("cpu", (n,))
     for m in model:
         if isinstance(m, torch.nn.Linear):
@@ -108,20 +113,22 @@ def fsdp_codecs(rank: int, n: int, runs: list[dict[str, Any]], steps: int) -> di
 
 def fsdp_gcomp_optimizer(rank: int, n: int, steps: int) -> dict[str, Any]:
     """AdamW under native FSDP, then GComp with and without the optimizer handed
-    over (thresholds exchanged every 2 calls): losses, parameters, bits per
-    coordinate, and the thresholds the codec held for one key at the end."""
+    over (thresholds exchanged every 2 calls), and with a frozen bias and two
+    micro-batches per step (thresholds every 8 calls): losses, parameters, bits
+    per coordinate, and the thresholds the codec held for one key at the end."""
     widths = (40, 96, 72, 5)
     out: dict[str, Any] = {}
     for name, kwargs in (
         ("native", None),
         ("lossless", {}),
         ("optimizer", {"thresholds_every": 2}),
+        ("frozen", {"thresholds_every": 8}),
     ):
-        model = build(n, widths)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model = build(n, widths, freeze_bias=name == "frozen")
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         comm = None
         if kwargs is not None:
-            if name == "optimizer":
+            if name in ("optimizer", "frozen"):
                 kwargs = {**kwargs, "optimizer": opt}
             comm = hopq.FSDPReduceScatter("gcomp", seed=7, **kwargs)
             comm.install(model)
@@ -131,6 +138,8 @@ def fsdp_gcomp_optimizer(rank: int, n: int, steps: int) -> dict[str, Any]:
             x = torch.randn(8, widths[0], generator=g)
             y = torch.randn(8, widths[-1], generator=g)
             loss = (model(x) - y).square().mean()
+            if name == "frozen":  # two micro-batches, FSDP reduce-scatters both
+                (model(x[:4]) - y[:4]).square().mean().backward()
             loss.backward()
             opt.step()
             opt.zero_grad()

@@ -43,6 +43,7 @@ from hopq.codecs.base import (
     to_segments,
 )
 from hopq.codecs.registry import register
+from hopq.errors import PayloadError
 from hopq.kernels import CpuBackend, resolve
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, unpack_bits
@@ -180,6 +181,14 @@ class MXCodec(Codec[MXPlan]):
         start = plan.chunks[c][0] // B
         return plan.scale[start : start - (-n // B)].contiguous()
 
+    def _check_len(self, plan: MXPlan, c: int, t: torch.Tensor) -> None:
+        """The kernels read scales and bytes for t's length: it must be the chunk's."""
+        s, e = plan.chunks[c]
+        if t.numel() != e - s:
+            raise PayloadError(
+                f"{self.name}: a tensor of {t.numel()} values for chunk {c} of {e - s}"
+            )
+
     def kernels(self, t: torch.Tensor) -> Any:
         """The kernel module (:mod:`hopq.kernels.mx_cpu`) for a contiguous float32
         tensor like ``t``, or None for the reference (the same bits)."""
@@ -192,6 +201,7 @@ class MXCodec(Codec[MXPlan]):
         fmt = self.element
         k = self.kernels(chunk)
         if k is not None:
+            self._check_len(plan, ctx.chunk, chunk)
             out, sat = k.encode(
                 chunk, self._scales(plan, ctx.chunk, chunk.numel()), fmt, self.config.block
             )
@@ -215,6 +225,7 @@ class MXCodec(Codec[MXPlan]):
         fmt, n = self.element, out.numel()
         k = self.kernels(out)
         if k is not None:
+            self._check_len(plan, ctx.chunk, out)
             k.decode(payload, self._scales(plan, ctx.chunk, n), fmt, self.config.block, out, False)
             return
         codes = payload if fmt.bits == 8 else unpack_bits(payload, fmt.bits, n)
@@ -234,6 +245,7 @@ class MXCodec(Codec[MXPlan]):
         check_payload(
             payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
         )
+        self._check_len(plan, ctx.chunk, acc)
         scales = self._scales(plan, ctx.chunk, acc.numel())
         k.decode(payload, scales, self.element, self.config.block, acc, True)
 
@@ -247,6 +259,7 @@ class MXCodec(Codec[MXPlan]):
         check_payload(
             payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
         )
+        self._check_len(plan, ctx.chunk, local)
         scales = self._scales(plan, ctx.chunk, local.numel())
         out, sat = k.hop(payload, local, scales, self.element, self.config.block)
         self.overflow += sat

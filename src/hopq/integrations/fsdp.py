@@ -27,13 +27,15 @@ call records (``step_metrics``).
 GComp's optimizer-aware truncation (``optimizer=``): rank r holds the
 optimizer state of its slice only, while the hops that truncate a slice's
 partial sums run on the other ranks. So each rank computes the thresholds
-|A| of its own slice (its shards of the group's parameters, in FSDP's order,
-padding at 0) and the ranks all-gather them, as one byte per coordinate
-(|A|'s float32 exponent: 2^e <= |A|, so a rank never truncates more than the
-exact threshold allows), at a key's second call (once the optimizer has
-state) and every ``thresholds_every`` calls; the
+|A| of its own slice (its shards of the group's trainable parameters, in
+FSDP's order, padding at 0) and the ranks all-gather them, as one byte per
+coordinate (|A|'s float32 exponent: 2^e <= |A|, so at an exchange a rank never
+truncates more than the exact threshold allows), every ``thresholds_every``
+calls of a key and at its first call after the optimizer's first step; the
 gathered bytes count in the call's bits per coordinate. Between exchanges a
-key's thresholds are those of its last exchange.
+key's thresholds are those of its last exchange: they lag the optimizer
+(during a learning-rate warm-up |A| ~ 1/lr falls, and stale thresholds
+truncate more than fresh ones would).
 """
 
 from __future__ import annotations
@@ -98,8 +100,9 @@ class _Shared(CallRecords):
     ) -> None:  # fmt: skip
         self.codec, self.topology, self.seed, self.timeout = codec, topology, seed, timeout
         self.optimizer, self.thresholds_every = optimizer, thresholds_every
-        #: key -> (calls since the last exchange, the gathered thresholds or None)
-        self.thresholds: dict[int | None, tuple[int, torch.Tensor | None]] = {}
+        #: key -> (calls so far, the gathered thresholds or None, whether the
+        #: optimizer had state at their exchange)
+        self.thresholds: dict[int | None, tuple[int, torch.Tensor | None, bool]] = {}
         self.warned: set[int | None] = set()
         self._init_records()
 
@@ -234,65 +237,82 @@ class FSDPReduceScatter(_ReduceScatterBase):
         return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
 
     # -- GComp's thresholds --------------------------------------------------------
-    def _local_thresholds(self, numel: int) -> torch.Tensor | None:
-        """|A| of this rank's slice (its shards of the module's parameters in
-        FSDP's order, each padded with 0 to FSDP's padded shard size), or None,
-        with a warning once per key, where the slice is not laid out so."""
+    def _params(self, numel: int) -> tuple[list[Any] | None, str]:
+        """The module's FSDP parameters that this reduce-scatter carries, in its
+        order, or (None, why not) where the slice is not laid out as assumed."""
+        module = self._module
+        if module is None:
+            return None, "the view was not set by install(model), so its parameters are unknown"
+        try:
+            group = module._get_fsdp_state()._fsdp_param_group
+        except AssertionError:  # several parameter groups (one per mesh)
+            return None, "it has several FSDP parameter groups"
+        params = [] if group is None else list(group.fsdp_params)
+        # FSDP reduce-scatters the gradients there are: frozen parameters have none
+        params = [fp for fp in params if fp.sharded_param.requires_grad]
+        if any(fp.fsdp_placement.dim != 0 for fp in params):
+            return None, "a parameter is sharded on a dimension other than 0"
+        if sum(fp.padded_sharded_param_size.numel() for fp in params) != numel:
+            return None, "some of its trainable parameters have no gradient in this backward pass"
+        return params, ""
+
+    def _local_thresholds(self, params: list[Any] | None, why: str) -> torch.Tensor | None:
+        """|A| of this rank's slice (its shards of ``params`` in FSDP's order, each
+        padded with 0 to FSDP's padded shard size; NaN as 0: no truncation), or
+        None, with a warning once per key, when ``params`` is None."""
         from hopq.codecs.gcomp.optim import thresholds
 
         shared = self._shared
-        module = self._module
-        reason = None
-        parts: list[torch.Tensor] = []
-        if module is None:
-            reason = "the view was not set by install(model), so its parameters are unknown"
-        else:
-            group = module._get_fsdp_state()._fsdp_param_group
-            params = [] if group is None else list(group.fsdp_params)
-            if any(fp.fsdp_placement.dim != 0 for fp in params):
-                reason = "a parameter is sharded on a dimension other than 0"
-            elif sum(fp.padded_sharded_param_size.numel() for fp in params) != numel:
-                reason = "some of its parameters have no gradient in this backward pass"
-            else:
-                assert shared.optimizer is not None
-                for fp in params:
-                    a = thresholds(shared.optimizer, [fp.sharded_param])
-                    pad = fp.padded_sharded_param_size.numel() - a.numel()
-                    parts += [a, a.new_zeros(pad)]
-        if reason is not None:
+        if params is None:
             if self.key not in shared.warned:
                 shared.warned.add(self.key)
                 warnings.warn(
                     f"hopq FSDPReduceScatter: GComp truncates nothing for FSDP module "
-                    f"{self.key}: {reason}",
+                    f"{self.key}: {why}",
                     RuntimeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             return None
+        assert shared.optimizer is not None
+        parts: list[torch.Tensor] = []
+        for fp in params:
+            a = thresholds(shared.optimizer, [fp.sharded_param]).nan_to_num_(nan=0.0)
+            parts += [a, a.new_zeros(fp.padded_sharded_param_size.numel() - a.numel())]
         return torch.cat(parts) if parts else torch.zeros(0)
 
+    def _has_state(self, params: list[Any] | None) -> bool:
+        """Whether the optimizer holds state for the parameters (it has stepped)."""
+        opt = self._shared.optimizer
+        return (
+            opt is not None
+            and params is not None
+            and any(bool(opt.state.get(fp.sharded_param)) for fp in params)
+        )
+
     def _set_thresholds(self, numel: int, group: torch.distributed.ProcessGroup) -> int:
-        """Hand the codec this key's thresholds, exchanged anew at its second
-        call and every ``thresholds_every`` calls; returns the bytes this rank
-        sent for them."""
+        """Hand the codec this key's thresholds, exchanged anew every
+        ``thresholds_every`` calls, and at the first call after the optimizer's
+        first step (before it, momentum and second moments are empty and the
+        thresholds tiny); returns the bytes this rank sent for them. Every rank
+        decides alike: the same calls, the same optimizer steps."""
         shared = self._shared
-        calls, full = shared.thresholds.get(self.key, (0, None))
+        calls, full, had_state = shared.thresholds.get(self.key, (0, None, False))
+        params, why = self._params(numel)
+        state = self._has_state(params)
         sent = 0
-        # also at the second call: before the optimizer's first step its state
-        # (momentum, second moments) is empty and the first thresholds are small
-        if calls % shared.thresholds_every == 0 or calls == 1:
-            local = self._local_thresholds(numel)
+        if calls % shared.thresholds_every == 0 or (state and not had_state):
+            local = self._local_thresholds(params, why)
             # every rank takes part in the exchange, each saying whether it has them
             have = torch.tensor([local is not None], dtype=torch.int32)
             torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=group)
-            full = None
+            full, had_state = None, state
             if bool(have.item()) and local is not None:
                 e = ((local.view(torch.int32) >> 23) & 0xFF).clamp_(max=254).to(torch.uint8)
                 out = [torch.empty_like(e) for _ in range(group.size())]
                 torch.distributed.all_gather(out, e, group=group)
                 full = (torch.cat(out).to(torch.int32) << 23).view(torch.float32)
                 sent = (group.size() - 1) * e.numel()
-        shared.thresholds[self.key] = (calls + 1, full)
+        shared.thresholds[self.key] = (calls + 1, full, had_state)
         shared.codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
         return sent
 
