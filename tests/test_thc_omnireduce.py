@@ -167,3 +167,24 @@ def test_omnireduce_drops_small_blocks_only():
     r = hopq.simulate([x, x.clone()], hopq.get_codec("omnireduce", budget=2), "ring")
     assert torch.allclose(r.outputs[0][:256], torch.full((256,), 10.0), rtol=1e-2)
     assert ReduceOp.parse("sum") is ReduceOp.SUM
+
+
+@pytest.mark.skipif(not thc_cpu.available(), reason="numba is not installed")
+def test_thc_fused_rotation_quantization_and_inverse_equal_the_reference():
+    """The fused kernels (rotation with its maximum, stochastic rounding, the
+    inverse rotation) at the largest Hadamard block, a length that pads, and
+    an average: plan, prepare and finish give the reference's bits."""
+    from hopq.codecs.base import LocalStats
+    from hopq.codecs.base import ReduceOp as Op
+
+    x = torch.randn((1 << 20) + 12345, generator=torch.Generator().manual_seed(3))
+    ref, ker = THC(backend="reference"), THC(backend="cpu")
+    plans = [c.plan(x, LocalStats(n_chunks=4, world_size=4, seed=5, round=2)) for c in (ref, ker)]
+    assert plans[0].block == 65536 and plans[0].work_numel > x.numel()
+    assert torch.equal(plans[0].rotated, plans[1].rotated) and plans[0].step == plans[1].step
+    works = [c.prepare(p, x) for c, p in zip((ref, ker), plans, strict=True)]
+    assert torch.equal(works[0], works[1])
+    y = works[0] * 3 - 1  # integer sums of some ranks
+    for op in (Op.SUM, Op.AVG):
+        outs = [c.finish(p, y.clone(), op, 4) for c, p in zip((ref, ker), plans, strict=True)]
+        assert torch.equal(outs[0], outs[1]), op

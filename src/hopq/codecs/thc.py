@@ -253,15 +253,21 @@ class THC(Codec[THCPlan]):
         big = float(flat.abs().max()) if d else 0.0
         if math.isfinite(big) and big * math.sqrt(H) >= WIDE:
             flat = flat.double()
-        if bounds is None:
+        k = self.kernels(x.device)
+        top = None
+        if bounds is None and k is not None and flat.dtype == torch.float32 and work:
+            key = stream_key(stats.seed, stats.round, SIGN_STREAM, 0)
+            rot, top = k.rotate(flat, H, work, key)  # fused: the same bits
+        elif bounds is None:
             rot = self._rotate(flat, H, stats.seed, stats.round, work)
         else:
             rot = self._rotate_chunks(flat, H, stats.seed, stats.round, bounds, starts)
-        local_max = (
-            rot.abs().amax().double().reshape(1)
-            if work
-            else torch.zeros(1, dtype=torch.float64, device=x.device)
-        )
+        if top is not None:
+            local_max = torch.tensor([top], dtype=torch.float64, device=x.device)
+        elif work:
+            local_max = rot.abs().amax().double().reshape(1)
+        else:
+            local_max = torch.zeros(1, dtype=torch.float64, device=x.device)
         M = float(stats.all_reduce(local_max, StatsOp.MAX).item())
         # 12-bit lanes pack in pairs
         chunks = (
@@ -295,9 +301,11 @@ class THC(Codec[THCPlan]):
         rot = plan.rotated
         if not math.isfinite(plan.step):  # non-finite input: finish() multiplies by it
             return torch.zeros_like(rot)
-        v = div(rot, plan.step)
         key = stream_key(plan.seed, plan.round, ROUND_STREAM, plan.rank)
-        k = self.kernels(v.device)
+        k = self.kernels(rot.device)
+        if k is not None and rot.dtype == torch.float32:
+            return k.quantize(rot, plan.step, key, self.config.levels)
+        v = div(rot, plan.step)
         u = uniform(v.numel(), key, device=v.device) if k is None else k.uniform(v.numel(), key)
         lo = torch.floor(v)
         q = (lo + (u < v - lo).to(v.dtype)).to(torch.float32)
@@ -347,6 +355,11 @@ class THC(Codec[THCPlan]):
         if not plan.work_numel:
             return y
         H = plan.block
+        k = self.kernels(y.device)
+        if k is not None and not plan.wide and plan.bounds is None and y.dtype == torch.float32:
+            key = stream_key(plan.seed, plan.round, SIGN_STREAM, 0)
+            out = k.unrotate(y, plan.step, H, key, plan.numel)  # fused: the same bits
+            return div_(out, world_size) if op is ReduceOp.AVG else out
         vals = y.double() * plan.step if plan.wide else y * plan.step
         if plan.bounds is not None:
             out = self._unrotate_chunks(plan, vals)
