@@ -221,7 +221,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         shared = self._shared
         gathered = 0
         if shared.optimizer is not None:
-            gathered = self._set_thresholds(output_tensor.numel(), group)
+            gathered = self._set_thresholds(output_tensor.numel(), group, input_tensor.device)
         shard, info = reduce_scatter_with_stats(
             input_tensor, shared.codec, shared.topology, op, group, shared.seed,
             key=self.key, timeout=shared.timeout, shards="equal",
@@ -289,7 +289,9 @@ class FSDPReduceScatter(_ReduceScatterBase):
             and any(bool(opt.state.get(fp.sharded_param)) for fp in params)
         )
 
-    def _set_thresholds(self, numel: int, group: torch.distributed.ProcessGroup) -> int:
+    def _set_thresholds(
+        self, numel: int, group: torch.distributed.ProcessGroup, device: torch.device
+    ) -> int:
         """Hand the codec this key's thresholds, exchanged anew every
         ``thresholds_every`` calls, and at the first call after the optimizer's
         first step (before it, momentum and second moments are empty and the
@@ -303,11 +305,13 @@ class FSDPReduceScatter(_ReduceScatterBase):
         if calls % shared.thresholds_every == 0 or (state and not had_state):
             local = self._local_thresholds(params, why)
             # every rank takes part in the exchange, each saying whether it has them
-            have = torch.tensor([local is not None], dtype=torch.int32)
+            # (on the collective's device: NCCL takes CUDA tensors only)
+            have = torch.tensor([local is not None], dtype=torch.int32, device=device)
             torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=group)
             full, had_state = None, state
             if bool(have.item()) and local is not None:
-                e = ((local.view(torch.int32) >> 23) & 0xFF).clamp_(max=254).to(torch.uint8)
+                bits = local.to(device).view(torch.int32)
+                e = ((bits >> 23) & 0xFF).clamp_(max=254).to(torch.uint8)
                 out = [torch.empty_like(e) for _ in range(group.size())]
                 torch.distributed.all_gather(out, e, group=group)
                 full = (torch.cat(out).to(torch.int32) << 23).view(torch.float32)
