@@ -136,3 +136,12 @@ def test_partial_blocks_pack_like_the_reference_and_lengths_are_checked():
                 HopContext(0, 0, 0, 1, 0, 1),
                 torch.empty(96),
             )
+
+
+def test_a_block_the_kernels_cannot_pack_is_refused_when_asked_for():
+    """Blocks of 6 six-bit codes end mid-byte: auto runs the reference, an
+    explicit backend="cpu" says why it cannot."""
+    x = torch.randn(36)
+    assert hopq.get_codec("mxfp6", block=6).kernels(x) is None
+    with pytest.raises(ValueError, match="multiple of 8"):
+        hopq.get_codec("mxfp6", block=6, backend="cpu").kernels(x)

@@ -181,30 +181,44 @@ class MXCodec(Codec[MXPlan]):
         start = plan.chunks[c][0] // B
         return plan.scale[start : start - (-n // B)].contiguous()
 
-    def _check_len(self, plan: MXPlan, c: int, t: torch.Tensor) -> None:
-        """The kernels read scales and bytes for t's length: it must be the chunk's."""
+    def _kernel_scales(
+        self, plan: MXPlan, c: int, t: torch.Tensor, payload: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Chunk c's block scales for a kernel call on t (and ``payload``), after
+        the checks the kernels rely on: they read scales and bytes for t's
+        length, so it must be the chunk's, and the payload the plan's size."""
+        if payload is not None:
+            check_payload(payload, plan.payload_nbytes[c], f"{self.name} chunk {c} payload")
         s, e = plan.chunks[c]
         if t.numel() != e - s:
             raise PayloadError(
                 f"{self.name}: a tensor of {t.numel()} values for chunk {c} of {e - s}"
             )
+        return self._scales(plan, c, t.numel())
 
     def kernels(self, t: torch.Tensor) -> Any:
         """The kernel module (:mod:`hopq.kernels.mx_cpu`) for a contiguous float32
-        tensor like ``t``, or None for the reference (the same bits)."""
+        tensor like ``t``, or None for the reference (the same bits). A block
+        whose codes do not end on a byte has no kernel: ``backend="cpu"`` then
+        raises rather than run the reference unasked."""
         if t.dtype != torch.float32 or not t.is_contiguous():
             return None
         k = _resolve(self.name, self.config.backend.value, t.device.type)
-        return k if k is not None and k.supports(self.element, self.config.block) else None
+        if k is None or k.supports(self.element, self.config.block):
+            return k
+        if self.config.backend is CpuBackend.CPU:
+            raise ValueError(
+                f"{self.name}: the CPU kernels need block x {self.element.bits} bits to be a "
+                f"multiple of 8, got block {self.config.block}; use backend='auto' or 'reference'"
+            )
+        return None
 
     def encode(self, plan: MXPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         fmt = self.element
         k = self.kernels(chunk)
         if k is not None:
-            self._check_len(plan, ctx.chunk, chunk)
-            out, sat = k.encode(
-                chunk, self._scales(plan, ctx.chunk, chunk.numel()), fmt, self.config.block
-            )
+            scales = self._kernel_scales(plan, ctx.chunk, chunk)
+            out, sat = k.encode(chunk, scales, fmt, self.config.block)
             self.overflow += sat
             self.encoded += chunk.numel()
             return out
@@ -225,8 +239,8 @@ class MXCodec(Codec[MXPlan]):
         fmt, n = self.element, out.numel()
         k = self.kernels(out)
         if k is not None:
-            self._check_len(plan, ctx.chunk, out)
-            k.decode(payload, self._scales(plan, ctx.chunk, n), fmt, self.config.block, out, False)
+            scales = self._kernel_scales(plan, ctx.chunk, out)
+            k.decode(payload, scales, fmt, self.config.block, out, False)
             return
         codes = payload if fmt.bits == 8 else unpack_bits(payload, fmt.bits, n)
         s = self._block_scale(plan, ctx.chunk, n)
@@ -242,11 +256,7 @@ class MXCodec(Codec[MXPlan]):
         if k is None:
             super().decode_accumulate(plan, payload, acc, ctx)
             return
-        check_payload(
-            payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
-        )
-        self._check_len(plan, ctx.chunk, acc)
-        scales = self._scales(plan, ctx.chunk, acc.numel())
+        scales = self._kernel_scales(plan, ctx.chunk, acc, payload)
         k.decode(payload, scales, self.element, self.config.block, acc, True)
 
     def decode_accumulate_encode(
@@ -256,11 +266,7 @@ class MXCodec(Codec[MXPlan]):
         k = self.kernels(local)
         if k is None:
             return super().decode_accumulate_encode(plan, payload, local, ctx)
-        check_payload(
-            payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
-        )
-        self._check_len(plan, ctx.chunk, local)
-        scales = self._scales(plan, ctx.chunk, local.numel())
+        scales = self._kernel_scales(plan, ctx.chunk, local, payload)
         out, sat = k.hop(payload, local, scales, self.element, self.config.block)
         self.overflow += sat
         self.encoded += local.numel()

@@ -100,9 +100,9 @@ class _Shared(CallRecords):
     ) -> None:  # fmt: skip
         self.codec, self.topology, self.seed, self.timeout = codec, topology, seed, timeout
         self.optimizer, self.thresholds_every = optimizer, thresholds_every
-        #: key -> (calls so far, the gathered thresholds or None, whether the
-        #: optimizer had state at their exchange)
-        self.thresholds: dict[int | None, tuple[int, torch.Tensor | None, bool]] = {}
+        #: key -> (calls so far, whether the optimizer had state at the key's
+        #: last exchange); the thresholds themselves live in the codec
+        self.thresholds: dict[int | None, tuple[int, bool]] = {}
         self.warned: set[int | None] = set()
         self._init_records()
 
@@ -298,7 +298,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         thresholds tiny); returns the bytes this rank sent for them. Every rank
         decides alike: the same calls, the same optimizer steps."""
         shared = self._shared
-        calls, full, had_state = shared.thresholds.get(self.key, (0, None, False))
+        calls, had_state = shared.thresholds.get(self.key, (0, False))
         params, why = self._params(numel)
         state = self._has_state(params)
         sent = 0
@@ -316,8 +316,9 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 torch.distributed.all_gather(out, e, group=group)
                 full = (torch.cat(out).to(torch.int32) << 23).view(torch.float32)
                 sent = (group.size() - 1) * e.numel()
-        shared.thresholds[self.key] = (calls + 1, full, had_state)
-        shared.codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
+            # the codec keeps them for this key until the next exchange
+            shared.codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
+        shared.thresholds[self.key] = (calls + 1, had_state)
         return sent
 
     # -- statistics and state ----------------------------------------------------

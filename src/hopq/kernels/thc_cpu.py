@@ -61,8 +61,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
     if y.numel():
         # the reference multiplies by the Python float 1/sqrt(H), which torch
         # applies in the tensor's dtype
-        scale = np.float32(1.0 / math.sqrt(H)) if y.dtype == torch.float32 else 1.0 / math.sqrt(H)
-        fwht_rows(y.numpy(), scale)
+        fwht_rows(y.numpy(), _scale(H) if y.dtype == torch.float32 else 1.0 / math.sqrt(H))
     return y.view(x.shape)
 
 
