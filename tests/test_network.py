@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hopq.cluster.launch import run_workers
-from hopq.cluster.network import EmulatedNetwork, unavailable_reason
+from hopq.cluster.network import WORKER_IFACE, EmulatedNetwork, payload_fraction, unavailable_reason
 
 WHY = unavailable_reason()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated network here: {WHY}")
@@ -49,8 +49,29 @@ def test_cleanup_on_failure():
     assert _namespaces() == before
 
 
+def test_jumbo_frames():
+    """mtu=9000: every link has that MTU, and a transfer crosses it at the rate."""
+    with EmulatedNetwork(2, rate_mbit=80, mtu=9000) as net:
+        shown = subprocess.run(
+            ["ip", "netns", "exec", net.namespaces[0], "ip", "link", "show", WORKER_IFACE],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+        assert "mtu 9000" in shown
+        nbytes = 4 << 20
+        seconds = run_workers(2, _transfer, nbytes, namespaces=net.namespaces, timeout=120)[0]
+    rate = nbytes * 8 / seconds / 1e6
+    assert 0.6 * 80 < rate < 1.1 * 80, f"measured {rate:.1f} Mbit/s on an 80 Mbit/s link"
+
+
+def test_payload_fraction():
+    assert payload_fraction(1500) == pytest.approx(1448 / 1514)
+    assert payload_fraction(9000) == pytest.approx(8948 / 9014)
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError):
         EmulatedNetwork(0, rate_mbit=10)
     with pytest.raises(ValueError):
         EmulatedNetwork(2, rate_mbit=0)
+    with pytest.raises(ValueError, match="mtu"):
+        EmulatedNetwork(2, rate_mbit=10, mtu=100)

@@ -93,6 +93,7 @@ class TrainOptions:
     rate_mbit: float = option(
         0.0, "per-worker link rate of the emulated network in Mbit/s; 0: calibrate it"
     )
+    mtu: int = option(1500, "the emulated links' MTU (9000: jumbo frames)")
     comm_share: float = option(
         0.4,
         "when calibrating: the share of torch:fp16's step (with its overlap) that its "
@@ -137,6 +138,8 @@ class TrainOptions:
             raise ValueError(f"powersgd_start must be >= 2, got {self.powersgd_start}")
         if not self.bucket_mb >= 0:
             raise ValueError(f"bucket_mb must be >= 0 (0: DDP's default), got {self.bucket_mb}")
+        if not 576 <= self.mtu <= 65535:
+            raise ValueError(f"--mtu must be between 576 and 65535, got {self.mtu}")
         if self.vnmse_every < 0 or self.rate_mbit < 0 or self.lr < 0:
             raise ValueError("vnmse_every, rate_mbit and lr must be >= 0")
         if not 0 < self.comm_share < 1:
@@ -332,7 +335,7 @@ def _calibrate(o: TrainOptions, n: int) -> tuple[float, str]:
     compute, _, sent = run_workers(n, _calibrate_worker, o)[0]
     want = compute * o.comm_share / (1 - o.comm_share)  # exposed seconds per step
     rate0 = sent * 8 / 1e6 / want
-    with EmulatedNetwork(n, rate_mbit=rate0) as net:
+    with EmulatedNetwork(n, rate_mbit=rate0, mtu=o.mtu) as net:
         compute0, exposed0, _ = run_workers(n, _calibrate_worker, o, namespaces=net.namespaces)[0]
     hidden = max(0.0, sent * 8 / 1e6 / rate0 - exposed0)
     rate = sent * 8 / 1e6 / (hidden + want)
@@ -365,8 +368,8 @@ def run(o: TrainOptions) -> str | None:
         rate, msg = _calibrate(o, n)
         print(msg, flush=True)
     if why is None:
-        with EmulatedNetwork(n, rate_mbit=rate) as net:
-            network = f"emulated, {rate:.0f} Mbit/s per worker (tc tbf)"
+        with EmulatedNetwork(n, rate_mbit=rate, mtu=o.mtu) as net:
+            network = f"emulated, {rate:.0f} Mbit/s per worker (tc tbf), MTU {o.mtu}"
             runs = run_workers(n, worker, o, contenders, namespaces=net.namespaces)[0]
     else:
         print(f"no emulated network ({why}): running on plain loopback", flush=True)
