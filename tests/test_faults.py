@@ -8,7 +8,13 @@ import torch
 import hopq
 from hopq.bench import faults
 from hopq.cluster.launch import run_workers, spawn
-from tests.workers import aborts_at_exit, group_freed_on_destroy, wrong_sizes
+from tests.workers import (
+    aborts_at_exit,
+    group_freed_on_destroy,
+    make_input,
+    plan_fails_everywhere,
+    wrong_sizes,
+)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -49,6 +55,16 @@ def test_a_dead_or_silent_rank_makes_every_survivor_raise_in_time(kind, n, topo)
     for out in r.outcomes:
         if out.rank != r.victim:
             assert "rank" in out.result[2]  # the message names a peer
+
+
+def test_a_plan_failing_on_every_rank_leaves_the_group_usable():
+    n = 3
+    res = run_workers(n, plan_fails_everywhere)
+    xs = [make_input("float", q, 4000) for q in range(n)]
+    want = hopq.simulate(xs, "dynamiq", "ring").outputs[0]
+    for r in res:
+        assert r["failed"] == "ValueError: this plan refuses"
+        assert torch.equal(r["after"], want)
 
 
 def test_wrong_sizes_are_caught_without_stale_bytes_or_aborts():

@@ -289,3 +289,29 @@ def group_freed_on_destroy(rank: int, n: int) -> bool:
     dist.destroy_process_group()
     gc.collect()
     return ref() is None
+
+
+def plan_fails_everywhere(rank: int, n: int) -> dict[str, Any]:
+    """Every rank's plan raises: the error surfaces, no posted message is left
+    behind, and the next call on the group is correct."""
+    from hopq.codecs.registry import get_codec
+
+    codec = get_codec("dynamiq")
+    planned = codec.plan
+
+    def refuse(x: torch.Tensor, stats: Any) -> Any:
+        raise ValueError("this plan refuses")
+
+    codec.plan = refuse  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    x = make_input("float", rank, 4000)
+    try:
+        hopq.all_reduce(x.clone(), codec=codec, timeout=20.0)
+        out["failed"] = "returned"
+    except Exception as e:  # noqa: BLE001
+        out["failed"] = f"{type(e).__name__}: {e}"
+    codec.plan = planned  # type: ignore[method-assign]
+    y = x.clone()
+    hopq.all_reduce(y, codec=codec, timeout=20.0)
+    out["after"] = y
+    return out
