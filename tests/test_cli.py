@@ -41,6 +41,9 @@ def _error(capsys, argv):
         (["bench", "vnmse", "--tables", "ladder", "nope"], "invalid choice: 'nope'"),
         (["bench", "vnmse", "--codecs", "nope"], "unknown codecs"),
         (["bench", "gqsgd", "--parts", "quality", "nope"], "invalid choice: 'nope'"),
+        (["bench", "allreduce", "--mtu", "9000"], "give --rate-mbit too"),
+        (["bench", "allreduce", "--rate-mbit", "100", "--mtu", "100"], "between 576 and 65535"),
+        (["train", "--no-network", "--mtu", "9000"], "--no-network turns off"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, words):

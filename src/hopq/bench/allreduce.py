@@ -68,6 +68,8 @@ class Options:
         self.resolved_codecs()
         if not 576 <= self.mtu <= 65535:
             raise ValueError(f"--mtu must be between 576 and 65535, got {self.mtu}")
+        if self.mtu != 1500 and self.rate_mbit <= 0:
+            raise ValueError("--mtu sets the emulated network's links: give --rate-mbit too")
         if not self.microshards or any(u < 0 or u > 64 for u in self.microshards):
             raise ValueError("--microshards: counts from 1 to 64, or 0 for the engine's choice")
 

@@ -140,6 +140,10 @@ class TrainOptions:
             raise ValueError(f"bucket_mb must be >= 0 (0: DDP's default), got {self.bucket_mb}")
         if not 576 <= self.mtu <= 65535:
             raise ValueError(f"--mtu must be between 576 and 65535, got {self.mtu}")
+        if self.mtu != 1500 and not self.network:
+            raise ValueError(
+                "--mtu sets the emulated network's links, which --no-network turns off"
+            )
         if self.vnmse_every < 0 or self.rate_mbit < 0 or self.lr < 0:
             raise ValueError("vnmse_every, rate_mbit and lr must be >= 0")
         if not 0 < self.comm_share < 1:
