@@ -164,24 +164,45 @@ class OmniReduce(WireCodec[OmniPlan]):
             index=index.to(blocks.device),
         )
 
-    def _index(self, plan: OmniPlan, device: torch.device) -> torch.Tensor:
-        if plan.index is not None:
-            return plan.index.to(device)
-        B = self.config.block
-        idx = (plan.blocks[:, None] * B + torch.arange(B, device=device)).reshape(-1)
-        return idx[: plan.work_numel]
+    def _rows(self, plan: OmniPlan) -> tuple[torch.Tensor, int]:
+        """The selected blocks that are whole, and the length of the vector's
+        short last block when it is selected (else 0)."""
+        B, d = self.config.block, plan.numel
+        tail = d % B
+        if tail and plan.blocks.numel() and int(plan.blocks[-1]) == d // B:
+            return plan.blocks[:-1], tail
+        return plan.blocks, 0
 
     def prepare(self, plan: OmniPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
         if plan.work_numel == plan.numel:  # every block selected: plain bf16
             return working_copy(x, scratch)
-        return x.reshape(-1).to(torch.float32)[self._index(plan, x.device)]
+        flat = x.reshape(-1).to(torch.float32)
+        if plan.index is not None:
+            return flat[plan.index.to(x.device)]
+        # whole rows copied: a 64 MiB vector's gather took 0.2 s through an
+        # element index (int64, twice the vector's size)
+        B = self.config.block
+        full = plan.numel // B
+        whole, tail = self._rows(plan)
+        out = flat[: full * B].view(full, B).index_select(0, whole.to(x.device)).reshape(-1)
+        return torch.cat([out, flat[full * B :]]) if tail else out
 
     def finish(
         self, plan: OmniPlan, y: torch.Tensor, op: ReduceOp, world_size: int
     ) -> torch.Tensor:
         if plan.work_numel != plan.numel:
             out = y.new_zeros(plan.numel)
-            out[self._index(plan, y.device)] = y
+            if plan.index is not None:
+                out[plan.index.to(y.device)] = y
+            else:
+                B = self.config.block
+                full = plan.numel // B
+                whole, tail = self._rows(plan)
+                n = whole.numel() * B
+                rows = out[: full * B].view(full, B)
+                rows.index_copy_(0, whole.to(y.device), y[:n].view(-1, B))
+                if tail:
+                    out[full * B :] = y[n:]
             y = out
         return div_(y, world_size) if op is ReduceOp.AVG else y
 
