@@ -229,26 +229,58 @@ def test_exact_allocation_uses_the_budget_greedily():
     assert sum(cost[int(v)] for v in w) <= 4 * cost[4]
 
 
+def _exact_by_stable_sort(F, live, W, cost, budget):
+    """The exact allocation's definition: every upgrade step ranked by gain in
+    one stable sort (ties in (step, super-group) order), the running cost's
+    prefix within the budget taken."""
+
+    def err(w):
+        return 2.0**-18 if w == 16 else 1.0 / ((1 << (w - 1)) - 1) ** 2
+
+    idx = torch.nonzero(live).flatten()
+    Fl = torch.nan_to_num(F[idx], posinf=1e300)
+    gains, costs, owners, levels = [], [], [], []
+    for k in range(len(W) - 1):
+        dc = float(cost[W[k + 1]] - cost[W[k]])
+        gains.append(Fl * ((err(W[k]) - err(W[k + 1])) / dc))
+        costs.append(torch.full((idx.numel(),), dc, dtype=torch.float64))
+        owners.append(idx)
+        levels.append(torch.full((idx.numel(),), k + 1, dtype=torch.int64))
+    level = torch.zeros(F.numel(), dtype=torch.int64)
+    if gains:
+        order = torch.sort(-torch.cat(gains), stable=True).indices
+        csum = torch.cumsum(torch.cat(costs)[order], 0) + float(cost[W[0]]) * idx.numel()
+        take = order[csum <= budget]
+        level.scatter_reduce_(0, torch.cat(owners)[take], torch.cat(levels)[take], reduce="amax")
+    return torch.tensor(W, dtype=torch.int64)[level]
+
+
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "torch-only"])
 @pytest.mark.parametrize("kind", ["distinct", "few values", "bf16", "zeros and huge"])
-def test_exact_allocation_ranks_steps_like_a_stable_sort(kind, monkeypatch):
-    """The exact allocation's fast ranking (unstable sort, ties put in index
-    order) is the stable sort's order, with and without numpy; statistics that
-    went through bfloat16 tie a lot."""
+def test_exact_allocation_equals_the_stable_sort_of_all_steps(kind, numpy, monkeypatch):
+    """The exact allocation takes whole groups of equal gain and orders only the
+    group where the budget runs out: the widths are those of the stable sort of
+    every step, at every budget from nothing to everything, with ties (bfloat16
+    statistics), zeros, +-0 and huge statistics, live and dead super-groups."""
     g = torch.Generator().manual_seed(len(kind))
-    for k in (0, 1, 2, 7, 3000, 49152):
+    for m in (1, 2, 7, 300, 16384):
         if kind == "distinct":
-            x = torch.rand(k, generator=g, dtype=torch.float64)
+            F = torch.rand(m, generator=g, dtype=torch.float64)
         elif kind == "few values":
-            x = torch.randint(0, 4, (k,), generator=g).double()
+            F = torch.randint(0, 4, (m,), generator=g).double()
         elif kind == "bf16":
-            x = torch.randn(k, generator=g).to(torch.bfloat16).double().abs() * 0.37
+            F = (torch.randn(m, generator=g) * 3).exp().to(torch.bfloat16).double()
         else:
-            x = torch.randint(0, 3, (k,), generator=g).double()
-            x[::7], x[1::11], x[2::13] = 0.0, -0.0, 1e300
-        want = torch.sort(-x, stable=True).indices
-        assert torch.equal(allocation.descending_order(x), want), (kind, k)
-    monkeypatch.setitem(__import__("sys").modules, "numpy", None)  # a torch-only install
-    assert torch.equal(allocation.descending_order(x), want)
+            F = torch.randint(0, 3, (m,), generator=g).double()
+            F[::7], F[1::11], F[2::13] = 0.0, -0.0, math.inf
+        live = torch.rand(m, generator=g) > 0.1
+        for W in ([2, 4, 8], [2, 4, 8, 16], [4], [2, 3, 4, 5, 6, 8]):
+            cost = {w: DynamiQ().config.sg_bits(w) for w in W}
+            lo, hi = cost[W[0]] * m, cost[W[-1]] * m
+            for budget in [lo - 1, lo, hi, hi + 1] + torch.linspace(lo, hi, 23).tolist()[1:-1]:
+                want = _exact_by_stable_sort(F, live, W, cost, budget)
+                got = allocation.exact(F, live, W, cost, budget)
+                assert torch.equal(got, want), (kind, m, W, budget)
 
 
 @pytest.mark.parametrize(
@@ -359,3 +391,17 @@ def test_layout_follows_its_definition(seed):
         assert [(s.lo, s.hi, s.width, s.nbytes) for s in segs] == [
             (k, e, sw[k], sum(nbytes[k:e])) for k, e in runs
         ]
+
+
+@pytest.mark.parametrize("numpy", [True, False], ids=["numpy", "torch-only"])
+def test_plan_orders_super_groups_by_width_stably(numpy, monkeypatch):
+    """The plan reorders super-groups by width, ties in position order (the
+    stable sort), with numpy's radix sort and on a torch-only install."""
+    from hopq.codecs.dynamiq.layout import _stable_order
+
+    if not numpy:
+        monkeypatch.setitem(__import__("sys").modules, "numpy", None)
+    g = torch.Generator().manual_seed(3)
+    for m in (0, 1, 5, 16384):
+        w = torch.tensor([0, 2, 4, 8, 16])[torch.randint(0, 5, (m,), generator=g)]
+        assert torch.equal(_stable_order(w), torch.argsort(w, stable=True))

@@ -104,61 +104,90 @@ def exact(
     """Greedy by marginal benefit per bit (beyond the paper): the estimated error
     of a super-group at width w is F_j e_w with e_w = 1/(2^(w-1) - 1)^2 (level
     spacing squared; e_16 = 2^-18 for bfloat16), every upgrade step (j, w -> w')
-    is ranked by F_j (e_w - e_w') / (cost_w' - cost_w), and the best steps are
-    taken while the budget lasts. Steps of one super-group come in order
-    because e is convex in the bits spent."""
+    is ranked by its gain F_j (e_w - e_w') / (cost_w' - cost_w), largest first,
+    equal gains in the order (step, super-group), and the steps are taken in
+    that order while the running cost stays within the budget (the first step
+    that does not fit ends the allocation). Steps of one super-group come in
+    order because e is convex in the bits spent.
+
+    That is a stable sort of all steps by gain, but only the steps whose gain
+    equals the one where the budget runs out need their order: the steps are
+    grouped by distinct statistic (statistics that went through bfloat16 take a
+    few thousand values for tens of thousands of super-groups), the groups of
+    equal gain are taken whole while they fit, and only the group where the
+    budget runs out is expanded step by step (0.3 against 1.9 ms for a 16 MiB
+    call; the same widths, tested against the stable sort)."""
 
     def err(w: int) -> float:
         return 2.0**-18 if w == 16 else 1.0 / ((1 << (w - 1)) - 1) ** 2
 
     m = F.numel()
+    level = torch.zeros(m, dtype=torch.int64)
+    widths = torch.tensor(W, dtype=torch.int64)
     idx = torch.nonzero(live).flatten()
+    K = len(W) - 1
+    if K == 0 or idx.numel() == 0:
+        return widths[level]
     Fl = torch.nan_to_num(F[idx], posinf=1e300)
     spent = float(cost[W[0]]) * idx.numel()
-    gains, costs, owners, levels = [], [], [], []
-    for k in range(len(W) - 1):
-        a, b = W[k], W[k + 1]
-        dc = float(cost[b] - cost[a])
-        gains.append(Fl * ((err(a) - err(b)) / dc))
-        costs.append(torch.full((idx.numel(),), dc, dtype=torch.float64))
-        owners.append(idx)
-        levels.append(torch.full((idx.numel(),), k + 1, dtype=torch.int64))
-    level = torch.zeros(m, dtype=torch.int64)
-    if gains:
-        order = descending_order(torch.cat(gains))
-        csum = torch.cumsum(torch.cat(costs)[order], 0) + spent
-        take = order[csum <= budget]
-        own = torch.cat(owners)[take]
-        lev = torch.cat(levels)[take]
-        level.scatter_reduce_(0, own, lev, reduce="amax")
-    return torch.tensor(W, dtype=torch.int64)[level]
+    dcs = [float(cost[W[k + 1]] - cost[W[k]]) for k in range(K)]
+    # the same float64 products as a gain per step would be: equal statistics,
+    # equal gains
+    scales = [(err(W[k]) - err(W[k + 1])) / dcs[k] for k in range(K)]
+    u, inv, cnt = _distinct(Fl)
+    U = u.numel()
+    gain = torch.cat([u * c for c in scales])  # entry k * U + v: step k of value v
+    whole = torch.cat([cnt.double() * dc for dc in dcs])  # all its steps' cost (exact)
+    order = _descending(gain)
+    g = gain[order]
+    first = torch.ones(g.numel(), dtype=torch.bool)
+    first[1:] = g[1:] != g[:-1]
+    group = torch.cumsum(first, 0) - 1
+    n_groups = int(group[-1]) + 1
+    group_cost = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group, whole[order])
+    after = torch.cumsum(group_cost, 0) + spent  # integers below 2^53: exact
+    over = torch.nonzero(after > budget).flatten()
+    cut = int(over[0]) if over.numel() else n_groups  # the group where the budget runs out
+    taken = order[group < cut]
+    per_value = torch.zeros(U, dtype=torch.int64)
+    per_value.scatter_reduce_(0, taken % U, taken // U + 1, reduce="amax")
+    lev = per_value[inv]
+    if cut < n_groups:
+        before = float(after[cut - 1]) if cut > 0 else spent
+        entries = order[group == cut]
+        ks, vs = entries // U, entries % U
+        steps, step_k = [], []
+        for k in sorted(set(ks.tolist())):  # steps in order: by step, then super-group
+            pos = torch.nonzero(torch.isin(inv, vs[ks == k])).flatten()
+            steps.append(pos)
+            step_k.append(torch.full_like(pos, k))
+        pos, sk = torch.cat(steps), torch.cat(step_k)
+        running = torch.cumsum(torch.tensor(dcs, dtype=torch.float64)[sk], 0) + before
+        fits = running <= budget
+        lev.scatter_reduce_(0, pos[fits], sk[fits] + 1, reduce="amax")
+    level[idx] = lev
+    return widths[level]
 
 
-def descending_order(g: torch.Tensor) -> torch.Tensor:
-    """``torch.sort(-g, stable=True).indices`` for a float64 ``g`` without NaN:
-    largest first, equal values in index order. An unstable (SIMD) sort, then
-    the runs of equal values put in index order by one sort of unique int64
-    keys (run, index): 1.4 against 2.6 ms for the 49K steps of a 16 MiB call
-    (gains from bfloat16 statistics, many ties), with the same order. Without
-    numpy (a torch-only install): the stable sort itself."""
+def _distinct(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sorted distinct values of a float64 ``x`` without NaN, each entry's
+    index among them and their counts: numpy's (a third of torch's time), or
+    torch's on a torch-only install (the same arrays)."""
     try:
         import numpy as np
     except ImportError:
-        return torch.sort(-g, stable=True).indices
-    k = g.numel()
-    if k < 2:
-        return torch.arange(k, dtype=torch.int64)
-    neg = -g.numpy()
-    order = np.argsort(neg)
-    ranked = neg[order]
-    run = np.empty(k, dtype=np.int64)
-    run[0] = 0
-    np.cumsum(ranked[1:] != ranked[:-1], out=run[1:])
-    if run[-1] == k - 1:  # every value distinct: no ties to order
-        return torch.from_numpy(order.astype(np.int64, copy=False))
-    shift = int(k - 1).bit_length()
-    keys = np.sort((run << shift) | order)
-    return torch.from_numpy(keys & ((1 << shift) - 1))
+        return torch.unique(x, sorted=True, return_inverse=True, return_counts=True)
+    u, inv, cnt = np.unique(x.numpy(), return_inverse=True, return_counts=True)
+    return torch.from_numpy(u), torch.from_numpy(inv.astype(np.int64)), torch.from_numpy(cnt)
+
+
+def _descending(x: torch.Tensor) -> torch.Tensor:
+    """Indices that sort ``x`` largest first, equal values in any order."""
+    try:
+        import numpy as np
+    except ImportError:
+        return torch.argsort(x, descending=True)
+    return torch.from_numpy(np.argsort(-x.numpy()))
 
 
 def split_budget(

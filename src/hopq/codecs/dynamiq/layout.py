@@ -95,6 +95,17 @@ def nested_split(
     return out
 
 
+def _stable_order(w: torch.Tensor) -> torch.Tensor:
+    """``torch.argsort(w, stable=True)`` for widths (0..16): numpy's radix sort of
+    bytes, 8x faster for a 16 MiB call's 16K super-groups; torch's on a
+    torch-only install."""
+    try:
+        import numpy as np
+    except ImportError:
+        return torch.argsort(w, stable=True)
+    return torch.from_numpy(np.argsort(w.numpy().astype(np.uint8), kind="stable"))
+
+
 def build_plan(
     cfg: DynamiQConfig,
     d: int,
@@ -120,7 +131,7 @@ def build_plan(
     m = w.numel()
     ranges = [(0, m)] if bounds is None else list(zip(sg_starts, sg_starts[1:], strict=False))
     # stable: by width, then position (within each of the caller's chunks)
-    parts = [lo + torch.argsort(w[lo:hi], stable=True) for lo, hi in ranges if hi > lo]
+    parts = [lo + _stable_order(w[lo:hi]) for lo, hi in ranges if hi > lo]
     order = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     sw = w[order]
     sorted_widths = tuple(sw.tolist())
