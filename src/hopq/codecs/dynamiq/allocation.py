@@ -158,7 +158,9 @@ def exact(
         ks, vs = entries // U, entries % U
         steps, step_k = [], []
         for k in sorted(set(ks.tolist())):  # steps in order: by step, then super-group
-            pos = torch.nonzero(torch.isin(inv, vs[ks == k])).flatten()
+            chosen = torch.zeros(U, dtype=torch.bool)
+            chosen[vs[ks == k]] = True
+            pos = torch.nonzero(chosen[inv]).flatten()
             steps.append(pos)
             step_k.append(torch.full_like(pos, k))
         pos, sk = torch.cat(steps), torch.cat(step_k)
@@ -172,13 +174,22 @@ def exact(
 def _distinct(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sorted distinct values of a float64 ``x`` without NaN, each entry's
     index among them and their counts: numpy's (a third of torch's time), or
-    torch's on a torch-only install (the same arrays)."""
+    torch's on a torch-only install (the same values, inverse and counts)."""
     try:
         import numpy as np
     except ImportError:
         return torch.unique(x, sorted=True, return_inverse=True, return_counts=True)
-    u, inv, cnt = np.unique(x.numpy(), return_inverse=True, return_counts=True)
-    return torch.from_numpy(u), torch.from_numpy(inv.astype(np.int64)), torch.from_numpy(cnt)
+    a = x.numpy()
+    order = np.argsort(a)  # ties in any order: they are one value
+    ranked = a[order]
+    first = np.empty(a.size, dtype=bool)
+    first[:1] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=first[1:])
+    inv = np.empty(a.size, dtype=np.int64)
+    inv[order] = np.cumsum(first) - 1
+    starts = np.flatnonzero(first)
+    cnt = np.diff(np.append(starts, a.size))
+    return torch.from_numpy(ranked[starts]), torch.from_numpy(inv), torch.from_numpy(cnt)
 
 
 def _descending(x: torch.Tensor) -> torch.Tensor:
