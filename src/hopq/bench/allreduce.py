@@ -167,7 +167,7 @@ def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, boo
 
 def _agreement_report(o: Options) -> str:
     n = o.world_size
-    res = run_workers(n, _agreement_worker, o)[0]
+    res, where = _run_workers(o, _agreement_worker)
     rows = []
     for size in _sizes(o):
         for c in o.resolved_codecs():
@@ -179,7 +179,7 @@ def _agreement_report(o: Options) -> str:
                      f"{(on - off) * 1e3:+.2f}", f"{(on / off - 1) * 100:+.0f}%"]
                 )  # fmt: skip
     return (
-        f"{n} Gloo ranks on one machine ({machine()}), over loopback; median of "
+        f"{n} Gloo ranks on one machine ({machine()}), over {where}; median of "
         "alternating runs with and without the agreement.\n\n"
         + markdown_table(
             ["size", "method", "without (ms)", "with (ms)", "agreement (ms)", "share"], rows
@@ -237,6 +237,12 @@ def _worker(rank: int, n: int, o: Options) -> Results:
 def measure(o: Options) -> tuple[Results, str]:
     """Times of every (method, size) of ``o`` (seconds, median of the slowest
     rank's), the ring step's latency as ("step", 0), and where they ran."""
+    return _run_workers(o, _worker)
+
+
+def _run_workers(o: Options, worker: Callable[[int, int, Options], Any]) -> tuple[Any, str]:
+    """Rank 0's results of ``worker`` on o.world_size Gloo ranks, on the emulated
+    network when ``o.rate_mbit`` asks for one, and where they ran."""
     from hopq.cluster.network import EmulatedNetwork, unavailable_reason
 
     n = o.world_size
@@ -246,13 +252,13 @@ def measure(o: Options) -> tuple[Results, str]:
         if why:
             print(f"no emulated network ({why}): measuring on plain loopback", flush=True)
             where = f"loopback ({why})"
-            res = run_workers(n, _worker, o)[0]
+            res = run_workers(n, worker, o)[0]
         else:
             with EmulatedNetwork(n, rate_mbit=o.rate_mbit, mtu=o.mtu) as net:
-                res = run_workers(n, _worker, o, namespaces=net.namespaces)[0]
+                res = run_workers(n, worker, o, namespaces=net.namespaces)[0]
             where = f"an emulated network, {o.rate_mbit:g} Mbit/s per worker (tc tbf), MTU {o.mtu}"
     else:
-        res = run_workers(n, _worker, o)[0]
+        res = run_workers(n, worker, o)[0]
     return res, where
 
 
