@@ -79,13 +79,14 @@ def test_bad_arguments():
 
 def test_agreement_cost_runs_on_the_emulated_network():
     """--agreement-cost with --rate-mbit measures on the shaped links, and its
-    report says so (it used to ignore the rate and run over loopback)."""
+    report says so (it used to ignore the rate and run over loopback); it
+    times every --microshards depth asked for (it used to ignore them too)."""
     from hopq.bench import allreduce
 
     o = allreduce.Options(
         world_size=2, min_bytes=4096, max_bytes=4096, codecs=("bf16",), topologies=("ring",),
-        budget_s=0.01, rate_mbit=100, agreement_cost=True,
+        budget_s=0.01, rate_mbit=100, agreement_cost=True, microshards=(0, 2),
     )  # fmt: skip
     report = allreduce.run(o)
     assert "over an emulated network, 100 Mbit/s per worker" in report
-    assert "bf16/ring" in report
+    assert " bf16/ring |" in report and " bf16/ring/u2 |" in report

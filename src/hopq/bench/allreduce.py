@@ -140,14 +140,16 @@ def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, boo
     from hopq.comm import engine
 
     out: dict[tuple[str, int, bool], float] = {}
-    methods = [f"{c}/{t}" for c in o.resolved_codecs() for t in o.topologies]
+    methods = [m for m in o.methods() if m != NATIVE]  # with --microshards' depths
     codecs = {m: get_codec(m.split("/")[0]) for m in methods}
     for size in _sizes(o):
         x0 = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
         x = x0.clone()
         reset = functools.partial(x.copy_, x0)  # the same data for every call
         for m in methods:
-            fn = functools.partial(all_reduce, x, codecs[m], m.split("/")[1])
+            fn = functools.partial(
+                all_reduce, x, codecs[m], m.split("/")[1], microshards=_microshards(m)
+            )
             reset()
             fn()
             first = _time(fn, 1, reset)[0]
@@ -170,9 +172,8 @@ def _agreement_report(o: Options) -> str:
     res, where = _run_workers(o, _agreement_worker)
     rows = []
     for size in _sizes(o):
-        for c in o.resolved_codecs():
-            for t in o.topologies:
-                m = f"{c}/{t}"
+        for m in o.methods():
+            if m != NATIVE:
                 on, off = res[(m, size, True)], res[(m, size, False)]
                 rows.append(
                     [human_bytes(size), m, f"{off * 1e3:.2f}", f"{on * 1e3:.2f}",
