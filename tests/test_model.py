@@ -35,3 +35,13 @@ def test_compression_pays_only_when_the_network_is_slow():
     slow = (D, 1e7, 0.0, 8)
     assert predict(SLOW, "ring", 8, *fast) > predict(BF16, "ring", 8, *fast)
     assert predict(SLOW, "ring", 8, *slow) < predict(BF16, "ring", 8, *slow)
+
+
+def test_model_resolves_all_and_auto():
+    """`--codecs auto` (and `all`) model the codecs they name; they used to be
+    filtered out as unknown names, leaving empty tables."""
+    from hopq.bench.cost_model import ModelOptions, run
+
+    report = run(ModelOptions(codecs=("all",), validate=False, calib_coords=4096))
+    for codec in ("bf16", "dynamiq", "equarx"):
+        assert f"| {codec} " in report or f" {codec} |" in report, codec
