@@ -492,7 +492,7 @@ def test_bench_equarx_reports_every_part():
     """`hopq bench equarx` end to end at toy sizes: Fig. 7's error table, Fig. 6's
     timing against bf16 (2 Gloo ranks) and the kernels against the reference."""
     _kernel_or_skip()
-    from hopq.bench.equarx import EquarxOptions, run
+    from hopq.bench.equarx import EquarxOptions, run, timed_methods
 
     o = EquarxOptions(
         parts=("error", "timing", "kernels"), world_size=2, size=64, block=8,
@@ -501,6 +501,9 @@ def test_bench_equarx_reports_every_part():
     report = run(o)
     for section in ("## Error", "## Time relative to bf16", "## Kernels"):
         assert section in report
+    # the timing part runs EQuARX at the block asked for (it used the default)
+    assert "EQuARX's block 8" in report.split("## Time relative to bf16")[1]
+    assert [dict(m.config).get("block") for m in timed_methods(8)] == [None, 8, 8, 8, 8, 8, None]
     rows = [r for r in report.split("## Kernels")[1].splitlines() if "|    fused hop" in r]
     assert len(rows) == 6  # int8, E4M3, E5M2, each strided and contiguous
     for r in rows:
