@@ -184,3 +184,16 @@ def test_in_order_starts_each_bucket_after_the_previous_one_completed():
     assert started[-1] == "bad"
     with pytest.raises(RuntimeError, match="hook failed"):
         d.wait()
+
+
+def test_torchrun_says_which_options_it_ignores():
+    """Under torchrun the launcher sets the workers and the network is real: the
+    emulated link's options and --world-size are named as ignored, not dropped
+    silently."""
+    from hopq.train.job import TrainOptions, ignored_under_torchrun
+
+    assert ignored_under_torchrun(TrainOptions()) == ""
+    note = ignored_under_torchrun(TrainOptions(rate_mbit=100, mtu=9000, world_size=2))
+    for flag in ("--rate-mbit 100", "--mtu 9000", "--world-size 2"):
+        assert flag in note
+    assert "--comm-share" not in note and "ignored under torchrun" in note

@@ -39,7 +39,7 @@ holds report.md, runs.json and PNG plots.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +352,23 @@ def _calibrate(o: TrainOptions, n: int) -> tuple[float, str]:
     return rate, msg
 
 
+def ignored_under_torchrun(o: TrainOptions) -> str:
+    """What the options ask that a torchrun launch cannot do (the launcher sets
+    the workers and the network is the real one), as a sentence; "" if nothing."""
+    default = TrainOptions()
+    flags = [
+        f"--{name.replace('_', '-')} {getattr(o, name)}"
+        for name in ("world_size", "rate_mbit", "mtu", "comm_share")
+        if getattr(o, name) != getattr(default, name)
+    ]
+    if not flags:
+        return ""
+    return (
+        f"{', '.join(flags)} ignored under torchrun: the launcher sets the workers, "
+        "and the network is the real one, not an emulated link"
+    )
+
+
 def run(o: TrainOptions) -> str | None:
     """Run the job; return the report text (on rank 0; None on other torchrun ranks)."""
     from hopq.cluster.launch import init_from_env, launched_by_torchrun, run_workers
@@ -361,9 +378,15 @@ def run(o: TrainOptions) -> str | None:
     folder = Path(o.out)
     if launched_by_torchrun():
         rank, n = init_from_env()
+        note = ignored_under_torchrun(o)
+        if note and rank == 0:
+            print(f"warning: {note}", flush=True)
         runs = worker(rank, n, o, contenders)
         dist.destroy_process_group()
-        return report(runs, o, "the launcher's (torchrun)", folder) if rank == 0 else None
+        if rank != 0:
+            return None
+        network = "the launcher's (torchrun)" + (f"; {note}" if note else "")
+        return report(runs, replace(o, world_size=n), network, folder)
 
     n = o.world_size
     why = unavailable_reason() if o.network else "disabled (--no-network)"
