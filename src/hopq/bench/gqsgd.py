@@ -63,8 +63,8 @@ class GQSGDOptions:
     )
     size: int = option(4096, "coordinates per rank")
     seeds: int = option(4, "runs per world size")
-    coords: int = option(1 << 24, "coordinates of the kernel timing")
-    repeats: int = option(5, "timed repeats (the best is kept)")
+    coords: int = option(1 << 24, "coordinates of the kernels part's timing")
+    repeats: int = option(5, "the kernels part's timed repeats (the best is kept)")
     quality_workloads: tuple[str, ...] = option(
         ("gpt",), "workloads of the quality table", choices=("gpt", "minilm")
     )

@@ -34,11 +34,17 @@ TABLES = ("norms", "eps", "ladder", "budget", "scale", "beyond", "codecs")
 @dataclass(frozen=True)
 class VnmseOptions:
     workloads: tuple[str, ...] = option(
-        ("minilm", "gpt"), "workloads whose gradients are measured", choices=tuple(WORKLOADS)
+        ("minilm", "gpt"),
+        "workloads whose gradients are measured (the eps table: the first only)",
+        choices=tuple(WORKLOADS),
     )
-    worlds: tuple[int, ...] = option((4, 8), "world sizes of the main tables")
+    worlds: tuple[int, ...] = option(
+        (4, 8), "world sizes of the ladder, beyond and codecs tables (eps and budget: n = 4)"
+    )
     topologies: tuple[str, ...] = option(
-        ("ring", "butterfly"), "schedules", choices=lambda: sorted(TOPOLOGIES)
+        ("ring", "butterfly"),
+        "schedules of the ladder, budget, scale and codecs tables (eps and beyond: ring)",
+        choices=lambda: sorted(TOPOLOGIES),
     )
     sweep_worlds: tuple[int, ...] = option(
         (2, 3, 4, 6, 8, 16, 32, 64), "world sizes of the scaling table"
