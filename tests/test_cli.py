@@ -3,6 +3,7 @@ before anything is launched, codec options settable, progress that names what
 runs whether or not output is a terminal."""
 
 import io
+import sys
 
 import pytest
 import torch
@@ -128,3 +129,14 @@ def test_bench_allreduce_reports_bytes_and_codec_work():
         allreduce.Options(microshards=(0, -2))
     with pytest.raises(ValueError, match="microshards"):
         hopq.simulate([torch.ones(8)] * 2, "bf16", "ring", microshards=0)
+
+
+def test_missing_matplotlib_is_said_once(monkeypatch, capsys):
+    """Without matplotlib the reports skip their plots, and say so (once)."""
+    from hopq import reporting
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(reporting, "_NO_PLOTS_SAID", False)
+    assert reporting.pyplot() is None and reporting.pyplot() is None
+    err = capsys.readouterr().err
+    assert err.count("matplotlib is not installed") == 1 and "hopq[bench]" in err

@@ -47,15 +47,28 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+_NO_PLOTS_SAID = False
+
+
 def pyplot() -> Any | None:
     """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib
-    (the ``bench`` extra); callers then skip their plots."""
+    (the ``bench`` extra); callers then skip their plots, and the first such call
+    says so on stderr (a report without its plots must not look complete)."""
+    global _NO_PLOTS_SAID
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        if not _NO_PLOTS_SAID:
+            _NO_PLOTS_SAID = True
+            print(
+                "hopq: matplotlib is not installed, so this report has no plots "
+                "(pip install 'hopq[bench]')",
+                file=sys.stderr,
+                flush=True,
+            )
         return None
     return plt
 
