@@ -293,6 +293,9 @@ def test_exact_allocation_equals_the_stable_sort_of_all_steps(kind, numpy, monke
         ({"widths": ()}, "widths"),
         ({"levels": "log"}, "levels"),
         ({"allocation": "magic"}, "allocation"),
+        # an eps no level table has is refused, not ignored
+        ({"eps": ((2, 5.0),)}, "4- and 8-bit level tables only"),
+        ({"eps": ((16, 0.1),)}, "4- and 8-bit level tables only"),
     ],
 )
 def test_invalid_configs(kw, words):

@@ -122,3 +122,6 @@ def test_invalid_config():
         hopq.get_codec("mxfp8", scale="fp32")
     with pytest.raises(ValueError, match="mu_init"):
         hopq.get_codec("mxfp4", mu_init=0)
+    for bad in (-0.1, 1.0):  # mu would double every round, or never
+        with pytest.raises(ValueError, match="overflow_threshold"):
+            hopq.get_codec("mxfp8", overflow_threshold=bad)

@@ -79,7 +79,12 @@ class MXConfig(CodecConfig):
         check_int("mx: block", self.block, lo=1, hi=1 << 20)
         if self.mu_init is not None:
             check_finite("mx: mu_init", self.mu_init, positive=True)
-        check_finite("mx: overflow_threshold", self.overflow_threshold)
+        if not 0 <= check_finite("mx: overflow_threshold", self.overflow_threshold) < 1:
+            # negative: mu doubles every round; 1 or more: it never does
+            raise ValueError(
+                f"mx: overflow_threshold is a share of saturated entries in [0, 1), "
+                f"got {self.overflow_threshold}"
+            )
         if not 0 < check_finite("mx: shrink", self.shrink) <= 1:
             raise ValueError(f"mx: shrink must be in (0, 1], got {self.shrink}")
 

@@ -142,6 +142,11 @@ class DynamiQConfig(CodecConfig):
                     raise ValueError(
                         f"dynamiq: eps must be >= 0 per supported width, got {self.eps}"
                     )
+                if e and w not in (4, 8):  # 2 bits: levels {0, 1}; 16 bits: bfloat16
+                    raise ValueError(
+                        f"dynamiq: eps shapes the 4- and 8-bit level tables only, got {e} "
+                        f"for width {w}"
+                    )
             object.__setattr__(self, "eps", pairs)
         for w in widths:  # the level table must exist (a large eps overflows it)
             if w in (2, 4, 8):
