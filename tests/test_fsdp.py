@@ -201,6 +201,16 @@ def test_refusals_and_views(monkeypatch):
         hopq.FSDPReduceScatter("bf16", optimizer=opt)
     with pytest.raises(ValueError, match="thresholds_every"):
         hopq.FSDPReduceScatter("gcomp", optimizer=opt, thresholds_every=0)
+    # a fixed truncation level leaves nothing for the optimizer to decide
+    with pytest.raises(ValueError, match="fixed_level=2 truncates every value"):
+        hopq.FSDPReduceScatter("gcomp", optimizer=opt, fixed_level=2)
+    with pytest.raises(ValueError, match="fixed_level=0 truncates every value"):
+        hopq.HookState("gcomp", optimizer=opt, fixed_level=0)
+    hopq.HookState("gcomp", fixed_level=0)  # without an optimizer: fine
+    with pytest.raises(ValueError, match="seed"):
+        hopq.HookState("bf16", seed=1 << 70)
+    with pytest.raises(ValueError, match="seed"):
+        hopq.FSDPReduceScatter("bf16", seed=1 << 70)
     # a view not set by install() cannot know its parameters: it says so, once
     loose = hopq.FSDPReduceScatter("gcomp", optimizer=opt, key=3)
     params, why = loose._params(4)

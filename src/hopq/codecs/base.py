@@ -460,3 +460,14 @@ class Codec(ABC, Generic[P]):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
+
+
+def check_takes_optimizer(codec: Codec[Any]) -> None:
+    """Raise ValueError unless an optimizer handed to ``codec`` is used: codecs with
+    ``set_thresholds`` (GComp's optimizer-aware truncation) take one, unless their
+    ``optimizer_unused`` says why this configuration would ignore it."""
+    if not hasattr(codec, "set_thresholds"):
+        raise ValueError(f"codec {codec.name!r} takes no optimizer (GComp's truncation does)")
+    why = getattr(codec, "optimizer_unused", None)
+    if why:
+        raise ValueError(why)

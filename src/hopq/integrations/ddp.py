@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hopq.codecs.base import Codec
+from hopq.codecs.base import Codec, check_takes_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
@@ -67,13 +67,13 @@ class HookState(CallRecords):
         #: The optimizer whose state sets the codec's per-coordinate thresholds
         #: before each bucket (codecs with ``set_thresholds``: GComp's
         #: optimizer-aware truncation); None: no thresholds.
-        if optimizer is not None and not hasattr(self.codec, "set_thresholds"):
-            raise ValueError(f"codec {self.codec.name!r} takes no optimizer")
+        if optimizer is not None:
+            check_takes_optimizer(self.codec)
         self.optimizer = optimizer
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology
         self.process_group = process_group
-        self.seed = check_int("seed", seed, lo=0)
+        self.seed = check_int("seed", seed, lo=0, hi=(1 << 63) - 1)
         self.timeout = check_finite("timeout", timeout, positive=True)
         self.gather_codec = None if gather_codec is None else get_codec(gather_codec)
         if self.gather_codec is not None and not self.gather_codec.gather_stage:

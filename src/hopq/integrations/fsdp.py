@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hopq.codecs.base import Codec
+from hopq.codecs.base import Codec, check_takes_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import Op, reduce_scatter_with_stats
 from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
@@ -138,12 +138,12 @@ class FSDPReduceScatter(_ReduceScatterBase):
         _require_api()
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         c = get_codec(codec, **codec_config)
-        if optimizer is not None and not hasattr(c, "set_thresholds"):
-            raise ValueError(f"codec {c.name!r} takes no optimizer (GComp's truncation does)")
+        if optimizer is not None:
+            check_takes_optimizer(c)
         self._shared = _Shared(
             c,
             topology,
-            check_int("seed", seed, lo=0),
+            check_int("seed", seed, lo=0, hi=(1 << 63) - 1),
             check_finite("timeout", timeout, positive=True),
             optimizer,
             check_int("thresholds_every", thresholds_every, lo=1),

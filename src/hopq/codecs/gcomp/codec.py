@@ -122,6 +122,18 @@ class GComp(Codec[GCompPlan]):
         return self._kernel_cache[device.type]
 
     # -- thresholds -----------------------------------------------------------
+    @property
+    def optimizer_unused(self) -> str | None:
+        """Why an optimizer handed to this codec would do nothing, or None."""
+        lv = self.config.fixed_level
+        if lv < 0:
+            return None
+        return (
+            f"gcomp: fixed_level={lv} truncates every value at level {lv}, so an optimizer's "
+            "thresholds would not be used: pass no optimizer, or fixed_level=-1 for the "
+            "optimizer-aware truncation"
+        )
+
     def set_thresholds(self, thr: torch.Tensor | None, key: int | None = None) -> None:
         """|A| per coordinate (delta = A / g, paper Table 2) of the gradient the
         calls with ``key`` carry, for the averaged gradient; None: no truncation."""
