@@ -193,6 +193,8 @@ def test_refusals_and_views(monkeypatch):
         comm(torch.empty(3), torch.empty(5), Group(), "avg")
     with pytest.raises(ValueError, match="no FSDP module"):
         comm.install(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="key=5 would be ignored"):
+        hopq.FSDPReduceScatter(key=5).install(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown topology"):
         hopq.FSDPReduceScatter(topology="star")
     assert comm.allocate((2, 3), dtype=torch.bfloat16, device=torch.device("cpu")).shape == (2, 3)

@@ -151,7 +151,9 @@ def all_reduce(
     then splits the step's bit budget across the keys (``share_budget``).
     ``gather_codec`` codes the all-gather stage with another codec (e.g. "bf16":
     only the reduce-scatter is compressed). ``pipeline`` overlaps codec work with
-    transfers (the same bits either way).
+    transfers (the same bits either way) on Gloo; on NCCL every step's messages
+    go as one batched group after their codec work, so ``pipeline`` changes
+    nothing there.
     """
     call = check_call(tensor, codec, topology, op, seed, key, timeout, gather_codec)
     transport = _transport(group)

@@ -178,6 +178,12 @@ class FSDPReduceScatter(_ReduceScatterBase):
         order, which is the same on every rank. Returns how many were set."""
         from torch.distributed.fsdp import FSDPModule
 
+        if self.key is not None:
+            raise ValueError(
+                f"install() keys the FSDP modules 0, 1, ... itself, so key={self.key} would "
+                "be ignored: pass no key, or set this view on one module with "
+                "module.set_custom_reduce_scatter(comm)"
+            )
         count = 0
         for m in module.modules():
             if isinstance(m, FSDPModule):
