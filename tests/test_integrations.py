@@ -259,3 +259,29 @@ def test_hf_trainer_callback(hf_job):
                 assert_codec_bits(entry, codec)
     if "hf_tb" in hf_job[0]:
         assert hf_job[0]["hf_tb"], "the Trainer's TensorBoard reporter did not get hopq's metrics"
+
+
+def test_a_ddp_model_on_another_group_than_the_hook_is_refused(monkeypatch):
+    """DDP(model, process_group=pg) with a HookState on the default group: the
+    hook would average over its own group and DDP's would do nothing, so the
+    integrations refuse it before registering (check_same_group)."""
+    import types
+
+    from hopq.integrations import ddp as hd
+
+    a, b = object(), object()
+    ranks = {id(a): [0, 1], id(b): [0, 1, 2, 3]}
+    monkeypatch.setattr(hd.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(hd.dist, "get_process_group_ranks", lambda g: ranks[id(g)])
+    with pytest.raises(ValueError, match=r"averages over ranks \[0, 1, 2, 3\]"):
+        hd.check_same_group(
+            types.SimpleNamespace(process_group=b), hopq.HookState("bf16", process_group=a)
+        )
+    hd.check_same_group(
+        types.SimpleNamespace(process_group=a), hopq.HookState("bf16", process_group=a)
+    )
+    same = object()
+    ranks[id(same)] = [1, 0]  # another handle on the same ranks
+    hd.check_same_group(
+        types.SimpleNamespace(process_group=same), hopq.HookState("bf16", process_group=a)
+    )

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, ddp_hook
+from hopq.integrations.ddp import HookState, check_same_group, ddp_hook
 
 try:
     from accelerate.utils import DDPCommunicationHookType
@@ -68,6 +68,7 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
         raise TypeError(f"expected a hopq.HookState or a codec name, got {state!r}")
     check_kwargs(accelerator)
     if isinstance(model, DistributedDataParallel):
+        check_same_group(model, state)
         model.register_comm_hook(state, ddp_hook)
         return state
     if accelerator.num_processes > 1:

@@ -43,7 +43,9 @@ class HookState(CallRecords):
     """State of the hopq DDP hook.
 
     ``process_group`` may be None (the default group) and is resolved at the
-    first call, so the state can be built before ``init_process_group``. One
+    first call, so the state can be built before ``init_process_group``. It
+    must be the DDP model's group: the hook averages over it, whatever group
+    DDP was given (the integrations check this: :func:`check_same_group`). One
     codec instance lives here for the whole training, so adaptive codecs keep
     their state and the round counter (part of the RNG key) advances.
     ``overlap`` (default True): run the buckets on a communication thread while
@@ -411,3 +413,22 @@ def not_engaged_message(state: HookState, world: int, when: str) -> str:
         + (f"; {hint}" if hint else "")
         + ". See docs/integrations/frameworks.md."
     )
+
+
+def check_same_group(model: Any, state: HookState) -> None:
+    """Raise ValueError when a DDP model averages over another group than the
+    hook's ``state.process_group`` (None: the default group): the hook would
+    reduce over its own group, and DDP's ``process_group`` would do nothing.
+    The integrations call it before they register the hook."""
+    theirs = getattr(model, "process_group", None)
+    if theirs is None or not dist.is_initialized():
+        return
+    mine = state.process_group if state.process_group is not None else dist.group.WORLD
+    if mine is theirs:
+        return
+    a, b = dist.get_process_group_ranks(mine), dist.get_process_group_ranks(theirs)
+    if sorted(a) != sorted(b):
+        raise ValueError(
+            f"the DDP model averages over ranks {sorted(b)}, hopq's hook over ranks "
+            f"{sorted(a)}: pass the model's group to HookState(process_group=...)"
+        )

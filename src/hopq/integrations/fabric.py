@@ -21,7 +21,7 @@ from typing import Any
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, ddp_hook
+from hopq.integrations.ddp import HookState, check_same_group, ddp_hook
 
 try:
     from lightning.fabric.strategies import DDPStrategy
@@ -63,6 +63,7 @@ class HopqDDPStrategy(DDPStrategy):
                 "HopqDDPStrategy: its HookState already serves another model; one state per model"
             )
         ddp = super().setup_module(module)
+        check_same_group(ddp, self.hook_state)
         ddp.register_comm_hook(self.hook_state, ddp_hook)
         self._wrapped = weakref.ref(ddp)
         return ddp

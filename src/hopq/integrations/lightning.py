@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, ddp_hook
+from hopq.integrations.ddp import HookState, check_same_group, ddp_hook
 
 try:
     from lightning.pytorch import Callback
@@ -65,6 +65,7 @@ class HopqDDPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         super().configure_ddp()  # wraps the model in DDP; registers nothing here
         assert isinstance(self.model, DistributedDataParallel)
+        check_same_group(self.model, self.hook_state)
         self.model.register_comm_hook(self.hook_state, ddp_hook)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, StepMetrics, ddp_hook
+from hopq.integrations.ddp import HookState, StepMetrics, check_same_group, ddp_hook
 
 try:
     from transformers import TrainerCallback
@@ -57,6 +57,7 @@ class HopqCallback(TrainerCallback):
         model = trainer.model_wrapped
         if isinstance(model, DistributedDataParallel):
             if model not in self._hooked:  # a second train() reuses the wrapped model
+                check_same_group(model, self.state)
                 model.register_comm_hook(self.state, ddp_hook)
                 self._hooked.add(model)
         elif args.world_size > 1:
