@@ -115,8 +115,8 @@ def exact(
     grouped by distinct statistic (statistics that went through bfloat16 take a
     few thousand values for tens of thousands of super-groups), the groups of
     equal gain are taken whole while they fit, and only the group where the
-    budget runs out is expanded step by step (0.3 against 1.9 ms for a 16 MiB
-    call; the same widths, tested against the stable sort)."""
+    budget runs out is expanded step by step (the allocation of a 16 MiB call:
+    0.9 against 2.0 ms; the same widths, tested against the stable sort)."""
 
     def err(w: int) -> float:
         return 2.0**-18 if w == 16 else 1.0 / ((1 << (w - 1)) - 1) ** 2
