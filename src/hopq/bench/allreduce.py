@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hopq.cluster.launch import run_workers
+from hopq.cluster.network import check_mtu
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
@@ -66,8 +67,7 @@ class Options:
         for t in self.topologies:
             get_schedule(t, 1)
         self.resolved_codecs()
-        if not 576 <= self.mtu <= 65535:
-            raise ValueError(f"--mtu must be between 576 and 65535, got {self.mtu}")
+        check_mtu(self.mtu)
         if self.mtu != 1500 and self.rate_mbit <= 0:
             raise ValueError("--mtu sets the emulated network's links: give --rate-mbit too")
         if not self.microshards or any(u < 0 or u > 64 for u in self.microshards):

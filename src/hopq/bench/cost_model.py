@@ -76,14 +76,16 @@ class CodecCost:
     bits: float
 
 
-def _best(fn: Any, reps: int = 3) -> float:
-    fn()
+def _best(fn: Any, reps: int = 3, setup: Any = None) -> float:
+    """Best time of ``reps`` calls after an untimed one; with ``setup``, each call
+    is ``fn(setup())``, the setup untimed."""
     times = []
-    for _ in range(reps):
+    for _ in range(reps + 1):
+        arg = setup() if setup is not None else None
         t0 = time.perf_counter()
-        fn()
+        fn(arg) if setup is not None else fn()
         times.append(time.perf_counter() - t0)
-    return min(times)
+    return min(times[1:])
 
 
 def calibrate(codec_name: str, coords: int) -> CodecCost:
@@ -114,20 +116,14 @@ def calibrate(codec_name: str, coords: int) -> CodecCost:
         payload = codec.encode(plan, chunk, ctx)
         out = torch.empty_like(chunk)
 
-        def fresh(op: Any) -> float:
-            """Best time of op(plan) on a fresh plan each time, made untimed: a
-            plan may keep state across hops (gqsgd-exp counts combinations)."""
-            times = []
-            for _ in range(4):
-                p = codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
-                t0 = time.perf_counter()
-                op(p)
-                times.append(time.perf_counter() - t0)
-            return min(times[1:])
+        def fresh() -> Any:  # a plan may keep state across hops (gqsgd-exp counts them)
+            return codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
 
-        t_enc = fresh(lambda p: codec.encode(p, chunk, ctx))
-        t_hop = fresh(lambda p: codec.decode_accumulate_encode(p, payload, chunk.clone(), ctx))
-        t_dec = fresh(lambda p: codec.decode(p, payload, ctx, out))
+        t_enc = _best(lambda p: codec.encode(p, chunk, ctx), setup=fresh)
+        t_hop = _best(
+            lambda p: codec.decode_accumulate_encode(p, payload, chunk.clone(), ctx), setup=fresh
+        )
+        t_dec = _best(lambda p: codec.decode(p, payload, ctx, out), setup=fresh)
         m = chunk.numel()
         bits = simulate([x[: 1 << 18]] * 4, codec_name, "ring").bits_per_coord
     return CodecCost(codec_name, t_plan / coords, t_enc / m, t_hop / m, t_dec / m, bits)

@@ -45,6 +45,13 @@ TCP_IP_HEADER_BYTES = 52
 ETHERNET_HEADER_BYTES = 14
 
 
+def check_mtu(mtu: int) -> int:
+    """``mtu`` if a link can take it (576, IPv4's minimum, to 65535), else ValueError."""
+    if not 576 <= mtu <= 65535:
+        raise ValueError(f"--mtu must be between 576 and 65535, got {mtu}")
+    return mtu
+
+
 def payload_fraction(mtu: int = 1500) -> float:
     """The share of a link's bytes that a long TCP transfer's payload gets at
     this MTU (the rest are TCP/IP and Ethernet headers)."""
@@ -135,8 +142,7 @@ class EmulatedNetwork:
             raise ValueError("an emulated network needs at least one worker")
         if not self.rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0, got {self.rate_mbit}")
-        if not 576 <= self.mtu <= 65535:
-            raise ValueError(f"mtu must be between 576 and 65535, got {self.mtu}")
+        check_mtu(self.mtu)
 
     @property
     def switch(self) -> str:

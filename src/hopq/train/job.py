@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hopq.cluster.network import check_mtu
 from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
 from hopq.options import option
@@ -138,8 +139,7 @@ class TrainOptions:
             raise ValueError(f"powersgd_start must be >= 2, got {self.powersgd_start}")
         if not self.bucket_mb >= 0:
             raise ValueError(f"bucket_mb must be >= 0 (0: DDP's default), got {self.bucket_mb}")
-        if not 576 <= self.mtu <= 65535:
-            raise ValueError(f"--mtu must be between 576 and 65535, got {self.mtu}")
+        check_mtu(self.mtu)
         if self.mtu != 1500 and not self.network:
             raise ValueError(
                 "--mtu sets the emulated network's links, which --no-network turns off"
