@@ -231,6 +231,10 @@ def test_strategies_refuse_a_second_hook():
             mod.HopqDDPStrategy(hopq.HookState(), ddp_comm_hook=hopq.ddp_hook)
         s = mod.HopqDDPStrategy("bf16")
         assert s.hook_state.codec.name == "bf16"
+    # Lightning keeps model_averaging_period for post-local SGD's own state only:
+    # with hopq's hook it would be stored and never used
+    with pytest.raises(TypeError, match="model_averaging_period"):
+        lightning.HopqDDPStrategy("bf16", model_averaging_period=4)
 
 
 # -- Accelerate and the HF Trainer -------------------------------------------------

@@ -59,6 +59,15 @@ class HopqDDPStrategy(DDPStrategy):
             raise TypeError(
                 f"HopqDDPStrategy registers hopq's hook itself; do not pass {', '.join(taken)}"
             )
+        if kwargs.get("model_averaging_period") is not None:
+            # DDPStrategy averages models only under torch's post-local SGD
+            # state (ddp_comm_state=PostLocalSGDState), which hopq's hook replaces:
+            # the period would be stored and never used
+            raise TypeError(
+                "HopqDDPStrategy: model_averaging_period belongs to torch's post-local SGD "
+                "(ddp_comm_state=PostLocalSGDState), which hopq's hook replaces; it would "
+                "be ignored. Every step all-reduces gradients with hopq's codec"
+            )
         super().__init__(**kwargs)
         self.hook_state = _state(state)
 
