@@ -120,6 +120,8 @@ def test_every_kernel_matches_reference_per_width(backend, width, kind):
         {"levels": "uniform", "zero_class": True},
         {"rounding": "path"},
         {"rounding": "independent"},
+        # an 8-bit table whose bucket search takes three steps (the default: one)
+        {"widths": (8,), "budget": 9.0, "allocation": "fixed", "eps": ((8, 0.2),)},
     ],
 )
 def test_mixed_segments_match_reference(backend, cfg):
@@ -149,9 +151,10 @@ def test_correlated_rounding_any_peer_count(backend, width):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_nonfinite_input_matches_reference(backend):
+@pytest.mark.parametrize("width", [4, 8])  # the counted and the bucket level search
+def test_nonfinite_input_matches_reference(backend, width):
     """NaN and Inf poison their super-group identically in both implementations."""
-    cfg = {"widths": (4,), "budget": 5.0, "allocation": "fixed"}
+    cfg = {"widths": (width,), "budget": width + 1.0, "allocation": "fixed"}
     _check_all_kernels(backend, cfg, _data(2 * 256, "nonfinite", seed=1), n=2, seeds=(0,))
 
 
