@@ -4,6 +4,8 @@ against the paper's 9/8, no overflow at large n, and the depth-based scaling
 that lets gqsgd-exp run on a ring."""
 
 import math
+import random
+from fractions import Fraction
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from hopq.codecs.gqsgd import (
     exp_quantize,
     exp_reduce,
     linear_layout,
+    linear_scale,
 )
 from hopq.errors import PayloadError
 from hopq.numerics.rng import hash32
@@ -143,6 +146,60 @@ def test_linear_lanes_never_overflow():
     assert linear_layout(4, 1, 7) == (4, 1)
     assert linear_layout(4, 1, 8) == (8, 7)
     assert linear_layout(8, 8, 16) == (16, 127)  # min_levels 8: widen instead
+
+
+def test_linear_scale_fills_the_lane_and_never_overflows():
+    """The common multiplier from every rank's max |x|: rank i's integers stay
+    within its cap K_i >= M_i m, the caps sum to at most the lane, no cap exceeds
+    the nominal levels, it is never coarser than the plain rule L / N, and with
+    equal maxima it is the plain rule to the bit."""
+    rnd = random.Random(5)
+    for _ in range(400):
+        n = rnd.choice([1, 2, 3, 4, 5, 8, 16, 100, 127, 128, 300])
+        bits = rnd.choice([4, 8])
+        lane, L = linear_layout(bits, rnd.choice([1, 1, 2, 8]) if bits == 8 else 1, n)
+        kind = rnd.random()
+        if kind < 0.2:
+            M = [1.5] * n
+        elif kind < 0.3:  # some ranks all zero, one huge spread
+            M = [rnd.choice([0.0, 1e-30, 1.0, 1e30]) for _ in range(n)]
+            M[rnd.randrange(n)] = 2.0
+        else:
+            M = [rnd.lognormvariate(0, 1) for _ in range(n)]
+        sc = linear_scale(M, bits, lane, L)
+        C, P, N = (1 << (lane - 1)) - 1, (1 << (bits - 1)) - 1, max(M)
+        assert len(sc.caps) == n and sc.limit == sum(sc.caps) <= C
+        assert all(0 <= k <= P for k in sc.caps)
+        m = Fraction(sc.factor)
+        for Mi, k in zip(M, sc.caps, strict=True):
+            assert Fraction(Mi) * m <= k * (1 + Fraction(1, 1 << 50))  # float(m): one ulp
+        assert sc.factor >= L / N
+        if len(set(M)) == 1:
+            assert sc.factor == L / N and sc.step == N / L and sc.caps == (L,) * n
+
+
+def test_linear_uses_the_ranks_spread_of_maxima():
+    """Ranks with different maxima (1x to 4x): no partial sum leaves the lane even
+    with every rank at its own +max, ranks stay bit-identical, the result stays
+    unbiased, and it is more accurate than the plain rule's L = 31 levels."""
+    n, size = 4, 4096
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(size, generator=g) * (r + 1) for r in range(n)]
+    for r in range(n):  # every rank at its own max, same sign, same coordinates
+        xs[r][:8] = xs[r].abs().max()
+    plain = linear_scale([1.0] * n, 8, 8, 31)
+    spread = linear_scale([float(x.abs().max()) for x in xs], 8, 8, 31)
+    assert spread.limit <= 127 and spread.factor * float(xs[-1].abs().max()) > 1.5 * 31
+    exact = torch.stack(xs).double().sum(0)
+    err = 0.0
+    for seed in range(8):
+        res = hopq.simulate(xs, "gqsgd-linear", "ring", seed=seed)
+        assert res.identical
+        err += (res.outputs[0].double() - exact).square().sum().item()
+    # the plain rule's error per coordinate: n ranks of (N / 31)^2 / 4 at most
+    N = max(float(x.abs().max()) for x in xs)
+    assert err / 8 / size < 0.5 * n * (N / 31) ** 2 / 4
+    assert plain.caps == (31,) * n
 
 
 @pytest.mark.parametrize(("n", "topology"), [(16, "ring"), (64, "tree")])

@@ -95,6 +95,11 @@ class StatsExchange(Protocol):
         The result is bit-identical on every rank."""
         ...
 
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's small tensor ``t`` (the same shape on every rank), stacked
+        in rank order: shape ``(world_size, *t.shape)``, the same on every rank."""
+        ...
+
 
 class LocalStats:
     """A statistics exchange without a group, whose all-reduce returns this
@@ -121,6 +126,10 @@ class LocalStats:
 
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
         return t.clone()
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """As if every rank had this rank's statistics."""
+        return t.unsqueeze(0).repeat(self.world_size, *([1] * t.dim()))
 
 
 @dataclass(frozen=True)

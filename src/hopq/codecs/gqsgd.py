@@ -47,8 +47,10 @@ Non-finite input poisons the global scale, hence the whole vector (like THC).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, ClassVar
 
 import torch
@@ -105,16 +107,75 @@ def linear_layout(bits: int, min_levels: int, n: int) -> tuple[int, int]:
     )
 
 
-def global_max(x: torch.Tensor, stats: StatsExchange) -> float:
-    """N = max |x| over every rank and coordinate (NaN/Inf propagate)."""
+def _local_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of this rank as a float64 tensor of one element (NaN propagates)."""
     if x.numel():
         # max(|min|, |max|): one pass and no temporary (abs().amax() and an isnan
         # check took 6.7x as long on 4M coordinates); NaN propagates through both
         lo, hi = torch.aminmax(x.reshape(-1))
-        local = torch.maximum(lo.abs(), hi.abs()).double().reshape(1)
-    else:
-        local = torch.zeros(1, dtype=torch.float64, device=x.device)
-    return float(stats.all_reduce(local, StatsOp.MAX).item())
+        return torch.maximum(lo.abs(), hi.abs()).double().reshape(1)
+    return torch.zeros(1, dtype=torch.float64, device=x.device)
+
+
+def global_max(x: torch.Tensor, stats: StatsExchange) -> float:
+    """N = max |x| over every rank and coordinate (NaN/Inf propagate)."""
+    return float(stats.all_reduce(_local_max(x), StatsOp.MAX).item())
+
+
+@dataclass(frozen=True)
+class LinearScale:
+    """gqsgd-linear's agreed quantization: integers round(x * factor), rank i's
+    clamped to +-caps[i], decoded as sum * step; ``limit`` = sum(caps) fits the lane."""
+
+    factor: float
+    step: float
+    caps: tuple[int, ...]
+
+    @property
+    def limit(self) -> int:
+        return sum(self.caps)
+
+
+def linear_scale(maxima: list[float], bits: int, lane: int, levels: int) -> LinearScale:
+    """The finest common step whose integer sums cannot leave the lane, from every
+    rank's max |x| (``maxima``: finite, not all zero), computed in exact rationals
+    so that every rank gets the same bits.
+
+    Rank i's integers stay within K_i = ceil(M_i m) for a multiplier m; the sum of
+    all ranks' within sum_i K_i, which must not exceed the lane's C = 2^(b-1) - 1,
+    and no K_i may exceed the nominal 2^(bits-1) - 1. The plain rule, m = L / N
+    with L = ``levels`` = min(nominal, floor(C / n)) for every rank (N the
+    largest M_i), meets that whatever the maxima. When they differ, ranks with
+    smaller maxima need fewer levels and m can grow: from max(L / N, (C - n) /
+    sum M) (both feasible, since ceil(v) < v + 1), the ranks that set m (the
+    smallest K_i / M_i) get one more level each while the lane has room for all
+    of them. Never coarser than the plain rule, and equal to it, to the bit,
+    when all maxima are equal."""
+    C = (1 << (lane - 1)) - 1
+    P = (1 << (bits - 1)) - 1
+    M = [Fraction(v) for v in maxima]
+    N = max(M)
+    pos = [i for i, v in enumerate(M) if v > 0]
+    m = min(max(Fraction(levels) / N, Fraction(C - len(pos)) / sum(M)), Fraction(P) / N)
+    K = [math.ceil(v * m) for v in M]
+    total = sum(K)
+    heap = [(Fraction(K[i]) / M[i], i) for i in pos]
+    heapq.heapify(heap)
+    while True:
+        low = heap[0][0]
+        tied = []
+        while heap and heap[0][0] == low:
+            tied.append(heapq.heappop(heap)[1])
+        if total + len(tied) > C or any(K[i] + 1 > P for i in tied):
+            for i in tied:
+                heapq.heappush(heap, (low, i))
+            break
+        for i in tied:
+            K[i] += 1
+            heapq.heappush(heap, (Fraction(K[i]) / M[i], i))
+        total += len(tied)
+    m = heap[0][0]
+    return LinearScale(factor=float(m), step=float(1 / m), caps=tuple(K))
 
 
 def _nan(plan: Plan, device: torch.device) -> torch.Tensor:
@@ -193,7 +254,12 @@ class GQSGDLinearConfig(CodecConfig):
 class GQSGDLinearPlan(Plan):
     scale: float  # N (may be NaN/Inf: finish() then poisons everything)
     lane_bits: int
+    #: This rank's integers are round(x * factor), within +-levels ...
     levels: int
+    #: ... every rank's sum to at most limit, decoded as sum * step.
+    limit: int
+    factor: float
+    step: float
     world_size: int
     seed: int
     round: int
@@ -220,7 +286,15 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         cfg = self.config
         n = stats.world_size
         lane, L = linear_layout(cfg.bits, cfg.min_levels, n)
-        N = global_max(x, stats)
+        # every rank's max |x| (riding with the agreement): their max N is the
+        # paper's global scale, and their spread lets the lane hold more levels
+        maxima = stats.all_gather(_local_max(x)).reshape(-1).tolist()
+        N = float(torch.tensor(maxima, dtype=torch.float64).max())  # NaN/Inf propagate
+        if math.isfinite(N) and N > 0:
+            sc = linear_scale(maxima, cfg.bits, lane, L)
+            caps, factor, step = sc.caps, sc.factor, sc.step
+        else:  # prepare gives zeros, finish poisons (or zeros) everything
+            caps, factor, step = (L,) * n, 0.0, 0.0
         d = x.numel()
         chunks = plan_chunks(d, stats, align=2)
         return GQSGDLinearPlan(
@@ -230,7 +304,10 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
             payload_nbytes=tuple(packed_nbytes(e - s, lane) for s, e in chunks),
             scale=N,
             lane_bits=lane,
-            levels=L,
+            levels=caps[stats.rank],
+            limit=sum(caps),
+            factor=factor,
+            step=step,
             world_size=n,
             seed=stats.seed,
             round=stats.round,
@@ -258,16 +335,16 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         key = stream_key(plan.seed, plan.round, LINEAR_STREAM, plan.rank)
         k = _kernels("gqsgd-linear", self.config.backend, work.device)
         if k is not None and v.is_contiguous():
-            k.linear_quantize(v, plan.levels / N, plan.levels, key, start=s, out=v)
+            k.linear_quantize(v, plan.factor, plan.levels, key, start=s, out=v)
             return
-        d = v.double() * (plan.levels / N)
+        d = v.double() * plan.factor
         u = uniform(d.numel(), key, offset=s, device=work.device)
         lo = torch.floor(d)
         q = lo + (u.double() < d - lo).double()
         v.copy_(q.clamp_(-plan.levels, plan.levels))
 
     def _limit(self, plan: GQSGDLinearPlan) -> int:
-        return plan.world_size * plan.levels  # what n ranks can sum to
+        return plan.limit  # what the n ranks can sum to
 
     def encode(self, plan: GQSGDLinearPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         b = plan.lane_bits
@@ -304,7 +381,7 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         """A received lane or a sum beyond what n ranks of L levels can add up to."""
         raise PayloadError(
             f"gqsgd-linear chunk {c}: a partial sum beyond {self._limit(plan)}, more "
-            f"than {plan.world_size} ranks of {plan.levels} levels can add up to "
+            f"than the {plan.world_size} ranks' levels can add up to "
             "(a corrupt payload, or a contribution counted twice)"
         )
 
@@ -351,14 +428,13 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         self, plan: GQSGDLinearPlan, y: torch.Tensor, op: ReduceOp, world_size: int,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:  # fmt: skip
-        """The integer sums ``y`` as values (N / L each, averaged for AVG), into
+        """The integer sums ``y`` as values (``step`` each, averaged for AVG), into
         ``out`` when given (may be ``y``)."""
-        N = plan.scale
         k = _kernels("gqsgd-linear", self.config.backend, y.device)
         if k is not None and y.dtype == torch.float32 and y.is_contiguous():
             n = world_size if op is ReduceOp.AVG else 1
-            return k.linear_finish(y, N / plan.levels, n, _FLOAT_MAX, out=out)
-        v = y.double() * (N / plan.levels)
+            return k.linear_finish(y, plan.step, n, _FLOAT_MAX, out=out)
+        v = y.double() * plan.step
         if op is ReduceOp.AVG:
             v = div(v, world_size)
         r = keep_finite(v.to(torch.float32), v, _FLOAT_MAX)

@@ -240,46 +240,79 @@ class _StatsExchange:
         self.seconds = 0.0
 
     def all_reduce(self, t: torch.Tensor, op: StatsOp) -> torch.Tensor:
-        n = self.world_size
         op = StatsOp(op)
+        n = self.world_size
         nbytes = t.numel() * t.element_size()
-        pending = not self.agreement.done
-        if pending and self.agreement.fold is not None and self.calls == 0 and n > 1:
+        if not self._folds() and n > 1 and t.numel():
+            if not self.agreement.done:
+                self.agreement.run()
+            if n > 2 and nbytes >= DIRECT_STATS_BYTES and t.numel() >= n:
+                self.bytes += 2 * (n - 1) / n * nbytes
+                self.calls += 1
+                here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
+                self.frame_bytes += 2 * (n - 1) * framing.header_nbytes(1)
+                t0 = time.perf_counter()
+                try:
+                    return direct_all_reduce(
+                        self.transport, t, lambda acc, mine: _combine(acc, mine, op),
+                        self.deadline, here,
+                    )  # fmt: skip
+                finally:
+                    self.seconds += time.perf_counter() - t0
+        parts = self._parts(t, 2 * (n - 1) / n * nbytes)
+        if parts is None:  # same shape on every rank: nothing to exchange
+            return t.clone()
+        acc = parts[0].clone()
+        for p in parts[1:]:
+            _combine(acc, p, op)
+        return acc
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        n = self.world_size
+        parts = self._parts(t, (n - 1) * t.numel() * t.element_size())
+        if parts is None:
+            return t.unsqueeze(0).clone()
+        return torch.stack(parts)
+
+    def _folds(self) -> bool:
+        """Whether this exchange rides with the pending agreement: the codec's first,
+        of the size it declared."""
+        return (
+            not self.agreement.done
+            and self.agreement.fold is not None
+            and self.calls == 0
+            and self.world_size > 1
+        )
+
+    def _parts(self, t: torch.Tensor, wire_bytes: float) -> list[torch.Tensor] | None:
+        """Every rank's ``t`` in rank order (riding with the agreement when it is
+        the codec's first exchange), or None with one rank or an empty ``t``."""
+        n = self.world_size
+        nbytes = t.numel() * t.element_size()
+        if self._folds():
             if nbytes != self.agreement.fold:
                 raise CodecError(
                     f"the codec declared {self.agreement.fold} bytes of first statistics, "
                     f"its plan exchanged {nbytes}"
                 )
             self.calls += 1
-            self.bytes += 2 * (n - 1) / n * nbytes
+            self.bytes += wire_bytes
             extras = self.agreement.run(t)
             assert extras is not None
-            parts = [e.view(t.dtype).view(t.shape).to(t.device) for e in extras]
-        else:
-            if pending:
-                self.agreement.run()
-            if t.numel() == 0 or n == 1:  # same shape on every rank: nothing to exchange
-                return t.clone()
-            self.bytes += 2 * (n - 1) / n * nbytes
-            self.calls += 1
-            here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
-            direct = n > 2 and nbytes >= DIRECT_STATS_BYTES and t.numel() >= n
-            rounds = 2 * (n - 1) if direct else max(1, (n - 1).bit_length())
-            self.frame_bytes += rounds * framing.header_nbytes(1)
-            t0 = time.perf_counter()
-            try:
-                if direct:
-                    return direct_all_reduce(
-                        self.transport, t, lambda acc, mine: _combine(acc, mine, op),
-                        self.deadline, here,
-                    )  # fmt: skip
-                parts = all_gather(self.transport, t, self.deadline, here)
-            finally:
-                self.seconds += time.perf_counter() - t0
-        acc = parts[0].clone()
-        for p in parts[1:]:
-            _combine(acc, p, op)
-        return acc
+            return [e.view(t.dtype).view(t.shape).to(t.device) for e in extras]
+        if not self.agreement.done:
+            self.agreement.run()
+        if t.numel() == 0 or n == 1:
+            return None
+        self.bytes += wire_bytes
+        self.calls += 1
+        here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
+        self.frame_bytes += max(1, (n - 1).bit_length()) * framing.header_nbytes(1)
+        t0 = time.perf_counter()
+        try:
+            return all_gather(self.transport, t, self.deadline, here)
+        finally:
+            self.seconds += time.perf_counter() - t0
 
 
 def _combine(acc: torch.Tensor, p: torch.Tensor, op: StatsOp) -> None:
