@@ -97,6 +97,23 @@ def test_options_are_validated():
         train.TrainOptions(bucket_mb=-1)
     with pytest.raises(ValueError, match="powersgd_start"):
         train.TrainOptions(powersgd_start=1)
+    # options that would do nothing in the run asked for are refused
+    for kw, match in (
+        ({"rate_mbit": 100.0, "network": False}, "--no-network"),
+        ({"comm_share": 0.3, "rate_mbit": 100.0}, "--comm-share"),
+        ({"comm_share": 0.3, "network": False}, "--comm-share"),
+        ({"workload": "minilm", "gpt_dim": 64}, "--gpt-dim"),
+        ({"codecs": ("bf16",), "powersgd_start": 5}, "--powersgd-start"),
+        (
+            {
+                "codecs": ("dynamiq",),
+                "codec_options": (("dynamiq", "budget", 4), ("dynamiq", "budget", 6)),
+            },
+            "given twice",
+        ),
+    ):
+        with pytest.raises(ValueError, match=match):
+            train.TrainOptions(**kw)
     auto = train.TrainOptions().resolved_codecs()
     assert auto[:5] == ["torch:ddp", "torch:fp16", "torch:powersgd", "bf16", "dynamiq"]
     assert "fp32" not in auto

@@ -172,7 +172,14 @@ class Sync:
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
         if not is_torch(name):
             self.state = HookState(codec=name, topology=topology, seed=seed, **codec_config)
-            if hasattr(self.state.codec, "set_thresholds"):  # optimizer-aware (GComp)
+            codec = self.state.codec
+            # optimizer-aware codecs (GComp) get the job's optimizer, unless their
+            # configuration would not use it (fixed_level: the thresholds would be
+            # computed every step and thrown away)
+            if (
+                hasattr(codec, "set_thresholds")
+                and getattr(codec, "optimizer_unused", None) is None
+            ):
                 self.state.optimizer = optimizer
             ddp.register_comm_hook(self.state, ddp_hook)
             return

@@ -39,7 +39,7 @@ holds report.md, runs.json and PNG plots.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -144,11 +144,29 @@ class TrainOptions:
             raise ValueError(
                 "--mtu sets the emulated network's links, which --no-network turns off"
             )
+        if self.rate_mbit > 0 and not self.network:
+            raise ValueError(
+                "--rate-mbit sets the emulated network's links, which --no-network turns off"
+            )
+        changed = {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+        if "comm_share" in changed and (self.rate_mbit > 0 or not self.network):
+            raise ValueError(
+                "--comm-share only sets the calibrated link rate: it does nothing with "
+                "--rate-mbit or --no-network"
+            )
+        if self.workload != "gpt" and changed & {"gpt_dim", "gpt_layers"}:
+            raise ValueError(f"--gpt-dim/--gpt-layers shape the GPT, not {self.workload}")
         if self.vnmse_every < 0 or self.rate_mbit < 0 or self.lr < 0:
             raise ValueError("vnmse_every, rate_mbit and lr must be >= 0")
         if not 0 < self.comm_share < 1:
             raise ValueError(f"comm_share must be in (0, 1), got {self.comm_share}")
         codecs = self.resolved_codecs()  # unknown names fail here, before anything runs
+        if "powersgd_start" in changed and "torch:powersgd" not in codecs:
+            raise ValueError("--powersgd-start sets torch:powersgd, which is not among the codecs")
+        given = [(c, name) for c, name, _ in self.codec_options]
+        twice = sorted({f"{c}.{name}" for c, name in given if given.count((c, name)) > 1})
+        if twice:
+            raise ValueError(f"codec option given twice: {', '.join(twice)}")
         for codec, name, _value in self.codec_options:
             if codec not in codecs:
                 raise ValueError(
