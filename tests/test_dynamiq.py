@@ -296,6 +296,9 @@ def test_exact_allocation_equals_the_stable_sort_of_all_steps(kind, numpy, monke
         # an eps no level table has is refused, not ignored
         ({"eps": ((2, 5.0),)}, "4- and 8-bit level tables only"),
         ({"eps": ((16, 0.1),)}, "4- and 8-bit level tables only"),
+        # an eps that the other options would ignore is refused too
+        ({"eps": ((4, 0.3),), "levels": "uniform"}, "uniform"),
+        ({"widths": (2, 4), "eps": ((8, 0.2),)}, "not among the widths"),
     ],
 )
 def test_invalid_configs(kw, words):

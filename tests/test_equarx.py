@@ -155,6 +155,12 @@ def test_bad_configs():
         hopq.get_codec("equarx", block=0)
     with pytest.raises(ValueError):
         hopq.get_codec("equarx", layout="diagonal")
+    # the naive cast has no kernel: backend="cpu" would silently run the reference
+    with pytest.raises(ValueError, match="no CPU kernel"):
+        hopq.get_codec("equarx", scale="none", element="e5m2", backend="cpu")
+    assert (
+        hopq.get_codec("equarx", scale="none", element="e5m2").kernels(torch.device("cpu")) is None
+    )
 
 
 @pytest.mark.parametrize("topology", ["ring", "semiloop", "biring", "butterfly"])

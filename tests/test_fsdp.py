@@ -209,6 +209,11 @@ def test_refusals_and_views(monkeypatch):
     with pytest.raises(ValueError, match="fixed_level=0 truncates every value"):
         hopq.HookState("gcomp", optimizer=opt, fixed_level=0)
     hopq.HookState("gcomp", fixed_level=0)  # without an optimizer: fine
+    with pytest.raises(ValueError, match="fixed_level=1 truncates every value"):
+        hopq.get_codec("gcomp", fixed_level=1).set_thresholds(torch.ones(4))
+    # how often thresholds are refreshed means nothing without an optimizer
+    with pytest.raises(ValueError, match="pass optimizer= too"):
+        hopq.FSDPReduceScatter("gcomp", thresholds_every=5)
     with pytest.raises(ValueError, match="seed"):
         hopq.HookState("bf16", seed=1 << 70)
     with pytest.raises(ValueError, match="seed"):

@@ -404,7 +404,10 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
     if "mxfp8" in available_codecs() and "ladder" in o.tables:
         for w in o.workloads:
             for n in o.worlds:
-                dq = results[("ladder", w, LADDER[4][0], n, "ring")][0]
-                mx = results[("ladder", w, "mxfp8", n, "ring")][0]
+                dq_key = ("ladder", w, LADDER[4][0], n, "ring")
+                mx_key = ("ladder", w, "mxfp8", n, "ring")
+                if dq_key not in results or mx_key not in results:  # not asked for
+                    continue
+                dq, mx = results[dq_key][0], results[mx_key][0]
                 sections.append(f"\n{w}, n = {n}, ring: MXFP8 / DynamiQ vNMSE = {mx / dq:.2f}x")
     return "\n".join(sections)

@@ -140,6 +140,11 @@ class FSDPReduceScatter(_ReduceScatterBase):
         c = get_codec(codec, **codec_config)
         if optimizer is not None:
             check_takes_optimizer(c)
+        elif thresholds_every != 10:
+            raise ValueError(
+                "thresholds_every sets how often the optimizer's thresholds are refreshed: "
+                "pass optimizer= too, or leave it out"
+            )
         self._shared = _Shared(
             c,
             topology,

@@ -147,6 +147,16 @@ class DynamiQConfig(CodecConfig):
                         f"dynamiq: eps shapes the 4- and 8-bit level tables only, got {e} "
                         f"for width {w}"
                     )
+                if e and self.levels is Levels.UNIFORM:
+                    raise ValueError(
+                        f"dynamiq: eps {e} for width {w} shapes non-uniform levels; "
+                        "levels='uniform' would ignore it"
+                    )
+                if e and w not in widths:
+                    raise ValueError(
+                        f"dynamiq: eps {e} for width {w}, which is not among the widths "
+                        f"{tuple(widths)}: it would be ignored"
+                    )
             object.__setattr__(self, "eps", pairs)
         for w in widths:  # the level table must exist (a large eps overflows it)
             if w in (2, 4, 8):

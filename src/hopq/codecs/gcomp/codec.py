@@ -137,6 +137,9 @@ class GComp(Codec[GCompPlan]):
     def set_thresholds(self, thr: torch.Tensor | None, key: int | None = None) -> None:
         """|A| per coordinate (delta = A / g, paper Table 2) of the gradient the
         calls with ``key`` carry, for the averaged gradient; None: no truncation."""
+        unused = self.optimizer_unused
+        if unused is not None and thr is not None:
+            raise ValueError(unused)
         k = str(key)
         if thr is None:
             self.thresholds.pop(k, None)
