@@ -45,6 +45,12 @@ def _error(capsys, argv):
         (["bench", "allreduce", "--mtu", "9000"], "give --rate-mbit too"),
         (["bench", "allreduce", "--rate-mbit", "100", "--mtu", "100"], "between 576 and 65535"),
         (["train", "--no-network", "--mtu", "9000"], "--no-network turns off"),
+        # options of a part (or optimizer, workload, validation) the run does not have
+        (["bench", "gqsgd", "--quality-steps", "5"], "only acts with --parts quality"),
+        (["bench", "equarx", "--rate-mbit", "100"], "only acts with --parts timing"),
+        (["bench", "gcomp", "--parts", "kernels", "--steps", "3"], "--parts sizes or loss"),
+        (["bench", "gcomp", "--optimizers", "sgd", "--adamw-lr", "1e-3"], "--optimizers adamw"),
+        (["bench", "model", "--no-validate", "--validate-rate-mbit", "50"], "with --validate,"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, words):

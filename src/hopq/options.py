@@ -38,6 +38,24 @@ def option(
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
+def check_scoped(
+    obj: Any, needs: dict[str, Sequence[str]], active: Sequence[str], flag: str
+) -> None:
+    """Refuse options that would do nothing: ``needs`` maps an option (a field of
+    the dataclass ``obj``) to the values of ``flag`` (e.g. a benchmark's parts)
+    under which it acts; an option changed from its default while none of them
+    is in ``active`` raises ValueError."""
+    on = set(active)
+    for f in dataclasses.fields(obj):
+        scope = needs.get(f.name)
+        if scope is not None and not on & set(scope) and getattr(obj, f.name) != f.default:
+            where = f"{flag} {' or '.join(scope)}".strip()  # scope ("",): the flag itself
+            raise ValueError(
+                f"--{f.name.replace('_', '-')} only acts with {where}, which this run "
+                "does not have: it would be ignored"
+            )
+
+
 def field_types(cls: type) -> dict[str, Any]:
     """The resolved type hints of a dataclass (cached per class)."""
     if cls not in _HINTS:

@@ -41,7 +41,7 @@ import torch
 from hopq.bench.kernels import one_thread
 from hopq.codecs.base import HopContext, LocalStats, ReduceOp
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
-from hopq.options import option
+from hopq.options import check_scoped, option
 from hopq.reporting import machine, markdown_table
 
 
@@ -62,6 +62,12 @@ class ModelOptions:
 
     def __post_init__(self) -> None:
         resolve_codecs(self.codecs)
+        check_scoped(
+            self,
+            dict.fromkeys(("validate_worlds", "validate_rate_mbit", "validate_size_mib"), ("",)),
+            ("",) if self.validate else (),
+            "--validate",
+        )
 
 
 @dataclass

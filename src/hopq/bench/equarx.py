@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from hopq.options import check_int, option
+from hopq.options import check_int, check_scoped, option
 from hopq.reporting import human_bytes, machine, markdown_table
 
 
@@ -105,6 +105,18 @@ class EquarxOptions:
             raise ValueError("need 4 <= min_bytes <= max_bytes")
         check_int("kernel_coords", self.kernel_coords, lo=1, hi=1 << 28)
         check_int("repeats", self.repeats, lo=1, hi=1000)
+        timing = ("min_bytes", "max_bytes", "budget_s", "rate_mbit")
+        check_scoped(
+            self,
+            {
+                "size": ("error",),
+                **dict.fromkeys(timing, ("timing",)),
+                "kernel_coords": ("kernels",),
+                "repeats": ("kernels",),
+            },
+            self.parts,
+            "--parts",
+        )
 
 
 def error_table(o: EquarxOptions) -> str:

@@ -59,7 +59,7 @@ from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.gcomp import GComp
 from hopq.codecs.gcomp import format as fmt
 from hopq.codecs.gcomp.optim import thresholds
-from hopq.options import option
+from hopq.options import check_scoped, option
 from hopq.reporting import machine, markdown_table, pyplot, save_figure
 from hopq.train.workloads import WORKLOADS
 
@@ -115,6 +115,27 @@ class GCompBenchOptions:
             raise ValueError("--kernel-coords must be at least 1")
         if self.sync_every < 2:
             raise ValueError("--sync-every must be at least 2")
+        training = ["workloads", "optimizers", "steps", "workers", "batch", "rebuild_every"]
+        training += ["sgd_lr", "adamw_lr", "gpt_dim", "gpt_layers", "context"]
+        check_scoped(
+            self,
+            {
+                "kernel_coords": ("kernels",),
+                "repeats": ("kernels",),
+                "plot": ("sizes",),
+                "loss_plot": ("loss",),
+                "sync_every": ("loss",),
+                **dict.fromkeys(training, ("sizes", "loss")),
+            },
+            self.parts,
+            "--parts",
+        )
+        check_scoped(
+            self, {"sgd_lr": ("sgd",), "adamw_lr": ("adamw",)}, self.optimizers, "--optimizers"
+        )
+        check_scoped(
+            self, {"gpt_dim": ("gpt",), "gpt_layers": ("gpt",)}, self.workloads, "--workloads"
+        )
 
 
 # -- kernels -----------------------------------------------------------------

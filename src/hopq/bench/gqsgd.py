@@ -36,7 +36,7 @@ from hopq.bench.kernels import one_thread
 from hopq.codecs.base import ReduceOp
 from hopq.codecs.gqsgd import GQSGDExp, GQSGDExpPlan, codes_to_bytes, exp_reduce
 from hopq.numerics.rng import hash32
-from hopq.options import check_int, option
+from hopq.options import check_int, check_scoped, option
 from hopq.reporting import Progress, machine, markdown_table
 from hopq.sim import simulate
 
@@ -103,6 +103,24 @@ class GQSGDOptions:
         check_int("seeds", self.seeds, lo=1)
         check_int("coords", self.coords, lo=1024, hi=1 << 30)
         check_int("repeats", self.repeats, lo=1)
+        quality = {f"quality_{k}": ("quality",) for k in ("workloads", "seeds", "steps")}
+        quality |= {f"quality_{k}": ("quality",) for k in ("workers", "batch", "codecs")}
+        check_scoped(
+            self,
+            {
+                "worlds": ("variance",),
+                "size": ("variance",),
+                "seeds": ("variance",),
+                "coords": ("kernels",),
+                "repeats": ("kernels",),
+                **quality,
+                "model_rates": ("costmodel",),
+                "model_world": ("costmodel",),
+                "model_bytes": ("costmodel",),
+            },
+            self.parts,
+            "--parts",
+        )
 
 
 class _Leaves(GQSGDExp):
