@@ -17,8 +17,16 @@ floor((2^(b-1) - 1) / n)): the headroom for the sum comes out of the levels
 (log2 n bits of them, the paper's choice). Once fewer than ``min_levels`` remain,
 the lane widens (8, then 16 bits) and L returns to 2^(bits-1) - 1. A sum can
 never overflow at any world size (the public implementation overflows int8 at
-n = 4 and clamps its 4-bit sums); a received sum beyond n L is a corrupt
-payload (PayloadError).
+n = 4 and clamps its 4-bit sums); a received sum beyond what the ranks can add
+up to is a corrupt payload (PayloadError).
+
+The ranks exchange their own maxima M_i (an all-gather of one float64 each,
+riding with the agreement like the paper's MAX), and N = max M_i. When the M_i
+differ, n L is a loose bound: rank i's integers never exceed ceil(M_i m), so
+:func:`linear_scale` takes the largest common multiplier m (at least L / N)
+whose caps ceil(M_i m) still sum to at most the lane's 2^(b-1) - 1. With equal
+maxima that is L / N to the bit; on the GPT's gradients (4 workers, after 0,
+30 and 100 steps) the largest rank got 42.8, 46.0 and 36.3 levels instead of 31.
 
 ``gqsgd-exp`` (exponential, "natural" dithering, sections 4.2-4.3): leaf values
 v = x / N * 2^-c in [0, 2^-c] round to a neighbouring power of two, or below
