@@ -51,6 +51,8 @@ def _error(capsys, argv):
         (["bench", "gcomp", "--parts", "kernels", "--steps", "3"], "--parts sizes or loss"),
         (["bench", "gcomp", "--optimizers", "sgd", "--adamw-lr", "1e-3"], "--optimizers adamw"),
         (["bench", "model", "--no-validate", "--validate-rate-mbit", "50"], "with --validate,"),
+        (["bench", "vnmse", "--workloads", "gpt", "--minilm-warmup", "5"], "--workloads minilm"),
+        (["bench", "vnmse", "--tables", "eps", "--sweep-coords", "1000"], "--tables scale"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, words):

@@ -23,7 +23,7 @@ from hopq.codecs.base import Codec
 from hopq.codecs.dynamiq import DEFAULT_EPS, PAPER, DynamiQ
 from hopq.codecs.registry import available_codecs, get_codec
 from hopq.comm.topology import TOPOLOGIES, get_schedule
-from hopq.options import option
+from hopq.options import check_scoped, option
 from hopq.reporting import Progress, machine, markdown_table, pyplot, save_figure
 from hopq.sim import simulate
 from hopq.train.workloads import WORKLOADS
@@ -74,6 +74,16 @@ class VnmseOptions:
             raise ValueError(f"unknown codecs {sorted(bad)}; choose from {available_codecs()}")
         if any(n < 1 for n in (*self.worlds, *self.sweep_worlds)):
             raise ValueError("world sizes must be >= 1")
+        check_scoped(
+            self, {"minilm_warmup": ("minilm",), "gpt_warmup": ("gpt",)}, self.workloads,
+            "--workloads",
+        )  # fmt: skip
+        check_scoped(
+            self,
+            {"sweep_worlds": ("scale",), "sweep_coords": ("scale",), "plots": ("norms",)},
+            self.tables,
+            "--tables",
+        )
 
 
 #: The paper's Table 6 ladder: each row adds one technique. Without hierarchical
