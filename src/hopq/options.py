@@ -38,6 +38,11 @@ def option(
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
+def changed_options(obj: Any) -> set[str]:
+    """The fields of the dataclass ``obj`` whose values differ from their defaults."""
+    return {f.name for f in dataclasses.fields(obj) if getattr(obj, f.name) != f.default}
+
+
 def check_scoped(
     obj: Any, needs: dict[str, Sequence[str]], active: Sequence[str], flag: str
 ) -> None:
@@ -46,12 +51,12 @@ def check_scoped(
     under which it acts; an option changed from its default while none of them
     is in ``active`` raises ValueError."""
     on = set(active)
-    for f in dataclasses.fields(obj):
-        scope = needs.get(f.name)
-        if scope is not None and not on & set(scope) and getattr(obj, f.name) != f.default:
+    for name in sorted(changed_options(obj)):
+        scope = needs.get(name)
+        if scope is not None and not on & set(scope):
             where = f"{flag} {' or '.join(scope)}".strip()  # scope ("",): the flag itself
             raise ValueError(
-                f"--{f.name.replace('_', '-')} only acts with {where}, which this run "
+                f"--{name.replace('_', '-')} only acts with {where}, which this run "
                 "does not have: it would be ignored"
             )
 

@@ -471,12 +471,17 @@ class Codec(ABC, Generic[P]):
         return f"{type(self).__name__}({self.config})"
 
 
-def check_takes_optimizer(codec: Codec[Any]) -> None:
-    """Raise ValueError unless an optimizer handed to ``codec`` is used: codecs with
-    ``set_thresholds`` (GComp's optimizer-aware truncation) take one, unless their
-    ``optimizer_unused`` says why this configuration would ignore it."""
+def optimizer_unused(codec: Codec[Any]) -> str | None:
+    """Why an optimizer handed to ``codec`` would do nothing, or None when it is
+    used: codecs with ``set_thresholds`` (GComp's optimizer-aware truncation) take
+    one, unless their ``optimizer_unused`` says why this configuration would not."""
     if not hasattr(codec, "set_thresholds"):
-        raise ValueError(f"codec {codec.name!r} takes no optimizer (GComp's truncation does)")
-    why = getattr(codec, "optimizer_unused", None)
+        return f"codec {codec.name!r} takes no optimizer (GComp's truncation does)"
+    return getattr(codec, "optimizer_unused", None) or None
+
+
+def check_takes_optimizer(codec: Codec[Any]) -> None:
+    """Raise ValueError unless an optimizer handed to ``codec`` is used."""
+    why = optimizer_unused(codec)
     if why:
         raise ValueError(why)

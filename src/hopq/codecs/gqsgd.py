@@ -386,7 +386,7 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         return v
 
     def _beyond(self, plan: GQSGDLinearPlan, c: int) -> None:
-        """A received lane or a sum beyond what n ranks of L levels can add up to."""
+        """A received lane or a sum beyond what the ranks' caps can add up to."""
         raise PayloadError(
             f"gqsgd-linear chunk {c}: a partial sum beyond {self._limit(plan)}, more "
             f"than the {plan.world_size} ranks' levels can add up to "

@@ -88,6 +88,10 @@ def _require_api() -> None:
         )
 
 
+#: Calls of a module between refreshes of an optimizer's thresholds (GComp).
+THRESHOLDS_EVERY = 10
+
+
 class _Shared(CallRecords):
     """What the keyed views of one model share: the codec, the records and the
     optimizer with the thresholds last exchanged per key."""
@@ -96,7 +100,7 @@ class _Shared(CallRecords):
 
     def __init__(
         self, codec: Codec[Any], topology: str, seed: int, timeout: float,
-        optimizer: torch.optim.Optimizer | None = None, thresholds_every: int = 10,
+        optimizer: torch.optim.Optimizer | None = None, thresholds_every: int = THRESHOLDS_EVERY,
     ) -> None:  # fmt: skip
         self.codec, self.topology, self.seed, self.timeout = codec, topology, seed, timeout
         self.optimizer, self.thresholds_every = optimizer, thresholds_every
@@ -132,7 +136,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         timeout: float = DEFAULT_TIMEOUT_S,
         key: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
-        thresholds_every: int = 10,
+        thresholds_every: int = THRESHOLDS_EVERY,
         **codec_config: Any,
     ) -> None:
         _require_api()
@@ -140,7 +144,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         c = get_codec(codec, **codec_config)
         if optimizer is not None:
             check_takes_optimizer(c)
-        elif thresholds_every != 10:
+        elif thresholds_every != THRESHOLDS_EVERY:
             raise ValueError(
                 "thresholds_every sets how often the optimizer's thresholds are refreshed: "
                 "pass optimizer= too, or leave it out"

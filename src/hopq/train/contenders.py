@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from hopq.codecs.base import optimizer_unused
 from hopq.codecs.registry import codec_choices, codec_info, resolve_codecs
 from hopq.integrations.ddp import HookState, ddp_hook
 
@@ -172,14 +173,10 @@ class Sync:
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
         if not is_torch(name):
             self.state = HookState(codec=name, topology=topology, seed=seed, **codec_config)
-            codec = self.state.codec
             # optimizer-aware codecs (GComp) get the job's optimizer, unless their
             # configuration would not use it (fixed_level: the thresholds would be
             # computed every step and thrown away)
-            if (
-                hasattr(codec, "set_thresholds")
-                and getattr(codec, "optimizer_unused", None) is None
-            ):
+            if optimizer_unused(self.state.codec) is None:
                 self.state.optimizer = optimizer
             ddp.register_comm_hook(self.state, ddp_hook)
             return

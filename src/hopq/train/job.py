@@ -39,7 +39,7 @@ holds report.md, runs.json and PNG plots.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +51,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from hopq.cluster.network import check_mtu
 from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
-from hopq.options import option
+from hopq.options import changed_options, option
 from hopq.reporting import Progress
 from hopq.train.contenders import Sync, contender_choices, is_torch, resolve_contenders
 from hopq.train.report import CodecRun, StepRecord, report
@@ -148,7 +148,7 @@ class TrainOptions:
             raise ValueError(
                 "--rate-mbit sets the emulated network's links, which --no-network turns off"
             )
-        changed = {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+        changed = changed_options(self)
         if "comm_share" in changed and (self.rate_mbit > 0 or not self.network):
             raise ValueError(
                 "--comm-share only sets the calibrated link rate: it does nothing with "
@@ -373,11 +373,11 @@ def _calibrate(o: TrainOptions, n: int) -> tuple[float, str]:
 def ignored_under_torchrun(o: TrainOptions) -> str:
     """What the options ask that a torchrun launch cannot do (the launcher sets
     the workers and the network is the real one), as a sentence; "" if nothing."""
-    default = TrainOptions()
+    changed = changed_options(o)
     flags = [
         f"--{name.replace('_', '-')} {getattr(o, name)}"
         for name in ("world_size", "rate_mbit", "mtu", "comm_share")
-        if getattr(o, name) != getattr(default, name)
+        if name in changed
     ]
     if not flags:
         return ""
