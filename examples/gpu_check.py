@@ -135,7 +135,8 @@ def check_hook(lines: list[str]) -> bool:
                 same = all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
                 k = get_codec(codec)
                 kern = getattr(k, "kernels", None)
-                kname = type(kern(torch.device("cuda"))).__name__ if callable(kern) else "-"
+                mod = kern(torch.device("cuda")) if callable(kern) else None
+                kname = mod.__name__.rsplit(".", 1)[-1] if mod is not None else "reference"
                 ok &= same and ia["calls"] > 0
                 row = [codec, "yes" if same else "**NO**", str(ia["calls"]), kname]
             except Exception as e:

@@ -201,14 +201,12 @@ class MXCodec(Codec[MXPlan]):
             )
         return self._scales(plan, c, t.numel())
 
-    def kernels(self, t: torch.Tensor) -> Any:
-        """The kernel module (:mod:`hopq.kernels.mx_cpu`) for a contiguous float32
-        tensor like ``t``, or None for the reference (the same bits). A block
-        whose codes do not end on a byte has no kernel: ``backend="cpu"`` then
-        raises rather than run the reference unasked."""
-        if t.dtype != torch.float32 or not t.is_contiguous():
-            return None
-        k = _resolve(self.name, self.config.backend.value, t.device.type)
+    def kernels(self, device: torch.device) -> Any:
+        """The kernel module (:mod:`hopq.kernels.mx_cpu`) on ``device``, or None
+        for the reference (the same bits). A block whose codes do not end on a
+        byte has no kernel: ``backend="cpu"`` then raises rather than run the
+        reference unasked."""
+        k = _resolve(self.name, self.config.backend.value, device.type)
         if k is None or k.supports(self.element, self.config.block):
             return k
         if self.config.backend is CpuBackend.CPU:
@@ -218,9 +216,15 @@ class MXCodec(Codec[MXPlan]):
             )
         return None
 
+    def _kernels_for(self, t: torch.Tensor) -> Any:
+        """:meth:`kernels` for a tensor: the kernels take contiguous float32 only."""
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            return None
+        return self.kernels(t.device)
+
     def encode(self, plan: MXPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         fmt = self.element
-        k = self.kernels(chunk)
+        k = self._kernels_for(chunk)
         if k is not None:
             scales = self._kernel_scales(plan, ctx.chunk, chunk)
             out, sat = k.encode(chunk, scales, fmt, self.config.block)
@@ -242,7 +246,7 @@ class MXCodec(Codec[MXPlan]):
             payload, plan.payload_nbytes[ctx.chunk], f"{self.name} chunk {ctx.chunk} payload"
         )
         fmt, n = self.element, out.numel()
-        k = self.kernels(out)
+        k = self._kernels_for(out)
         if k is not None:
             scales = self._kernel_scales(plan, ctx.chunk, out)
             k.decode(payload, scales, fmt, self.config.block, out, False)
@@ -257,7 +261,7 @@ class MXCodec(Codec[MXPlan]):
     def decode_accumulate(
         self, plan: MXPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
     ) -> None:
-        k = self.kernels(acc)
+        k = self._kernels_for(acc)
         if k is None:
             super().decode_accumulate(plan, payload, acc, ctx)
             return
@@ -268,7 +272,7 @@ class MXCodec(Codec[MXPlan]):
         self, plan: MXPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
     ) -> torch.Tensor:
         """With the kernels: block by block, decode, add and encode the sum."""
-        k = self.kernels(local)
+        k = self._kernels_for(local)
         if k is None:
             return super().decode_accumulate_encode(plan, payload, local, ctx)
         scales = self._kernel_scales(plan, ctx.chunk, local, payload)
