@@ -53,6 +53,7 @@ def _error(capsys, argv):
         (["bench", "model", "--no-validate", "--validate-rate-mbit", "50"], "with --validate,"),
         (["bench", "vnmse", "--workloads", "gpt", "--minilm-warmup", "5"], "--workloads minilm"),
         (["bench", "vnmse", "--tables", "eps", "--sweep-coords", "1000"], "--tables scale"),
+        (["bench", "shards", "--data", "synthetic", "--gpt-warmup", "5"], "--data gpt"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, words):

@@ -214,3 +214,4 @@ def test_torchrun_says_which_options_it_ignores():
     for flag in ("--rate-mbit 100", "--mtu 9000", "--world-size 2"):
         assert flag in note
     assert "--comm-share" not in note and "ignored under torchrun" in note
+    assert "--no-network ignored" in ignored_under_torchrun(TrainOptions(network=False))

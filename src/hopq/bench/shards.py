@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from hopq.codecs.registry import get_codec
-from hopq.options import check_int, option
+from hopq.options import check_int, check_scoped, option
 from hopq.reporting import machine, markdown_table
 from hopq.sim import simulate, simulate_reduce_scatter
 
@@ -74,6 +74,7 @@ class ShardOptions:
         for lay in self.layouts:
             if lay not in LAYOUTS:
                 raise ValueError(f"unknown layout {lay!r}; choose from {LAYOUTS}")
+        check_scoped(self, {"gpt_warmup": ("gpt",)}, self.data, "--data")
 
 
 def synthetic_layers(workers: int, seed: int) -> list[list[torch.Tensor]]:

@@ -139,6 +139,11 @@ class EQuARXConfig(CodecConfig):
         check_int("equarx: scales", self.scales, lo=1, hi=1 << 16)
         if self.scale is ScaleFormat.NONE and self.element is Element.INT8:
             raise ValueError("equarx: scale 'none' (the naive cast) needs an FP8 element")
+        if self.layout is Layout.CONTIGUOUS and self.scales != 1024:
+            raise ValueError(
+                "equarx: scales sets the strided layout's tile; contiguous blocks "
+                "(layout 'contiguous') have one scale per block and would ignore it"
+            )
         if self.scale is ScaleFormat.NONE and self.backend is CpuBackend.CPU:
             raise ValueError(
                 "equarx: the naive cast (scale 'none') has no CPU kernel, only the "

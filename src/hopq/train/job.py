@@ -379,6 +379,8 @@ def ignored_under_torchrun(o: TrainOptions) -> str:
         for name in ("world_size", "rate_mbit", "mtu", "comm_share")
         if name in changed
     ]
+    if not o.network:
+        flags.append("--no-network")
     if not flags:
         return ""
     return (
