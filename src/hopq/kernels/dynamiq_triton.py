@@ -330,7 +330,7 @@ _LAUNCH = {} if interpreting() else {"enable_fp_fusion": False}
 #: pre-pass 2.9x faster than with 4 warps).
 _ONE_WARP = {} if interpreting() else {"num_warps": 1}
 #: The decode kernels: two super-groups per program on two warps (H100, 256M
-#: coordinates: 54-64% -> 83-84% of copy bandwidth, the same bits).
+#: coordinates, 2-8 bits: 48-64% -> 83-85% of copy bandwidth, the same bits).
 _DECODE_SGS = 2
 _DECODE_WARPS = {} if interpreting() else {"num_warps": 2}
 #: The interpreter patches triton.language while a kernel runs: not thread-safe
