@@ -1,7 +1,11 @@
 """DynamiQ's Triton kernels (seed 000, section 4): the same bits as the reference.
 
-One program per super-group of a width-uniform segment (the reorder puts every
-chunk in a few such runs), so a super-group's S entries live in registers:
+Programs work on whole super-groups of a width-uniform segment (the reorder
+puts every chunk in a few such runs), so a super-group's S entries live in
+registers: one super-group on one warp for the encoding kernels and the
+statistics (they are instruction-bound; the warp reduces without shared
+memory), two super-groups on two warps for the decoding ones (memory-bound:
+more bytes in flight). Measured on an H100: docs/bench/kernels.md.
 
 * ``compress`` (ENCODE: local rows -> segment bytes),
 * ``decompress`` (DECODE: bytes -> rows, the all-gather receive),
