@@ -157,6 +157,9 @@ def test_bad_configs():
         hopq.get_codec("equarx", block=0)
     with pytest.raises(ValueError):
         hopq.get_codec("equarx", layout="diagonal")
+    # contiguous blocks have no tile: a scales setting would be ignored
+    with pytest.raises(ValueError, match="would ignore it"):
+        hopq.get_codec("equarx", layout="contiguous", scales=16)
     # the naive cast has no kernel: backend="cpu" would silently run the reference
     with pytest.raises(ValueError, match="no CPU kernel"):
         hopq.get_codec("equarx", scale="none", element="e5m2", backend="cpu")

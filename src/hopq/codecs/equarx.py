@@ -80,7 +80,7 @@ from hopq.errors import PayloadError
 from hopq.kernels import CpuBackend, Mode, resolve
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.div import div, div_
-from hopq.options import check_int, coerce_enums, option
+from hopq.options import changed_options, check_int, coerce_enums, option
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 #: int8 codes are symmetric; -128 marks a non-finite entry.
@@ -139,7 +139,7 @@ class EQuARXConfig(CodecConfig):
         check_int("equarx: scales", self.scales, lo=1, hi=1 << 16)
         if self.scale is ScaleFormat.NONE and self.element is Element.INT8:
             raise ValueError("equarx: scale 'none' (the naive cast) needs an FP8 element")
-        if self.layout is Layout.CONTIGUOUS and self.scales != 1024:
+        if self.layout is Layout.CONTIGUOUS and "scales" in changed_options(self):
             raise ValueError(
                 "equarx: scales sets the strided layout's tile; contiguous blocks "
                 "(layout 'contiguous') have one scale per block and would ignore it"
