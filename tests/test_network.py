@@ -8,7 +8,13 @@ import torch
 import torch.distributed as dist
 
 from hopq.cluster.launch import run_workers
-from hopq.cluster.network import WORKER_IFACE, EmulatedNetwork, payload_fraction, unavailable_reason
+from hopq.cluster.network import (
+    CONGESTION,
+    WORKER_IFACE,
+    EmulatedNetwork,
+    payload_fraction,
+    unavailable_reason,
+)
 
 WHY = unavailable_reason()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"no emulated network here: {WHY}")
@@ -63,6 +69,25 @@ def test_jumbo_frames():
     assert 0.6 * 80 < rate < 1.1 * 80, f"measured {rate:.1f} Mbit/s on an 80 Mbit/s link"
 
 
+def test_tcp_congestion_is_pinned_not_inherited():
+    """Every worker namespace runs the congestion control asked for (reno by
+    default, whatever the host's default is), and the report says which; one the
+    host does not allow is refused by name instead of silently left at the host's."""
+    with EmulatedNetwork(2, rate_mbit=80) as net:
+        for ns in net.namespaces:
+            got = subprocess.run(
+                ["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+                capture_output=True, text=True, check=True,
+            ).stdout.strip()  # fmt: skip
+            assert got == CONGESTION == "reno"
+        assert net.describe().endswith("TCP reno")
+    before = _namespaces()
+    refused = EmulatedNetwork(2, rate_mbit=80, congestion="nosuchcc")
+    with pytest.raises(RuntimeError, match="nosuchcc.*allowed"), refused:
+        pass
+    assert _namespaces() == before  # cleaned up after the refusal
+
+
 def test_payload_fraction():
     assert payload_fraction(1500) == pytest.approx(1448 / 1514)
     assert payload_fraction(9000) == pytest.approx(8948 / 9014)
@@ -75,6 +100,8 @@ def test_bad_arguments():
         EmulatedNetwork(2, rate_mbit=0)
     with pytest.raises(ValueError, match="mtu"):
         EmulatedNetwork(2, rate_mbit=10, mtu=100)
+    with pytest.raises(ValueError, match="congestion"):
+        EmulatedNetwork(2, rate_mbit=10, congestion="reno; rm")
 
 
 def test_agreement_cost_runs_on_the_emulated_network():

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hopq.cluster.launch import run_workers
-from hopq.cluster.network import check_mtu
+from hopq.cluster.network import CONGESTION, check_mtu
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
@@ -52,6 +52,11 @@ class Options:
     mtu: int = option(
         1500, "the emulated links' MTU (9000: jumbo frames, fewer header bytes per payload byte)"
     )
+    tcp_congestion: str = option(
+        CONGESTION,
+        "TCP congestion control in the emulated network's namespaces (reno: the link "
+        "is the only limit; bbr: the host's default here, whose probing slows some calls)",
+    )
     agreement_cost: bool = option(
         False, "instead: time every codec with and without the agreement, interleaved"
     )
@@ -70,6 +75,10 @@ class Options:
         check_mtu(self.mtu)
         if self.mtu != 1500 and self.rate_mbit <= 0:
             raise ValueError("--mtu sets the emulated network's links: give --rate-mbit too")
+        if self.tcp_congestion != CONGESTION and self.rate_mbit <= 0:
+            raise ValueError(
+                "--tcp-congestion sets the emulated network's TCP: give --rate-mbit too"
+            )
         if not self.microshards or any(u < 0 or u > 64 for u in self.microshards):
             raise ValueError("--microshards: counts from 1 to 64, or 0 for the engine's choice")
 
@@ -255,9 +264,11 @@ def _run_workers(o: Options, worker: Callable[[int, int, Options], Any]) -> tupl
             where = f"loopback ({why})"
             res = run_workers(n, worker, o)[0]
         else:
-            with EmulatedNetwork(n, rate_mbit=o.rate_mbit, mtu=o.mtu) as net:
+            with EmulatedNetwork(
+                n, rate_mbit=o.rate_mbit, mtu=o.mtu, congestion=o.tcp_congestion
+            ) as net:
                 res = run_workers(n, worker, o, namespaces=net.namespaces)[0]
-            where = f"an emulated network, {o.rate_mbit:g} Mbit/s per worker (tc tbf), MTU {o.mtu}"
+            where = f"an emulated network, {net.describe()}"
     else:
         res = run_workers(n, worker, o)[0]
     return res, where

@@ -230,7 +230,7 @@ def _measure_worker(
 
 def run(o: ModelOptions) -> str:
     from hopq.cluster.launch import run_workers
-    from hopq.cluster.network import EmulatedNetwork, unavailable_reason
+    from hopq.cluster.network import CONGESTION, EmulatedNetwork, unavailable_reason
 
     codecs = resolve_codecs(o.codecs)  # 'all' and 'auto' name codecs too
     if not codecs:
@@ -321,7 +321,8 @@ def run(o: ModelOptions) -> str:
                         )
             lines += [
                 "",
-                f"### Model vs emulated network: {o.validate_size_mib:g} MiB, {o.validate_rate_mbit:g} Mbit/s per worker, "
+                f"### Model vs emulated network: {o.validate_size_mib:g} MiB, {o.validate_rate_mbit:g} Mbit/s per worker "
+                f"(TCP {CONGESTION}), "
                 f"alpha and the duplex factor measured per run, {cores} cores shared by the ranks",
                 "",
                 markdown_table(

@@ -230,7 +230,7 @@ def timing_table(o: EquarxOptions) -> str:
     if o.rate_mbit > 0 and not unavailable_reason():
         with EmulatedNetwork(n, rate_mbit=o.rate_mbit) as net:
             res = run_workers(n, _timing_worker, o, namespaces=net.namespaces)[0]
-        where = f"an emulated network, {o.rate_mbit:g} Mbit/s per worker (tc tbf)"
+        where = f"an emulated network, {net.describe()}"
     else:
         if o.rate_mbit > 0:
             where = f"plain loopback (no emulated network: {unavailable_reason()})"

@@ -8,7 +8,23 @@ inside a network built here (root and iproute2 needed; ``netem`` is not, only
 * a "switch" namespace holding a bridge;
 * per worker a namespace with one veth link to the bridge, address
   10.213.0.(i+1)/24, shaped with a token bucket at ``rate_mbit`` in each
-  direction (upload on the worker's end, download on the switch's end).
+  direction (upload on the worker's end, download on the switch's end);
+* in every worker namespace one TCP congestion control, ``reno`` by default
+  (:data:`CONGESTION`), set explicitly rather than inherited from the host.
+
+Why the congestion control is pinned: a new namespace takes the host's default,
+and on a host whose default is BBR (this project's machines) BBR paces each
+connection at its own estimate of the bottleneck rate, with phases at 0.75x
+of it and a drain to four packets every 10 s. All-reduce traffic comes in
+messages with gaps, not one long stream, and on a 200 Mbit/s link that showed
+up as runs of messages at 15 ms instead of 11.3 ms and stalls of 20-80 ms, on
+one rank or two per call: the slowest rank's time (what a collective costs)
+varied by 10% from call to call for reasons that belong to the host, not to
+the link. Reno (Linux's built-in loss-based control, allowed in every
+namespace) never paces below the link on this loss-free, deep-queued bucket,
+so the link is the only limit, as on a cluster whose switches are the
+bottleneck. ``congestion="bbr"`` (or any algorithm the host allows in
+namespaces) brings the host's behaviour back.
 
 The token bucket counts whole Ethernet frames, headers included: at the default
 MTU of 1500 a TCP stream carries 1448 payload bytes per 1514 bytes on the link
@@ -43,6 +59,8 @@ SUBNET = "10.213.0"
 #: bucket also counts.
 TCP_IP_HEADER_BYTES = 52
 ETHERNET_HEADER_BYTES = 14
+#: The TCP congestion control every worker namespace uses unless told otherwise.
+CONGESTION = "reno"
 
 
 def check_mtu(mtu: int) -> int:
@@ -106,6 +124,16 @@ def _run(*cmd: str) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {r.stderr.strip() or r.returncode}")
 
 
+def _read_sysctl(ns: str, key: str) -> str:
+    r = subprocess.run(
+        ["ip", "netns", "exec", ns, "sysctl", "-n", key],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return r.stdout.strip()
+
+
 def enter_namespace(name: str) -> None:
     """Move the calling process's (main) thread into network namespace ``name``.
     Call it before creating sockets or threads that must live there."""
@@ -132,6 +160,8 @@ class EmulatedNetwork:
     latency_ms: float = 200.0
     #: Every link's MTU (1500: plain Ethernet; 9000: jumbo frames).
     mtu: int = 1500
+    #: TCP congestion control in every worker namespace (see the module's docstring).
+    congestion: str = CONGESTION
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
     namespaces: list[str] = field(default_factory=list)
     _created: list[str] = field(default_factory=list)
@@ -143,6 +173,35 @@ class EmulatedNetwork:
         if not self.rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0, got {self.rate_mbit}")
         check_mtu(self.mtu)
+        if not self.congestion or not self.congestion.isidentifier():
+            raise ValueError(
+                f"congestion must name a TCP congestion control, got {self.congestion!r}"
+            )
+
+    def describe(self) -> str:
+        """The network in a report's words."""
+        return (
+            f"{self.rate_mbit:g} Mbit/s per worker (tc tbf), MTU {self.mtu}, TCP {self.congestion}"
+        )
+
+    def _congestion(self, ns: str) -> None:
+        """Set the namespace's TCP congestion control; refuse one the host does not
+        allow in namespaces, naming those it does."""
+        key = "net.ipv4.tcp_congestion_control"
+        r = subprocess.run(
+            ["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={self.congestion}"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if r.returncode:
+            allowed = _read_sysctl(ns, "net.ipv4.tcp_allowed_congestion_control")
+            raise RuntimeError(
+                f"TCP congestion control {self.congestion!r} cannot be set in a network "
+                f"namespace here (allowed: {allowed or 'unknown'}): "
+                f"{r.stderr.strip() or r.returncode}"
+            )
+        got = _read_sysctl(ns, key)
+        if got != self.congestion:  # never silently another one
+            raise RuntimeError(f"asked for TCP {self.congestion}, the namespace uses {got!r}")
 
     @property
     def switch(self) -> str:
@@ -223,6 +282,7 @@ class EmulatedNetwork:
                 )
                 _run("ip", "netns", "exec", ns, "ip", "link", "set", WORKER_IFACE, "up")
                 _run("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+                self._congestion(ns)
                 _run("ip", "netns", "exec", self.switch, "ip", "link", "set", b, "master", "br0")
                 _run("ip", "netns", "exec", self.switch, "ip", "link", "set", b, "up")
                 _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "mtu", mtu)
