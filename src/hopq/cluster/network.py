@@ -17,7 +17,7 @@ and on a host whose default is BBR (this project's machines) BBR paces each
 connection at its own estimate of the bottleneck rate, with phases at 0.75x
 of it and a drain to four packets every 10 s. All-reduce traffic comes in
 messages with gaps, not one long stream, and on a 200 Mbit/s link that showed
-up as runs of messages at 15 ms instead of 11.3 ms and stalls of 20-80 ms, on
+up as runs of messages at 15 ms instead of 11.3 ms and stalls of 20-50 ms, on
 one rank or two per call: the slowest rank's time (what a collective costs)
 varied by 10% from call to call for reasons that belong to the host, not to
 the link. Reno (Linux's built-in loss-based control, allowed in every
