@@ -180,25 +180,20 @@ class EmulatedNetwork:
 
     def describe(self) -> str:
         """The network in a report's words."""
-        return (
-            f"{self.rate_mbit:g} Mbit/s per worker (tc tbf), MTU {self.mtu}, TCP {self.congestion}"
-        )
+        return f"{self.rate_mbit:.4g} Mbit/s per worker (tc tbf), MTU {self.mtu}, TCP {self.congestion}"
 
     def _congestion(self, ns: str) -> None:
         """Set the namespace's TCP congestion control; refuse one the host does not
         allow in namespaces, naming those it does."""
         key = "net.ipv4.tcp_congestion_control"
-        r = subprocess.run(
-            ["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={self.congestion}"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if r.returncode:
+        try:
+            _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{key}={self.congestion}")
+        except RuntimeError as e:
             allowed = _read_sysctl(ns, "net.ipv4.tcp_allowed_congestion_control")
             raise RuntimeError(
                 f"TCP congestion control {self.congestion!r} cannot be set in a network "
-                f"namespace here (allowed: {allowed or 'unknown'}): "
-                f"{r.stderr.strip() or r.returncode}"
-            )
+                f"namespace here (allowed: {allowed or 'unknown'}): {e}"
+            ) from e
         got = _read_sysctl(ns, key)
         if got != self.congestion:  # never silently another one
             raise RuntimeError(f"asked for TCP {self.congestion}, the namespace uses {got!r}")

@@ -416,10 +416,7 @@ def run(o: TrainOptions) -> str | None:
         print(msg, flush=True)
     if why is None:
         with EmulatedNetwork(n, rate_mbit=rate, mtu=o.mtu) as net:
-            network = (
-                f"emulated, {rate:.0f} Mbit/s per worker (tc tbf), MTU {o.mtu}, "
-                f"TCP {net.congestion}"
-            )
+            network = f"emulated, {net.describe()}"
             runs = run_workers(n, worker, o, contenders, namespaces=net.namespaces)[0]
     else:
         print(f"no emulated network ({why}): running on plain loopback", flush=True)
