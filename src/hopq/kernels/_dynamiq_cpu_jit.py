@@ -347,21 +347,33 @@ SEGMENT = {2: segment2, 4: segment4, 8: segment8, 16: segment16}
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def supergroup_stats(x, S, out):
     """out[0, j] = mean, out[1, j] = sum of squares of super-group j, both summed
-    in numerics.reduce.tree_sum's order (halves added pairwise)."""
+    in numerics.reduce.tree_sum's order (halves added pairwise). The first level
+    reads x directly (a full row's loop has no padding test and vectorizes), and
+    a row's non-zero test runs only when its squares sum to zero (underflow)."""
     d = x.size
     m = out.shape[1]
-    a = np.empty(S, np.float32)
-    q = np.empty(S, np.float32)
+    h0 = S // 2
+    a = np.empty(max(h0, 1), np.float32)
+    q = np.empty(max(h0, 1), np.float32)
     for r in range(m):
         base = r * S
         cnt = min(S, d - base)
-        nz = False
-        for j in range(S):
-            v = x[base + j] if j < cnt else np.float32(0.0)
-            nz |= v != 0
-            a[j] = v
-            q[j] = v * v
-        h = S // 2
+        if S == 1:
+            a[0] = x[base]
+            q[0] = x[base] * x[base]
+        elif cnt == S:
+            for j in range(h0):
+                u = x[base + j]
+                v = x[base + j + h0]
+                a[j] = u + v
+                q[j] = u * u + v * v
+        else:
+            for j in range(h0):
+                u = x[base + j] if j < cnt else np.float32(0.0)
+                v = x[base + j + h0] if j + h0 < cnt else np.float32(0.0)
+                a[j] = u + v
+                q[j] = u * u + v * v
+        h = h0 // 2
         while h >= 1:
             for j in range(h):
                 a[j] = a[j] + a[j + h]
@@ -369,8 +381,11 @@ def supergroup_stats(x, S, out):
             h //= 2
         out[0, r] = a[0] / np.float32(cnt)
         sq = q[0]
-        if nz and sq == 0:
-            sq = np.float32(1.1754943508222875e-38)  # the smallest normal
+        if sq == 0:
+            for j in range(cnt):
+                if x[base + j] != 0:
+                    sq = np.float32(1.1754943508222875e-38)  # the smallest normal
+                    break
         out[1, r] = sq
 
 
