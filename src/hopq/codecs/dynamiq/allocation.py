@@ -167,8 +167,6 @@ def exact(
         running = torch.cumsum(torch.tensor(dcs, dtype=torch.float64)[sk], 0) + before
         fits = running <= budget
         lev.scatter_reduce_(0, pos[fits], sk[fits] + 1, reduce="amax")
-    if idx.numel() == m:  # no zero class: every super-group is live
-        return widths[lev]
     level[idx] = lev
     return widths[level]
 
