@@ -352,16 +352,19 @@ def supergroup_stats(x, S, out):
     a row's non-zero test runs only when its squares sum to zero (underflow)."""
     d = x.size
     m = out.shape[1]
+    if S == 1:
+        for r in range(m):
+            out[0, r] = x[r]
+            sq = x[r] * x[r]
+            out[1, r] = np.float32(1.1754943508222875e-38) if sq == 0 and x[r] != 0 else sq
+        return
     h0 = S // 2
-    a = np.empty(max(h0, 1), np.float32)
-    q = np.empty(max(h0, 1), np.float32)
+    a = np.empty(S, np.float32)
+    q = np.empty(S, np.float32)
     for r in range(m):
         base = r * S
         cnt = min(S, d - base)
-        if S == 1:
-            a[0] = x[base]
-            q[0] = x[base] * x[base]
-        elif cnt == S:
+        if cnt == S:
             for j in range(h0):
                 u = x[base + j]
                 v = x[base + j + h0]
