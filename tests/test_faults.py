@@ -112,3 +112,24 @@ def test_destroying_the_group_frees_it_after_hopq_used_it():
     outs = spawn(2, group_freed_on_destroy, clean_exit=False, timeout=300)
     assert [o.error for o in outs] == [None, None]
     assert [o.result for o in outs] == [True, True]
+
+
+def test_mismatches_where_the_statistics_ride_with_the_agreement():
+    """At 1M coordinates DynamiQ's statistics take the direct all-reduce, whose
+    first round rides with the agreement (a tail per peer): a rank making another
+    call (another codec sends no tails, another size other tails) still raises
+    MismatchError with every other rank, and the group stays usable."""
+    o = faults.FaultOptions(
+        worlds=(4,), deaths=(), codecs=("dynamiq",), topologies=("ring",), size=1 << 20,
+        mismatches=("size", "codec", "config", "seed"),
+    )  # fmt: skip
+    per_rank = faults.run_mismatches(o, 4)
+    for rows in per_rank:
+        kinds = [kind for _, _, kind, *_ in rows]
+        assert kinds == ["size", "codec", "config", "seed", "recovery"], kinds
+        for codec, topo, kind, what, _ in rows:
+            if kind == "recovery":
+                xs = [faults._input(q, o.size) for q in range(4)]
+                assert torch.equal(what, hopq.simulate(xs, codec, topo, seed=1).outputs[0])
+            else:
+                assert what == "MismatchError", (kind, what)

@@ -235,3 +235,81 @@ def test_exchange_gives_every_block_in_rank_order(n):
     for blocks in out:
         assert [int(b[0]) for b in blocks] == list(range(n))
         assert all(b.numel() == 24 and torch.all(b == b[0]) for b in blocks)
+
+
+def test_statistics_ride_with_the_agreement(monkeypatch):
+    """DynamiQ's statistics of a 4 MiB call take the direct all-reduce, whose
+    first round rides with the agreement: two rounds to every peer before the
+    payload instead of three, with the same bits as the all-gather fold."""
+    import hopq
+    import hopq.comm.transport as transport
+    from hopq.comm import engine
+
+    n = 4
+    xs = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    rounds = []
+    each_peer = transport._each_peer
+
+    def counted(*a, **k):
+        rounds.append(a[4].phase)  # where
+        return each_peer(*a, **k)
+
+    monkeypatch.setattr(transport, "_each_peer", counted)
+    riding = hopq.simulate(xs, "dynamiq", "ring", seed=2).outputs
+    assert sorted(rounds) == ["agreement"] * n + ["statistics"] * n
+    rounds.clear()
+    monkeypatch.setattr(engine, "tails_ride", lambda t: False)
+    apart = hopq.simulate(xs, "dynamiq", "ring", seed=2).outputs
+    assert sorted(rounds) == ["agreement"] * n + ["statistics"] * (2 * n)
+    rounds.clear()
+    monkeypatch.setattr(engine, "DIRECT_STATS_BYTES", 1 << 30)  # the all-gather fold
+    gathered = hopq.simulate(xs, "dynamiq", "ring", seed=2).outputs
+    for a, b, c in zip(riding, apart, gathered, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_exchange_tails_reach_one_peer_each_and_room_is_left_for_them():
+    """A rank sending no tails (a rank making another call than its peers) still
+    receives its peers' blocks with their tails: every receive has room for one."""
+    import threading
+
+    from hopq.comm.framing import Deadline, Where
+    from hopq.comm.transport import TAIL_BYTES, exchange_tails, make_inprocess_group
+
+    n = 3
+    ts = make_inprocess_group(n)
+    out: list = [None] * n
+
+    def work(r: int) -> None:
+        block = torch.full((24,), r, dtype=torch.uint8)
+        tails = (
+            {}
+            if r == 0
+            else {
+                q: torch.full((TAIL_BYTES - q,), 10 * r + q, dtype=torch.uint8)
+                for q in range(n)
+                if q != r
+            }
+        )
+        out[r] = exchange_tails(ts[r], block, tails, Deadline(60), Where("test", 1, -1000))
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for r, (blocks, tails) in enumerate(out):
+        assert [int(b[0]) for b in blocks] == list(range(n))
+        for q, tail in tails.items():
+            if q == 0:
+                assert tail.numel() == 0
+            else:
+                assert tail.numel() == TAIL_BYTES - r and torch.all(tail == 10 * q + r)
+    with pytest.raises(ValueError, match="at most"):
+        exchange_tails(
+            ts[1],
+            torch.zeros(8, dtype=torch.uint8),
+            {0: torch.zeros(TAIL_BYTES + 1, dtype=torch.uint8)},
+            Deadline(1),
+            Where("test", 2, -1000),
+        )

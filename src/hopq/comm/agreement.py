@@ -8,8 +8,16 @@ the tensor's size, dtype and device type, the codecs of both stages with their
 full configuration and their agreed adaptive state, the topology, the op, the
 seed, the round and the key. Every rank then compares all fingerprints and, on
 any difference, raises :class:`~hopq.MismatchError` naming the field and the
-ranks, before any payload or statistic is sent: every rank raises the same
-error, and the group stays usable.
+ranks, before any payload is sent and before any statistic is read: every rank
+raises the same error, and the group stays usable.
+
+A codec's first statistics may travel in the same round, read only once the
+fingerprints agree: small fixed-size ones inside the block, to every peer
+(``extra``), and the first round of a direct statistics all-reduce as a
+different tail per peer (``tails``, :func:`~hopq.comm.transport.exchange_tails`:
+DynamiQ's reduce-scatter, which saves the call a round before its plan).
+Wherever tails can ride, every rank's receives have room for them whether it
+sends any or not, so ranks that disagree about what rides still fit.
 
 Configurations and states are compared by a 63-bit digest (tensors in a state by
 a position-weighted integer checksum of their bits, computed with torch).
@@ -23,7 +31,7 @@ from typing import Any
 import torch
 
 from hopq.comm.framing import Deadline, Where
-from hopq.comm.transport import Transport, exchange
+from hopq.comm.transport import Transport, exchange, exchange_tails, tails_ride
 from hopq.errors import MismatchError
 
 #: Fields of the fingerprint, in order; values are int64.
@@ -150,11 +158,17 @@ def agree(
     where: Where,
     describe: dict[str, str],
     extra: torch.Tensor | None = None,
-) -> list[torch.Tensor] | None:
+    tails: dict[int, torch.Tensor] | None = None,
+) -> tuple[list[torch.Tensor] | None, dict[int, torch.Tensor]]:
     """Exchange the fingerprints; raise MismatchError on every rank if they differ.
     ``describe`` gives this rank's readable value of each field (for the message).
-    ``extra`` (at most FOLD_BYTES bytes) rides along; every rank's is returned,
-    in rank order, once the fingerprints agree."""
+    ``extra`` (at most FOLD_BYTES bytes) rides along to every peer; every rank's
+    is returned, in rank order, once the fingerprints agree. ``tails`` (peer ->
+    at most :data:`~hopq.comm.transport.TAIL_BYTES`; only where
+    :func:`~hopq.comm.transport.tails_ride`) ride to one peer each; returned:
+    the tail each peer sent this rank. Wherever tails can ride, every rank's
+    receives leave room for them, sent or not, so that ranks that disagree
+    about the call still exchange their fingerprints and raise the same error."""
     k = len(FIELDS)
     block = torch.zeros(8 * (k + 1) + FOLD_BYTES, dtype=torch.uint8)
     block[: 8 * k] = torch.tensor(mine, dtype=torch.int64).view(torch.uint8)
@@ -166,7 +180,13 @@ def agree(
             )
         block[8 * k : 8 * k + 8] = torch.tensor([raw.numel()], dtype=torch.int64).view(torch.uint8)
         block[8 * k + 8 : 8 * k + 8 + raw.numel()] = raw
-    blocks = exchange(transport, block, deadline, where)
+    got: dict[int, torch.Tensor] = {}
+    if tails_ride(transport):
+        blocks, got = exchange_tails(transport, block, tails or {}, deadline, where)
+    elif tails:
+        raise ValueError("tails ride only where tails_ride(transport)")
+    else:
+        blocks = exchange(transport, block, deadline, where)
     prints = [b[: 8 * k].clone().view(torch.int64).tolist() for b in blocks]
     diffs = []
     for i, field in enumerate(FIELDS):
@@ -188,7 +208,7 @@ def agree(
             "No payload was sent; the group is still usable."
         )
     if raw is None:
-        return None
+        return None, got
     out = []
     for b in blocks:
         n = int(b[8 * k : 8 * k + 8].clone().view(torch.int64))
@@ -198,7 +218,7 @@ def agree(
                 f"{where.what} (call {where.call})"
             )
         out.append(b[8 * k + 8 : 8 * k + 8 + n].clone())
-    return out
+    return out, got
 
 
 def _show(field: str, values: list[int]) -> str:

@@ -6,8 +6,8 @@ A call goes through four phases:
    same call; any difference raises :class:`~hopq.MismatchError` on every rank
    before anything else is sent.
 2. **Plan**: the codec's statistics exchange (an all-gather reduced in rank
-   order; large statistics reduce-scattered first) and its plan, identical on
-   every rank. The plan cuts the working vector into ``n_chunks * u`` parts:
+   order; large statistics reduce-scattered first, that round riding with the
+   agreement's) and its plan, identical on every rank. The plan cuts the working vector into ``n_chunks * u`` parts:
    *microshard* j of schedule chunk c is part ``c * u + j``.
 3. **Hops**: per chunk, a rank plays one role per phase, read off the schedule:
 
@@ -58,10 +58,13 @@ from hopq.comm.framing import Deadline, Where
 from hopq.comm.topology import Phase, Schedule, Transfer, shard_layout
 from hopq.comm.transport import (
     DIRECT_EXCHANGE_MAX,
+    TAIL_BYTES,
     Handle,
     Transport,
     all_gather,
     direct_all_reduce,
+    direct_pieces,
+    tails_ride,
 )
 from hopq.errors import CodecError
 
@@ -85,7 +88,9 @@ MAX_MICROSHARDS = 8
 #: copies in ceil(log2 n) rounds), at n >= 3. DynamiQ's statistics of a 16 MiB
 #: tensor are 64 KiB: 4 ranks at 200 Mbit/s spent 7-8 ms gathering them (192
 #: KiB per rank) before any payload moved; a ring all-reduce (six rounds) took
-#: 11 ms there.
+#: 11 ms there. The reduce-scatter's pieces ride with the call's agreement when
+#: they fit (:data:`~hopq.comm.transport.TAIL_BYTES` per peer): one round fewer
+#: before the plan (DynamiQ at 16 MiB: 187-189 against 190-193 ms a call).
 DIRECT_STATS_BYTES = 16 * 1024
 #: Whether calls start with the agreement. Only ``hopq bench allreduce
 #: --agreement-cost`` turns it off, to measure what it costs; never in use.
@@ -179,12 +184,16 @@ class _Agreement:
         self.seconds = 0.0
         self.bytes = 0
 
-    def run(self, extra: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+    def run(
+        self, extra: torch.Tensor | None = None, tails: dict[int, torch.Tensor] | None = None
+    ) -> tuple[list[torch.Tensor] | None, dict[int, torch.Tensor]]:
+        """Agree (raising MismatchError on every rank when the calls differ);
+        ``extra`` and ``tails`` ride along (:func:`~hopq.comm.agreement.agree`)."""
         self.done = True
         t0 = time.perf_counter()
         try:
             out = agreement.agree(
-                self.transport, self.mine, self.deadline, self.where, self.describe, extra
+                self.transport, self.mine, self.deadline, self.where, self.describe, extra, tails
             )
         finally:
             self.seconds += time.perf_counter() - t0
@@ -244,18 +253,32 @@ class _StatsExchange:
         n = self.world_size
         nbytes = t.numel() * t.element_size()
         if not self._folds() and n > 1 and t.numel():
+            direct = n > 2 and nbytes >= DIRECT_STATS_BYTES and t.numel() >= n
+            held = None
             if not self.agreement.done:
-                self.agreement.run()
-            if n > 2 and nbytes >= DIRECT_STATS_BYTES and t.numel() >= n:
+                pieces = direct_pieces(t, n) if direct else []
+                if (
+                    direct
+                    and tails_ride(self.transport)
+                    and all(p.numel() * p.element_size() <= TAIL_BYTES for p in pieces)
+                ):
+                    # the direct all-reduce's first round rides with the agreement
+                    _, held = self.agreement.run(
+                        tails={q: p for q, p in enumerate(pieces) if q != self.rank}
+                    )
+                else:
+                    self.agreement.run()
+            if direct:
                 self.bytes += 2 * (n - 1) / n * nbytes
                 self.calls += 1
                 here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
-                self.frame_bytes += 2 * (n - 1) * framing.header_nbytes(1)
+                rounds = 1 if held is not None else 2
+                self.frame_bytes += rounds * (n - 1) * framing.header_nbytes(1)
                 t0 = time.perf_counter()
                 try:
                     return direct_all_reduce(
                         self.transport, t, lambda acc, mine: _combine(acc, mine, op),
-                        self.deadline, here,
+                        self.deadline, here, held,
                     )  # fmt: skip
                 finally:
                     self.seconds += time.perf_counter() - t0
@@ -297,7 +320,7 @@ class _StatsExchange:
                 )
             self.calls += 1
             self.bytes += wire_bytes
-            extras = self.agreement.run(t)
+            extras, _ = self.agreement.run(t)
             assert extras is not None
             return [e.view(t.dtype).view(t.shape).to(t.device) for e in extras]
         if not self.agreement.done:

@@ -17,10 +17,11 @@ the peer and where in the call this rank was.
 operations (Bruck's algorithm: ceil(log2 n) rounds), so its failures name a
 peer too, and its result is assembled in rank order: bit-identical on every
 rank and in the simulator. The agreement before a call uses :func:`exchange`
-(one round to every peer, Bruck beyond 32 ranks). Statistics of many
+(one round to every peer, Bruck beyond 32 ranks), or :func:`exchange_tails`,
+which also carries a different tail to each peer. Statistics of many
 bytes (DynamiQ's, two per super-group) go through :func:`direct_all_reduce`
 instead, which sends 2(n-1)/n of them rather than n-1 copies, with the same
-bits.
+bits; its first round can ride with the agreement as those tails.
 """
 
 from __future__ import annotations
@@ -337,25 +338,33 @@ def _each_peer(
     sizes: dict[int, int],
     deadline: Deadline,
     where: Where,
+    bound: int | None = None,
 ) -> dict[int, torch.Tensor]:
     """One round with every peer q at once: send ``bodies[q]`` (framed), receive
-    ``sizes[q]`` bytes from q (its header checked); the received bytes by peer."""
+    ``sizes[q]`` bytes from q (its header checked); the received bytes by peer.
+    With ``bound``, every message in the round (either way) has a body of at
+    most ``bound`` bytes, whose length its header gives: receives are posted for
+    the bound (``sizes`` is ignored) and what arrived is returned (padded to the
+    bound on transports that need equal sizes, NCCL)."""
     sends, recvs, bufs = [], [], {}
+    pad = bound is not None and not transport.short_messages
     for q, body in bodies.items():
         raw = body.contiguous().reshape(-1).view(torch.uint8)
-        sends += [
-            (q, p) for p in framing.pack(framing.frame(where, [raw.numel()]), raw, raw.numel())
-        ]
-        bufs[q] = [transport.buffer(nb, body.device) for nb in framing.expect(1, sizes[q])]
+        cap = raw.numel() if bound is None else bound
+        head = framing.frame(where, [raw.numel()])
+        sends += [(q, p) for p in framing.pack(head, raw, cap, pad)]
+        want = sizes[q] if bound is None else bound
+        bufs[q] = [transport.buffer(nb, body.device) for nb in framing.expect(1, want)]
         recvs += [(q, b) for b in bufs[q]]
     sh, rh = transport.post(sends, recvs, where)
     for h in rh:
         h.wait(deadline, where)
     got = {}
-    for q, size in sizes.items():
-        head, body = framing.unpack(bufs[q], 1, size)
-        framing.check(head, where, q, transport.rank, [size], exact=True)
-        got[q] = body[:size].clone()
+    for q in bodies:
+        want = sizes[q] if bound is None else bound
+        head, body = framing.unpack(bufs[q], 1, want)
+        (length,) = framing.check(head, where, q, transport.rank, [want], exact=bound is None)
+        got[q] = body[:length].clone()
     for h in sh:
         h.wait(deadline, where)
     return got
@@ -381,43 +390,115 @@ def exchange(
     return [got[q] for q in range(n)]
 
 
+#: Bytes that may ride after :func:`exchange_tails`'s block, per peer: the
+#: largest that keeps block, tail and header one message (Gloo: a second message
+#: costs ~100 us).
+TAIL_BYTES = framing.COALESCE_BYTES - 1024
+
+
+def tails_ride(transport: Transport) -> bool:
+    """Whether :func:`exchange_tails` runs on this transport: one round to every
+    peer (n <= :data:`DIRECT_EXCHANGE_MAX`) on a transport whose receives take
+    shorter messages (Gloo, the simulator; not NCCL)."""
+    return transport.short_messages and 1 < transport.world_size <= DIRECT_EXCHANGE_MAX
+
+
+def exchange_tails(
+    transport: Transport,
+    block: torch.Tensor,
+    tails: dict[int, torch.Tensor],
+    deadline: Deadline,
+    where: Where,
+) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+    """:func:`exchange`, where the message to peer q also carries ``tails[q]``
+    (at most :data:`TAIL_BYTES`; a peer without one gets the block alone), in the
+    same single round. Every rank posts its receives for a block plus
+    TAIL_BYTES whether it sends tails or not, so that ranks that disagree about
+    what rides (the agreement's case: ranks making different calls) still
+    exchange messages that fit and can compare their blocks. Returns every
+    rank's block in rank order, and the tail each peer sent this rank (empty
+    when none). Needs :func:`tails_ride`."""
+    n, r = transport.world_size, transport.rank
+    if not tails_ride(transport):
+        raise ValueError("tails ride only on a direct exchange over short-message transports")
+    raw = block.contiguous().reshape(-1).view(torch.uint8)
+    k = raw.numel()
+    peers = [q for q in range(n) if q != r]
+    bodies = {}
+    for q in peers:
+        tail = tails.get(q)
+        if tail is None:
+            bodies[q] = raw
+            continue
+        t8 = tail.detach().contiguous().reshape(-1).view(torch.uint8).to(raw.device)
+        if t8.numel() > TAIL_BYTES:
+            raise ValueError(f"at most {TAIL_BYTES} bytes ride after a block, got {t8.numel()}")
+        bodies[q] = torch.cat([raw, t8])
+    got = _each_peer(transport, bodies, {}, deadline, where, bound=k + TAIL_BYTES)
+    for q, b in got.items():
+        if b.numel() < k:
+            raise TransportError(
+                f"rank {r}: the message from rank {q} in {where.describe()} is shorter "
+                f"({b.numel()} bytes) than the {k} bytes of this rank's block"
+            )
+    blocks = [raw if q == r else got[q][:k] for q in range(n)]
+    return blocks, {q: got[q][k:] for q in peers}
+
+
+def direct_pieces(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The n near-equal pieces :func:`direct_all_reduce` cuts ``t`` into (piece q
+    goes to rank q), as views of its flat form."""
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() < n:
+        raise ValueError(f"a direct all-reduce over {n} ranks needs at least {n} elements")
+    cuts = [flat.numel() * i // n for i in range(n + 1)]
+    return [flat[cuts[q] : cuts[q + 1]] for q in range(n)]
+
+
 def direct_all_reduce(
     transport: Transport,
     t: torch.Tensor,
     combine: Callable[[torch.Tensor, torch.Tensor], None],
     deadline: Deadline,
     where: Where,
+    held: dict[int, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The reduction of every rank's ``t`` (same shape and dtype on every rank)
     in two rounds, each rank sending 2(n-1)/n of the bytes where an all-gather
-    sends n-1 whole copies: t is cut into n near-equal pieces, every rank sends
-    piece q to rank q (one message per peer, all at once), rank q folds the n
-    pieces it holds in rank order with ``combine(acc, next)`` (in place), and
-    sends its result to every peer. The order is the one :func:`all_gather`
-    followed by a fold in rank order gives, so the bits are the same as that
-    way's, on every rank and in the simulator. Needs at least n elements."""
+    sends n-1 whole copies: t is cut into n near-equal pieces
+    (:func:`direct_pieces`), every rank sends piece q to rank q (one message per
+    peer, all at once), rank q folds the n pieces it holds in rank order with
+    ``combine(acc, next)`` (in place), and sends its result to every peer. The
+    order is the one :func:`all_gather` followed by a fold in rank order gives,
+    so the bits are the same as that way's, on every rank and in the simulator.
+    Needs at least n elements. ``held``: the first round already happened (the
+    pieces rode with the call's agreement): the bytes of this rank's piece
+    from each peer."""
     n, r = transport.world_size, transport.rank
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() < n:
-        raise ValueError(f"a direct all-reduce over {n} ranks needs at least {n} elements")
-    cuts = [flat.numel() * i // n for i in range(n + 1)]
-    item = flat.element_size()
+    pieces = direct_pieces(t, n)
+    item = t.element_size()
     peers = [q for q in range(n) if q != r]
 
     def at(rnd: int) -> Where:
         return Where(where.what, where.call, where.step, rnd, where.phase)
 
-    mine = (cuts[r + 1] - cuts[r]) * item
-    held = _each_peer(
-        transport, {q: flat[cuts[q] : cuts[q + 1]] for q in peers}, dict.fromkeys(peers, mine),
-        deadline, at(0),
-    )  # fmt: skip
-    pieces = {q: b.view(t.dtype) for q, b in held.items()}
-    pieces[r] = flat[cuts[r] : cuts[r + 1]]
-    acc = pieces[0].clone()
+    mine = pieces[r].numel() * item
+    if held is None:
+        held = _each_peer(
+            transport, {q: pieces[q] for q in peers}, dict.fromkeys(peers, mine), deadline, at(0)
+        )
+    for q in peers:
+        if held[q].numel() != mine:
+            raise TransportError(
+                f"rank {r}: rank {q} sent {held[q].numel()} bytes of its statistics' piece, "
+                f"this rank expects {mine}, in {where.describe()}"
+            )
+    got = {q: b.view(t.dtype) for q, b in held.items()}
+    got[r] = pieces[r]
+    acc = got[0].clone()
     for q in range(1, n):
-        combine(acc, pieces[q])
-    sizes = {q: (cuts[q + 1] - cuts[q]) * item for q in peers}
+        combine(acc, got[q])
+    sizes = {q: pieces[q].numel() * item for q in peers}
     done = {
         q: b.view(t.dtype)
         for q, b in _each_peer(transport, dict.fromkeys(peers, acc), sizes, deadline, at(1)).items()
