@@ -342,17 +342,16 @@ def _each_peer(
 ) -> dict[int, torch.Tensor]:
     """One round with every peer q at once: send ``bodies[q]`` (framed), receive
     ``sizes[q]`` bytes from q (its header checked); the received bytes by peer.
-    With ``bound``, every message in the round (either way) has a body of at
-    most ``bound`` bytes, whose length its header gives: receives are posted for
-    the bound (``sizes`` is ignored) and what arrived is returned (padded to the
-    bound on transports that need equal sizes, NCCL)."""
+    With ``bound`` (transports that take short messages), every message in the
+    round (either way) has a body of at most ``bound`` bytes, whose length its
+    header gives: receives are posted for the bound (``sizes`` is ignored) and
+    what arrived is returned."""
     sends, recvs, bufs = [], [], {}
-    pad = bound is not None and not transport.short_messages
     for q, body in bodies.items():
         raw = body.contiguous().reshape(-1).view(torch.uint8)
         cap = raw.numel() if bound is None else bound
         head = framing.frame(where, [raw.numel()])
-        sends += [(q, p) for p in framing.pack(head, raw, cap, pad)]
+        sends += [(q, p) for p in framing.pack(head, raw, cap)]
         want = sizes[q] if bound is None else bound
         bufs[q] = [transport.buffer(nb, body.device) for nb in framing.expect(1, want)]
         recvs += [(q, b) for b in bufs[q]]
