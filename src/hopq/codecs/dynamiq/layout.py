@@ -136,9 +136,11 @@ def build_plan(
     sw = w[order]
     sorted_widths = tuple(sw.tolist())
     perm = order.to(mu.device)
+    # runs of one width: segments are the pieces of a chunk between width changes
+    changes = (torch.nonzero(sw[1:] != sw[:-1]).reshape(-1) + 1).tolist()
     lut = torch.zeros(int(w.max()) + 1 if m else 1, dtype=torch.int64)
-    for v in set(sorted_widths):
-        lut[v] = cfg.sg_bits(v) // 8
+    for v in {sorted_widths[k] for k in [0, *changes][: len(changes) + (m > 0)]}:
+        lut[v] = cfg.sg_bits(v) // 8  # every run's width: each value present
     cum64 = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lut[sw], 0)])
     cum = cum64.double()  # exact below 2^53 bytes
     if bounds is None:
@@ -147,9 +149,9 @@ def build_plan(
         chunks_sg = []
         for lo, hi in ranges:
             chunks_sg += nested_split(cum, lo, hi, 1, microshards)
-    # runs of one width: segments are the pieces of a chunk between width changes
-    changes = (torch.nonzero(sw[1:] != sw[:-1]).reshape(-1) + 1).tolist()
-    offsets = cum64.tolist()
+    # byte offsets only where segments start or end (16K entries as a list: 0.2 ms)
+    at = sorted({0, m, *changes, *(k for c in chunks_sg for k in c)})
+    offsets = dict(zip(at, cum64[at].tolist(), strict=True))
     segments = []
     for lo, hi in chunks_sg:
         cuts = [lo, *changes[bisect_right(changes, lo) : bisect_left(changes, hi)], hi]
@@ -162,7 +164,7 @@ def build_plan(
                     )
                 )
         segments.append(tuple(segs))
-    sg_bytes_total = offsets[-1]
+    sg_bytes_total = offsets[m]
     total_bits = 8 * sg_bytes_total + stats_weight * STATS_BITS * m
     return DynamiQPlan(
         numel=d,
