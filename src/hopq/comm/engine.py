@@ -90,7 +90,7 @@ MAX_MICROSHARDS = 8
 #: KiB per rank) before any payload moved; a ring all-reduce (six rounds) took
 #: 11 ms there. The reduce-scatter's pieces ride with the call's agreement when
 #: they fit (:data:`~hopq.comm.transport.TAIL_BYTES` per peer): one round fewer
-#: before the plan (DynamiQ at 16 MiB: 187-189 against 190-193 ms a call).
+#: before the plan (DynamiQ at 16 MiB: 186-191 against 190-193 ms a call).
 DIRECT_STATS_BYTES = 16 * 1024
 #: Whether calls start with the agreement. Only ``hopq bench allreduce
 #: --agreement-cost`` turns it off, to measure what it costs; never in use.
