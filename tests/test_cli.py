@@ -45,6 +45,7 @@ def _error(capsys, argv):
         (["bench", "allreduce", "--mtu", "9000"], "give --rate-mbit too"),
         (["bench", "allreduce", "--rate-mbit", "100", "--mtu", "100"], "between 576 and 65535"),
         (["train", "--no-network", "--mtu", "9000"], "--no-network turns off"),
+        (["train", "--no-network", "--tcp-congestion", "bbr"], "--no-network turns off"),
         # options of a part (or optimizer, workload, validation) the run does not have
         (["bench", "gqsgd", "--quality-steps", "5"], "only acts with --parts quality"),
         (["bench", "equarx", "--rate-mbit", "100"], "only acts with --parts timing"),

@@ -210,8 +210,10 @@ def test_torchrun_says_which_options_it_ignores():
     from hopq.train.job import TrainOptions, ignored_under_torchrun
 
     assert ignored_under_torchrun(TrainOptions()) == ""
-    note = ignored_under_torchrun(TrainOptions(rate_mbit=100, mtu=9000, world_size=2))
-    for flag in ("--rate-mbit 100", "--mtu 9000", "--world-size 2"):
+    note = ignored_under_torchrun(
+        TrainOptions(rate_mbit=100, mtu=9000, world_size=2, tcp_congestion="bbr")
+    )
+    for flag in ("--rate-mbit 100", "--mtu 9000", "--world-size 2", "--tcp-congestion bbr"):
         assert flag in note
     assert "--comm-share" not in note and "ignored under torchrun" in note
     assert "--no-network ignored" in ignored_under_torchrun(TrainOptions(network=False))

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hopq.cluster.network import check_mtu
+from hopq.cluster.network import CONGESTION, check_mtu
 from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
 from hopq.options import changed_options, option
@@ -95,6 +95,11 @@ class TrainOptions:
         0.0, "per-worker link rate of the emulated network in Mbit/s; 0: calibrate it"
     )
     mtu: int = option(1500, "the emulated links' MTU (9000: jumbo frames)")
+    tcp_congestion: str = option(
+        CONGESTION,
+        "TCP congestion control in the emulated network's namespaces (reno: the link "
+        "is the only limit; bbr: the host's default here, whose probing slows some calls)",
+    )
     comm_share: float = option(
         0.4,
         "when calibrating: the share of torch:fp16's step (with its overlap) that its "
@@ -143,6 +148,10 @@ class TrainOptions:
         if self.mtu != 1500 and not self.network:
             raise ValueError(
                 "--mtu sets the emulated network's links, which --no-network turns off"
+            )
+        if self.tcp_congestion != CONGESTION and not self.network:
+            raise ValueError(
+                "--tcp-congestion sets the emulated network's TCP, which --no-network turns off"
             )
         if self.rate_mbit > 0 and not self.network:
             raise ValueError(
@@ -357,7 +366,7 @@ def _calibrate(o: TrainOptions, n: int) -> tuple[float, str]:
     compute, _, sent = run_workers(n, _calibrate_worker, o)[0]
     want = compute * o.comm_share / (1 - o.comm_share)  # exposed seconds per step
     rate0 = sent * 8 / 1e6 / want
-    with EmulatedNetwork(n, rate_mbit=rate0, mtu=o.mtu) as net:
+    with EmulatedNetwork(n, rate_mbit=rate0, mtu=o.mtu, congestion=o.tcp_congestion) as net:
         compute0, exposed0, _ = run_workers(n, _calibrate_worker, o, namespaces=net.namespaces)[0]
     hidden = max(0.0, sent * 8 / 1e6 / rate0 - exposed0)
     rate = sent * 8 / 1e6 / (hidden + want)
@@ -376,7 +385,7 @@ def ignored_under_torchrun(o: TrainOptions) -> str:
     changed = changed_options(o)
     flags = [
         f"--{name.replace('_', '-')} {getattr(o, name)}"
-        for name in ("world_size", "rate_mbit", "mtu", "comm_share")
+        for name in ("world_size", "rate_mbit", "mtu", "tcp_congestion", "comm_share")
         if name in changed
     ]
     if not o.network:
@@ -415,7 +424,7 @@ def run(o: TrainOptions) -> str | None:
         rate, msg = _calibrate(o, n)
         print(msg, flush=True)
     if why is None:
-        with EmulatedNetwork(n, rate_mbit=rate, mtu=o.mtu) as net:
+        with EmulatedNetwork(n, rate_mbit=rate, mtu=o.mtu, congestion=o.tcp_congestion) as net:
             network = f"emulated, {net.describe()}"
             runs = run_workers(n, worker, o, contenders, namespaces=net.namespaces)[0]
     else:
