@@ -7,8 +7,9 @@ A call goes through four phases:
    before anything else is sent.
 2. **Plan**: the codec's statistics exchange (an all-gather reduced in rank
    order; large statistics reduce-scattered first, that round riding with the
-   agreement's) and its plan, identical on every rank. The plan cuts the working vector into ``n_chunks * u`` parts:
-   *microshard* j of schedule chunk c is part ``c * u + j``.
+   agreement's) and its plan, identical on every rank. The plan cuts the
+   working vector into ``n_chunks * u`` parts: *microshard* j of schedule
+   chunk c is part ``c * u + j``.
 3. **Hops**: per chunk, a rank plays one role per phase, read off the schedule:
 
    * leaf: it sends the chunk before receiving any of it -> ``encode``;
