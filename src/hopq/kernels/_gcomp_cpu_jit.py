@@ -1,19 +1,26 @@
 """numba kernels of GComp (compiled on first import, cached on disk). Same bits
 as :mod:`hopq.codecs.gcomp.reference`; errors come back as negative codes.
 
-Bit streams are MSB first. The encoder makes two passes over a chunk: the
-levels (a loop LLVM vectorizes), then the three streams. Writers keep a 64-bit
-accumulator and store a whole 32-bit big-endian word at every value without a
-branch (the word index only advances once 32 bits are complete; until then the
-store is overwritten), into word buffers copied to the payload at the end of
-the chunk; the loop's indices are unsigned (no negative-index wrap-around
-code). Readers copy each stream into big-endian 64-bit words (zero padded).
-Exponents are decoded from a 64-bit bit buffer refilled 32 bits at a time, so
-that the loop's serial chain is only lookup -> shift; a 2-bit level is one
-load; a mantissa field is peeked at its bit position with two loads and
-shifts. A zero (pruned) value writes level and mantissa fields of width 0. The
-fused hop works chunk by chunk while the chunk is in cache: decode, add, then
-encode the sum (one loop doing all three spilled registers and was slower)."""
+Bit streams are MSB first. The encoder works on sub-blocks of ``SUB`` values
+that stay in L1: a first loop, which LLVM vectorizes, turns each value into
+three records ``bits << 6 | width`` (its exponent's code from the table, its
+2-bit level, its sign and kept mantissa bits; widths 0 for a pruned zero), and
+a second loop appends the three records to their streams. A writer is a 64-bit
+accumulator and the stream's total bit count ``P``: after each append it
+stores, without a branch, the last complete 32-bit word (the one ending at bit
+``32 * (P >> 5)``, which the accumulator still holds) at word ``P >> 5`` of a
+buffer whose word 0 is scratch, so the loop keeps no word index and no
+per-stream remainder.
+
+The decoder reads exponents from a 64-bit bit buffer refilled 32 bits at a
+time from big-endian words, so the loop's serial chain is lookup -> shift; the
+lookup table packs ``symbol << 8 | length`` and one compare sends the escape
+and the codes the table does not know to a rare branch. The levels are first
+unpacked one per byte, and a mantissa field is peeked at its bit position with
+two loads and a funnel shift. Reads past a stream's end stay inside the
+scratch buffers (each sized for a chunk's worst case), and the counts are
+checked once at the end of the chunk against the header. The fused hop works
+chunk by chunk while the chunk is in cache: decode, add, then encode the sum."""
 
 # mypy: ignore-errors
 from __future__ import annotations
@@ -25,6 +32,16 @@ _O = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"
 
 _U64 = np.uint64
 _U32 = np.uint32
+
+#: Values per encoder sub-block: three 4-byte records each, 24 KiB, in L1.
+SUB = 2048
+#: Lookup-table entries at or above this (symbol >= 256) are the escape or a
+#: code the table does not know (symbol 257).
+_RARE = 256 << 8
+#: By level + 4 * (value != 0): the kept sign + mantissa bits, and the mask of
+#: the kept mantissa bits (all 0 for a pruned zero).
+_KEEP = np.array([0, 0, 0, 0, 24, 18, 12, 6], np.uint64)
+_MASK = np.array([0, 0, 0, 0, 0x7FFFFF, 0x7FFFC0, 0x7FF000, 0x7C0000], np.uint64)
 
 
 @njit(**_O)
@@ -53,62 +70,31 @@ def _bswap64(v):
 
 
 @njit(**_O)
-def _words(p, start, nbytes, buf8):
-    """The stream p[start : start + nbytes] as big-endian uint64 words (two zero
-    words of padding) in buf8's memory; returns the word view."""
-    nw = (nbytes + 7) >> 3
-    buf8[:nbytes] = p[start : start + nbytes]
-    buf8[nbytes : 8 * nw + 16] = 0
-    w = buf8[: 8 * nw + 16].view(np.uint64)
-    for j in range(nw):
-        w[j] = _bswap64(w[j])
-    return w
+def _copy(dst, d0, src, s0, n):
+    """dst[d0 : d0 + n] = src[s0 : s0 + n] as a loop LLVM turns into a memory
+    copy (numba's slice assignment goes element by element: ten times slower)."""
+    d0 = _U64(d0)
+    s0 = _U64(s0)
+    for j in range(n):
+        dst[d0 + _U64(j)] = src[s0 + _U64(j)]
 
 
-@njit(inline="always", **_O)
-def _peek(w0, w1, pos, width):
-    """``width`` (1-32) bits at bit ``pos`` of a word stream, w0 and w1 its
-    words pos >> 6 and pos >> 6 + 1 (scalars: an array argument would cost a
-    reference count per call inside the loops)."""
-    o = _U64(pos & 63)
-    hi = (w0 << o) | ((w1 >> _U64(1)) >> (_U64(63) - o))
-    return hi >> _U64(64 - width)
+# -- encoder -------------------------------------------------------------------
 
 
 @njit(**_O)
-def _flush(wbuf, wi, acc, nacc, out, pos):
-    """Write the last partial word and copy the stream's bytes into out at pos;
-    returns the byte count."""
-    if nacc > 0:
-        wbuf[wi] = _bswap32(_U32((acc << _U64(32 - nacc)) & _U64(0xFFFFFFFF)))
-    nbits = 32 * wi + nacc
-    nb = (nbits + 7) >> 3
-    out[pos : pos + nb] = wbuf.view(np.uint8)[:nb]
-    return nb
-
-
-@njit(**_O)
-def _scratch(C, n_theta):
-    nw = (C * (n_theta + 8)) // 32 + 4
-    return (
-        np.empty(nw, np.uint32),
-        np.empty((2 * C) // 32 + 4, np.uint32),
-        np.empty((24 * C) // 32 + 4, np.uint32),
-    )
-
-
-@njit(**_O)
-def _levels(xu, xf, thr, has_thr, fixed, s, e, lvs):
-    """Pass 1 of a chunk (vectorized by LLVM): each value's level, 0 for zeros
-    and Inf/NaN exponents."""
-    m = e - s
+def _records(xu, xf, thr, has_thr, fixed, etab, s, m, lvs, re, rl, rm):
+    """Loop 1 of a sub-block: values s..s+m as records ``bits << 6 | width`` of
+    the exponent, level and mantissa streams. Unsigned indices and masks, not
+    branches: LLVM vectorizes every loop but the table lookup's."""
+    s = _U64(s)
     if fixed >= 0:
         for i in range(m):
             lvs[i] = _U32(fixed)
     elif has_thr:
         for i in range(m):
-            a = abs(xf[s + i])
-            t = thr[s + i]
+            a = abs(xf[s + _U64(i)])
+            t = thr[s + _U64(i)]
             lvs[i] = (
                 _U32(a * np.float32(64.0) < t)
                 + _U32(a * np.float32(4096.0) < t)
@@ -118,64 +104,102 @@ def _levels(xu, xf, thr, has_thr, fixed, s, e, lvs):
         for i in range(m):
             lvs[i] = _U32(0)
     for i in range(m):
-        ex = (xu[s + i] >> _U32(23)) & _U32(0xFF)
-        lvs[i] = lvs[i] * _U32((ex != _U32(0)) & (ex != _U32(255)))
+        b = xu[s + _U64(i)]
+        ex = (b >> _U32(23)) & _U32(0xFF)
+        nz = _U32(ex != _U32(0))
+        mnz = _U32(0) - nz
+        # level 0 for zeros, Inf and NaN (exponent 0 or 255)
+        lv = lvs[i] & (_U32(0) - _U32((ex - _U32(1)) < _U32(254)))
+        sh = _U32(6) * lv
+        field = (((b >> _U32(8)) & _U32(0x800000)) | (b & _U32(0x7FFFFF))) >> sh
+        rl[i] = (lv << _U32(6)) | (nz + nz)
+        rm[i] = ((field & mnz) << _U32(6)) | ((_U32(24) - sh) & mnz)
+    for i in range(m):
+        re[i] = etab[(xu[s + _U64(i)] >> _U32(23)) & _U32(0xFF)]
 
 
 @njit(**_O)
-def _encode_chunk(xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, e, ew, lw, mw, out, pos, lvs):
+def _append(re, rl, rm, m, ew, lw, mw, st):
+    """Loop 2: append m records to the three streams. st: [acc, P] of each
+    writer (exponents, levels, mantissas), updated."""
+    ea = st[0]
+    ep = st[1]
+    la = st[2]
+    lp = st[3]
+    ma = st[4]
+    mp = st[5]
+    m31 = _U64(31)
+    m63 = _U64(63)
+    for i in range(m):
+        r = _U64(re[i])
+        w = r & m63
+        ea = (ea << w) | (r >> _U64(6))
+        ep += w
+        ew[ep >> _U64(5)] = _bswap32(_U32((ea >> (ep & m31)) & _U64(0xFFFFFFFF)))
+        r = _U64(rl[i])
+        w = r & m63
+        la = (la << w) | (r >> _U64(6))
+        lp += w
+        lw[lp >> _U64(5)] = _bswap32(_U32((la >> (lp & m31)) & _U64(0xFFFFFFFF)))
+        r = _U64(rm[i])
+        w = r & m63
+        ma = (ma << w) | (r >> _U64(6))
+        mp += w
+        mw[mp >> _U64(5)] = _bswap32(_U32((ma >> (mp & m31)) & _U64(0xFFFFFFFF)))
+    st[0] = ea
+    st[1] = ep
+    st[2] = la
+    st[3] = lp
+    st[4] = ma
+    st[5] = mp
+
+
+@njit(**_O)
+def _flush(wbuf, acc, nbits, out, pos):
+    """Write the stream's last partial word and copy its bytes (word 1 on of
+    wbuf) into out at pos; returns the byte count."""
+    r = nbits & 31
+    if r > 0:
+        wbuf[(nbits >> 5) + 1] = _bswap32(_U32((acc << _U64(32 - r)) & _U64(0xFFFFFFFF)))
+    nb = (nbits + 7) >> 3
+    _copy(out, pos, wbuf.view(np.uint8), 4, nb)
+    return nb
+
+
+@njit(**_O)
+def _enc_scratch(C, n_theta):
+    """(exponent, level, mantissa word buffers, level scratch, three record
+    buffers, writer state) for chunks of at most C values."""
+    return (
+        np.empty((C * (n_theta + 8)) // 32 + 4, np.uint32),
+        np.empty((2 * C) // 32 + 4, np.uint32),
+        np.empty((24 * C) // 32 + 4, np.uint32),
+        np.empty(SUB, np.uint32),
+        np.empty(SUB, np.uint32),
+        np.empty(SUB, np.uint32),
+        np.empty(SUB, np.uint32),
+        np.zeros(6, np.uint64),
+    )
+
+
+@njit(**_O)
+def _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, scr, out, pos):
     """Encode values s..e of xu (uint32 bits; xf the same memory as float32) as
     one chunk at out[pos:]; returns (bytes, nnz, exponent bits, mantissa bits)."""
-    _levels(xu, xf, thr, has_thr, fixed, s, e, lvs)
-    eacc = _U64(0)
-    en = _U64(0)
-    ei = _U64(0)
-    lacc = _U64(0)
-    ln_ = _U64(0)
-    li = _U64(0)
-    macc = _U64(0)
-    mn = _U64(0)
-    mi = _U64(0)
-    nnz = _U64(0)
-    m31 = _U64(31)
-    for i in range(e - s):
-        b = xu[_U64(s + i)]
-        ex = (b >> _U32(23)) & _U32(0xFF)
-        w = _U64(enc_len[ex])
-        eacc = (eacc << w) | _U64(enc_code[ex])
-        en += w
-        ew[ei] = _bswap32(_U32((eacc >> (en & m31)) & _U64(0xFFFFFFFF)))
-        ei += en >> _U64(5)
-        en &= m31
-        nz = _U64(ex != _U32(0))
-        nnz += nz
-        lv = _U64(lvs[_U64(i)])
-        lacc = (lacc << (nz + nz)) | lv
-        ln_ += nz + nz
-        lw[li] = _bswap32(_U32((lacc >> (ln_ & m31)) & _U64(0xFFFFFFFF)))
-        li += ln_ >> _U64(5)
-        ln_ &= m31
-        sh = _U64(6) * lv
-        keep = (_U64(24) - sh) & (_U64(0) - nz)
-        field = (_U64(((b >> _U32(31)) << _U32(23)) | (b & _U32(0x7FFFFF))) >> sh) & (_U64(0) - nz)
-        macc = (macc << keep) | field
-        mn += keep
-        mw[mi] = _bswap32(_U32((macc >> (mn & m31)) & _U64(0xFFFFFFFF)))
-        mi += mn >> _U64(5)
-        mn &= m31
-    ei = int(ei)
-    en = int(en)
-    li = int(li)
-    ln_ = int(ln_)
-    mi = int(mi)
-    mn = int(mn)
-    eb = 32 * ei + en
-    mb = 32 * mi + mn
+    ew, lw, mw, lvs, re, rl, rm, st = scr
+    st[:] = 0
+    for b in range(s, e, SUB):
+        m = min(SUB, e - b)
+        _records(xu, xf, thr, has_thr, fixed, etab, b, m, lvs, re, rl, rm)
+        _append(re, rl, rm, m, ew, lw, mw, st)
+    eb = int(st[1])
+    lb = int(st[3])
+    mb = int(st[5])
     p = pos
-    p += _flush(ew, ei, eacc, en, out, p)
-    p += _flush(lw, li, lacc, ln_, out, p)
-    p += _flush(mw, mi, macc, mn, out, p)
-    return p - pos, int(nnz), eb, mb
+    p += _flush(ew, st[0], eb, out, p)
+    p += _flush(lw, st[2], lb, out, p)
+    p += _flush(mw, st[4], mb, out, p)
+    return p - pos, lb >> 1, eb, mb
 
 
 @njit(**_O)
@@ -199,112 +223,133 @@ def _block_header(out, head, pos):
 
 
 @njit(**_O)
-def encode_block(xu, xf, thr, has_thr, fixed, enc_code, enc_len, n_theta, C, out, head):
+def encode_block(xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head):
     """xu: float32 values viewed as uint32 (xf: as float32); writes the block
-    into out (the bound's size); returns the payload length. head: the 8
-    block-header words (the compressed length filled in here)."""
+    into out (the bound's size); returns the payload length. etab: each
+    exponent's code << 6 | length. head: the 8 block-header words (the
+    compressed length filled in here)."""
     n = xu.shape[0]
     k = (n + C - 1) // C
     pos = 32 + 24 * k
-    ew, lw, mw = _scratch(min(C, max(n, 1)), n_theta)
-    lvs = np.empty(min(C, max(n, 1)), np.uint32)
+    scr = _enc_scratch(min(C, max(n, 1)), n_theta)
     for c in range(k):
         s = c * C
         e = min(n, s + C)
-        nb, nnz, eb, mb = _encode_chunk(
-            xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, e, ew, lw, mw, out, pos, lvs
-        )
+        nb, nnz, eb, mb = _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, scr, out, pos)
         _chunk_header(out, c, pos, nb, e - s, nnz, eb, mb)
         pos += nb
     _block_header(out, head, pos)
     return pos
 
 
+# -- decoder -------------------------------------------------------------------
+
+
 @njit(**_O)
-def _stream_words(p, heads, c, bufs):
+def _dec_scratch(C, n_theta):
+    """(exponent words, levels one per byte, mantissa words, decoded values)
+    for chunks of at most C values."""
+    return (
+        np.empty((C * (n_theta + 8)) // 32 + 8, np.uint32),
+        np.zeros(C + 8, np.uint8),  # zeros: a corrupt count reads levels 0-3 only
+        np.empty((3 * C) // 8 + 8, np.uint64),
+        np.empty(C, np.uint32),
+    )
+
+
+@njit(**_O)
+def _load_streams(p, off, ebytes, lbytes, mbytes, E, L, M):
+    """The chunk's streams in decoder form: exponents as big-endian 32-bit
+    words, levels one per byte, mantissas as big-endian 64-bit words; zero
+    padded."""
+    ne = (ebytes + 3) >> 2
+    e8 = E.view(np.uint8)
+    _copy(e8, 0, p, off, ebytes)
+    e8[ebytes : 4 * ne + 8] = 0
+    for j in range(ne + 2):
+        E[j] = _bswap32(E[j])
+    lo = off + ebytes
+    lo = _U64(lo)
+    for j in range(lbytes):
+        v = p[lo + _U64(j)]
+        d = _U64(4 * j)
+        L[d] = v >> 6
+        L[d + _U64(1)] = (v >> 4) & 3
+        L[d + _U64(2)] = (v >> 2) & 3
+        L[d + _U64(3)] = v & 3
+    L[4 * lbytes : 4 * lbytes + 8] = 0
+    nm = (mbytes + 7) >> 3
+    m8 = M.view(np.uint8)
+    mo = lo + _U64(lbytes)
+    _copy(m8, 0, p, mo, mbytes)
+    m8[mbytes : 8 * nm + 16] = 0
+    for j in range(nm + 2):
+        M[j] = _bswap64(M[j])
+
+
+@njit(**_O)
+def _decode_chunk(p, heads, c, scr, lut, lengths, n_theta, dst):
+    """Chunk c's values as float32 bits into dst (uint32, the chunk's length).
+    Returns 0, or -1 bad exponent stream, -2 escaped short code, -3 non-zero
+    count, -4 mantissa length."""
+    E, L, M, _ = scr
     off = heads[c, 0]
+    vals = heads[c, 2]
     nnz = heads[c, 3]
     eb = heads[c, 4]
     mb = heads[c, 5]
     ebytes = (eb + 7) >> 3
     lbytes = (2 * nnz + 7) >> 3
     mbytes = (mb + 7) >> 3
-    EW = _words(p, off, ebytes, bufs[0])
-    LW = _words(p, off + ebytes, lbytes, bufs[1])
-    MW = _words(p, off + ebytes + lbytes, mbytes, bufs[2])
-    return EW, LW, MW
-
-
-@njit(**_O)
-def _read_bufs(C, n_theta):
-    return (
-        np.empty(C * (n_theta + 8) // 8 + 40, np.uint8),
-        np.empty(C // 4 + 40, np.uint8),
-        np.empty(3 * C + 40, np.uint8),
-    )
-
-
-@njit(**_O)
-def _decode_chunk(p, heads, c, bufs, lut, lengths, n_theta, dst):
-    """Chunk c's values as float32 bits into dst (uint32, the chunk's length).
-    Returns 0, or -1 bad exponent stream, -2 escaped short code, -3 non-zero
-    count, -4 mantissa length."""
-    vals = heads[c, 2]
-    nnz = heads[c, 3]
-    eb = heads[c, 4]
-    mb = heads[c, 5]
-    EW, LW, MW = _stream_words(p, heads, c, bufs)
-    # exponents: a 64-bit buffer holding 32 to 64 unread bits, MSB first,
-    # refilled 32 bits at a time (the loop's one serial chain is lookup -> shift)
-    bb = EW[0]
-    cnt = 64
-    fill = 64
-    ebit = 0
+    _load_streams(p, off, ebytes, lbytes, mbytes, E, L, M)
+    bb = (_U64(E[0]) << _U64(32)) | _U64(E[1])
+    cnt = _U64(64)
+    fi = _U64(2)
     sh = _U64(64 - n_theta)
-    li = 0
-    mbit = 0
+    nt = _U64(n_theta)
+    li = _U64(0)
+    mbit = _U64(0)
     for i in range(vals):
-        ent = lut[bb >> sh]
-        ln = ent >> 16
-        sym = ent & 0xFFFF
-        if ln == 0 or ebit + ln > eb:
-            return -1
-        if sym == 256:
-            sym = int((bb << _U64(n_theta)) >> _U64(56))
+        ent = _U64(lut[bb >> sh])
+        if ent >= _U64(_RARE):
+            if ent >> _U64(8) != _U64(256):
+                return -1
+            sym = (bb << nt) >> _U64(56)
             if lengths[sym] <= n_theta:
                 return -2
-        ebit += ln
-        bb <<= _U64(ln)
+        else:
+            sym = ent >> _U64(8)
+        ln = ent & _U64(0xFF)
+        bb <<= ln
         cnt -= ln
-        if cnt < 32:
-            h = fill >> 5
-            w32 = (EW[h >> 1] >> _U64(32 - 32 * (h & 1))) & _U64(0xFFFFFFFF)
-            bb |= w32 << _U64(32 - cnt)
-            cnt += 32
-            fill += 32
-        nz = int(sym != 0)
-        # 2-bit levels never straddle a word: one load
-        lv = int((LW[li >> 5] >> _U64(62 - 2 * (li & 31))) & _U64(3))
-        keep = 24 - 6 * lv
-        q = mbit >> 6
-        field = _U32(_peek(MW[q], MW[q + 1], mbit, keep))
-        sign = (field >> _U32(keep - 1)) & _U32(1)
-        mant = (field & _U32((1 << (keep - 1)) - 1)) << _U32(6 * lv)
-        r = ((sign << _U32(31)) | (_U32(sym) << _U32(23)) | mant) & _U32(-nz & 0xFFFFFFFF)
+        if cnt < _U64(32):
+            bb |= _U64(E[fi]) << (_U64(32) - cnt)
+            cnt += _U64(32)
+            fi += _U64(1)
+        nz = _U64(sym != _U64(0))
+        lx = _U64(L[li]) + (nz << _U64(2))
         li += nz
-        mbit += keep * nz
-        if li > nnz:
-            return -3
-        if mbit > mb:
-            return -4
-        dst[i] = r
-    if ebit != eb:
+        q = mbit >> _U64(6)
+        o = mbit & _U64(63)
+        hi = (M[q] << o) | ((M[q + _U64(1)] >> _U64(1)) >> (_U64(63) - o))
+        u = hi >> _U64(32)
+        dst[i] = _U32((u & (nz << _U64(31))) | ((u >> _U64(8)) & _MASK[lx]) | (sym << _U64(23)))
+        mbit += _KEEP[lx]
+    if _U64(32) * fi - cnt != _U64(eb):
         return -1
-    if li != nnz:
+    if li != _U64(nnz):
         return -3
-    if mbit != mb:
+    if mbit != _U64(mb):
         return -4
     return 0
+
+
+@njit(**_O)
+def _add(x, s, r, n):
+    """x[s : s + n] += r[:n] (unsigned indices: a vectorized loop)."""
+    s = _U64(s)
+    for i in range(n):
+        x[s + _U64(i)] += r[i]
 
 
 @njit(**_O)
@@ -312,27 +357,24 @@ def decode_chunks(p, heads, C, lut, lengths, n_theta, out, out_u, acc):
     """Decode (acc=False) or accumulate (acc=True) every chunk into out (float32;
     out_u: the same memory as uint32). Returns 0 or an error code of
     :func:`_decode_chunk`."""
-    bufs = _read_bufs(C, n_theta)
-    res = np.empty(C, np.uint32)
+    scr = _dec_scratch(C, n_theta)
+    res = scr[3]
     resf = res.view(np.float32)
     for c in range(heads.shape[0]):
         vals = heads[c, 2]
         s = c * C
         err = _decode_chunk(
-            p, heads, c, bufs, lut, lengths, n_theta, res if acc else out_u[s : s + vals]
+            p, heads, c, scr, lut, lengths, n_theta, res if acc else out_u[s : s + vals]
         )
         if err:
             return err
         if acc:
-            for i in range(vals):
-                out[s + i] += resf[i]
+            _add(out, s, resf, vals)
     return 0
 
 
 @njit(**_O)
-def hop_block(
-    p, heads, lut, lengths, xu, xf, thr, has_thr, fixed, enc_code, enc_len, n_theta, C, out, head
-):
+def hop_block(p, heads, lut, lengths, xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head):
     """The fused hop, chunk by chunk while the chunk stays in cache: decode it
     from p, add it to the local values (xf, overwritten with the sum; xu: the
     same memory as uint32) and encode the sum into out. Returns the payload
@@ -341,21 +383,19 @@ def hop_block(
     k = (n + C - 1) // C
     pos = 32 + 24 * k
     cm = min(C, max(n, 1))
-    bufs = _read_bufs(cm, n_theta)
-    ew, lw, mw = _scratch(cm, n_theta)
-    lvs = np.empty(cm, np.uint32)
-    res = np.empty(cm, np.uint32)
+    dscr = _dec_scratch(cm, n_theta)
+    escr = _enc_scratch(cm, n_theta)
+    res = dscr[3]
     resf = res.view(np.float32)
     for c in range(k):
         vals = heads[c, 2]
         s = c * C
-        err = _decode_chunk(p, heads, c, bufs, lut, lengths, n_theta, res)
+        err = _decode_chunk(p, heads, c, dscr, lut, lengths, n_theta, res)
         if err:
             return err
-        for i in range(vals):
-            xf[s + i] += resf[i]
+        _add(xf, s, resf, vals)
         nb, nnz, eb, mb = _encode_chunk(
-            xu, xf, thr, has_thr, fixed, enc_code, enc_len, s, s + vals, ew, lw, mw, out, pos, lvs
+            xu, xf, thr, has_thr, fixed, etab, s, s + vals, escr, out, pos
         )
         _chunk_header(out, c, pos, nb, vals, nnz, eb, mb)
         pos += nb

@@ -39,11 +39,13 @@ def _jit() -> Any:
 
 @lru_cache(maxsize=64)
 def _np_table(table: Table) -> tuple[np.ndarray, ...]:
-    """(code, code length, lookup table (length << 16 | symbol), native lengths)."""
+    """(each exponent's code << 6 | length; the lookup table, symbol << 8 |
+    length, symbol 257 where no code reaches; the native code lengths)."""
+    lut = (table.lut_sym << 8) | table.lut_len
+    lut[table.lut_len == 0] = 257 << 8
     return (
-        table.enc_code.numpy().astype(np.int64),
-        table.enc_len.numpy().astype(np.int64),
-        ((table.lut_len << 16) | table.lut_sym).numpy().astype(np.int64),
+        ((table.enc_code << 6) | table.enc_len).numpy().astype(np.uint32),
+        lut.numpy().astype(np.uint32),
         table.lengths.numpy().astype(np.int64),
     )
 
@@ -70,12 +72,12 @@ def encode(
     x: torch.Tensor, thr: torch.Tensor | None, fixed: int, table: Table, chunk_values: int
 ) -> torch.Tensor:
     n = x.numel()
-    code, ln, _, _ = _np_table(table)
+    etab, _, _ = _np_table(table)
     out, head = _out_and_head(n, table, chunk_values)
     xu, xf = _views(x)
     t = _EMPTY_F32 if thr is None else thr.contiguous().numpy()
     size = _jit().encode_block(
-        xu, xf, t, thr is not None, fixed, code, ln, table.n_theta, chunk_values, out.numpy(), head
+        xu, xf, t, thr is not None, fixed, etab, table.n_theta, chunk_values, out.numpy(), head
     )
     return out[:size]
 
@@ -86,7 +88,7 @@ def decode(
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if n == 0:
         return
-    _, _, lut, lengths = _np_table(table)
+    _, lut, lengths = _np_table(table)
     o = out.numpy() if out.is_contiguous() else None
     target = o if o is not None else np.zeros(n, np.float32)
     if o is None and acc:
@@ -123,7 +125,7 @@ def hop(
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if not local.is_contiguous():
         raise ValueError("gcomp: the fused hop needs a contiguous local chunk")
-    code, ln, lut, lengths = _np_table(table)
+    etab, lut, lengths = _np_table(table)
     out, head = _out_and_head(n, table, chunk_values)
     xf = local.reshape(-1).numpy()
     t = _EMPTY_F32 if thr is None else thr.contiguous().numpy()
@@ -137,8 +139,7 @@ def hop(
         t,
         thr is not None,
         fixed,
-        code,
-        ln,
+        etab,
         table.n_theta,
         chunk_values,
         out.numpy(),
