@@ -121,6 +121,31 @@ def test_kernel_equals_reference():
                 assert torch.equal((y + 1).view(torch.int32), z.view(torch.int32))
 
 
+def test_kernel_equals_reference_on_chunks_of_several_sub_blocks():
+    """Chunks longer than the encoder's sub-block (its writers carry their state
+    across sub-blocks; the levels go 16 values per record, the last group
+    short): encode, decode and the fused hop give the reference's bits."""
+    pytest.importorskip("numba")
+    from hopq.kernels import _gcomp_cpu_jit, gcomp_cpu
+
+    big = 2 * _gcomp_cpu_jit.SUB + 905  # neither a multiple of SUB nor of 16
+    n = 2 * big + 37
+    x, w = _grad(n, seed=11, zeros=0.3), _grad(n, seed=12, zeros=0.01)
+    thr = torch.rand(n, generator=torch.Generator().manual_seed(3)) * x.abs() * 2**19
+    t = build_table(ref.histogram(x), 10)
+    for th, fixed in ((None, -1), (thr, -1), (None, 1)):
+        p = ref.encode(w, th, fixed, t, big)
+        assert torch.equal(gcomp_cpu.encode(w, th, fixed, t, big), p), fixed
+        z = torch.empty(n)
+        gcomp_cpu.decode(p, n, t, big, z, False)
+        want_sum = x + ref.decode(p, n, t, big)
+        assert torch.equal(z.view(torch.int32), ref.decode(p, n, t, big).view(torch.int32))
+        local = x.clone()
+        got = gcomp_cpu.hop(p, local, th, fixed, t, big)
+        assert torch.equal(got, ref.encode(want_sum, th, fixed, t, big)), fixed
+        assert torch.equal(local.view(torch.int32), want_sum.view(torch.int32))
+
+
 def test_table_rebuilt_every_k_calls_per_key_and_ids_checked():
     codec = GComp(rebuild_every=3)
     xs = [[_grad(3000, seed=10 * s + r) * (10.0**s) for r in range(2)] for s in range(7)]

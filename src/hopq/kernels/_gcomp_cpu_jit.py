@@ -83,10 +83,22 @@ def _copy(dst, d0, src, s0, n):
 
 
 @njit(**_O)
-def _records(xu, xf, thr, has_thr, fixed, etab, s, m, lvs, re, rl, rm):
+def _pairs(b, w, ob, ow, n):
+    """Join fields 2j and 2j + 1 (bits b, widths w) into ob[j], ow[j], j < n."""
+    for j in range(n):
+        k = _U64(2 * j)
+        w1 = w[k + _U64(1)]
+        ob[j] = (b[k] << w1) | b[k + _U64(1)]
+        ow[j] = w[k] + w1
+
+
+@njit(**_O)
+def _records(xu, xf, thr, has_thr, fixed, etab, s, m, lvs, re, rl, rm, tb, tw):
     """Loop 1 of a sub-block: values s..s+m as records ``bits << 6 | width`` of
-    the exponent, level and mantissa streams. Unsigned indices and masks, not
-    branches: LLVM vectorizes every loop but the table lookup's."""
+    the exponent and mantissa streams (re, rm), and the level stream's bits and
+    widths of each group of 16 values (rl, lvs; lvs first holds the levels).
+    Unsigned indices and masks, not branches: LLVM vectorizes every loop but
+    the table lookup's."""
     s = _U64(s)
     if fixed >= 0:
         for i in range(m):
@@ -112,16 +124,28 @@ def _records(xu, xf, thr, has_thr, fixed, etab, s, m, lvs, re, rl, rm):
         lv = lvs[i] & (_U32(0) - _U32((ex - _U32(1)) < _U32(254)))
         sh = _U32(6) * lv
         field = (((b >> _U32(8)) & _U32(0x800000)) | (b & _U32(0x7FFFFF))) >> sh
-        rl[i] = (lv << _U32(6)) | (nz + nz)
+        rl[i] = lv
+        lvs[i] = nz + nz  # the level's width, over the level read above
         rm[i] = ((field & mnz) << _U32(6)) | ((_U32(24) - sh) & mnz)
     for i in range(m):
         re[i] = etab[(xu[s + _U64(i)] >> _U32(23)) & _U32(0xFF)]
+    # levels: 16 values' fields joined into one (bits, width <= 32) record, by
+    # pairs in four rounds (rl, lvs) -> (tb, tw) -> (rl, lvs) -> ...
+    g = (m + 15) & ~15
+    for i in range(m, g):
+        rl[i] = _U32(0)
+        lvs[i] = _U32(0)
+    _pairs(rl, lvs, tb, tw, g >> 1)
+    _pairs(tb, tw, rl, lvs, g >> 2)
+    _pairs(rl, lvs, tb, tw, g >> 3)
+    _pairs(tb, tw, rl, lvs, g >> 4)
 
 
 @njit(**_O)
-def _append(re, rl, rm, m, ew, lw, mw, st):
-    """Loop 2: append m records to the three streams. st: [acc, P] of each
-    writer (exponents, levels, mantissas), updated."""
+def _append(re, rl, rw, rm, m, ew, lw, mw, st):
+    """Loop 2: append m values' records to the three streams (the levels as
+    one record per 16 values: bits rl, widths rw). st: [acc, P] of each writer
+    (exponents, levels, mantissas), updated."""
     ea = st[0]
     ep = st[1]
     la = st[2]
@@ -136,16 +160,16 @@ def _append(re, rl, rm, m, ew, lw, mw, st):
         ea = (ea << w) | (r >> _U64(6))
         ep += w
         ew[ep >> _U64(5)] = _bswap32(_U32((ea >> (ep & m31)) & _U64(0xFFFFFFFF)))
-        r = _U64(rl[i])
-        w = r & m63
-        la = (la << w) | (r >> _U64(6))
-        lp += w
-        lw[lp >> _U64(5)] = _bswap32(_U32((la >> (lp & m31)) & _U64(0xFFFFFFFF)))
         r = _U64(rm[i])
         w = r & m63
         ma = (ma << w) | (r >> _U64(6))
         mp += w
         mw[mp >> _U64(5)] = _bswap32(_U32((ma >> (mp & m31)) & _U64(0xFFFFFFFF)))
+    for j in range((m + 15) >> 4):  # levels: one record per 16 values
+        w = _U64(rw[j])
+        la = (la << w) | _U64(rl[j])
+        lp += w
+        lw[lp >> _U64(5)] = _bswap32(_U32((la >> (lp & m31)) & _U64(0xFFFFFFFF)))
     st[0] = ea
     st[1] = ep
     st[2] = la
@@ -169,7 +193,7 @@ def _flush(wbuf, acc, nbits, out, pos):
 @njit(**_O)
 def _enc_scratch(C, n_theta):
     """(exponent, level, mantissa word buffers, level scratch, three record
-    buffers, writer state) for chunks of at most C values."""
+    buffers, two pairing buffers, writer state) for chunks of at most C values."""
     return (
         np.empty((C * (n_theta + 8)) // 32 + 4, np.uint32),
         np.empty((2 * C) // 32 + 4, np.uint32),
@@ -178,6 +202,8 @@ def _enc_scratch(C, n_theta):
         np.empty(SUB, np.uint32),
         np.empty(SUB, np.uint32),
         np.empty(SUB, np.uint32),
+        np.empty(SUB // 2, np.uint32),
+        np.empty(SUB // 2, np.uint32),
         np.zeros(6, np.uint64),
     )
 
@@ -186,12 +212,12 @@ def _enc_scratch(C, n_theta):
 def _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, scr, out, pos):
     """Encode values s..e of xu (uint32 bits; xf the same memory as float32) as
     one chunk at out[pos:]; returns (bytes, nnz, exponent bits, mantissa bits)."""
-    ew, lw, mw, lvs, re, rl, rm, st = scr
+    ew, lw, mw, lvs, re, rl, rm, tb, tw, st = scr
     st[:] = 0
     for b in range(s, e, SUB):
         m = min(SUB, e - b)
-        _records(xu, xf, thr, has_thr, fixed, etab, b, m, lvs, re, rl, rm)
-        _append(re, rl, rm, m, ew, lw, mw, st)
+        _records(xu, xf, thr, has_thr, fixed, etab, b, m, lvs, re, rl, rm, tb, tw)
+        _append(re, rl, lvs, rm, m, ew, lw, mw, st)
     eb = int(st[1])
     lb = int(st[3])
     mb = int(st[5])
