@@ -46,6 +46,11 @@ def _error(capsys, argv):
         (["bench", "allreduce", "--rate-mbit", "100", "--mtu", "100"], "between 576 and 65535"),
         (["train", "--no-network", "--mtu", "9000"], "--no-network turns off"),
         (["train", "--no-network", "--tcp-congestion", "bbr"], "--no-network turns off"),
+        (["train", "--tcp-congestion", "no-such"], "must name a TCP congestion control"),
+        (
+            ["bench", "allreduce", "--rate-mbit", "100", "--tcp-congestion", "1x"],
+            "must name a TCP congestion control",
+        ),
         # options of a part (or optimizer, workload, validation) the run does not have
         (["bench", "gqsgd", "--quality-steps", "5"], "only acts with --parts quality"),
         (["bench", "equarx", "--rate-mbit", "100"], "only acts with --parts timing"),
@@ -150,3 +155,17 @@ def test_missing_matplotlib_is_said_once(monkeypatch, capsys):
     assert reporting.pyplot() is None and reporting.pyplot() is None
     err = capsys.readouterr().err
     assert err.count("matplotlib is not installed") == 1 and "hopq[bench]" in err
+
+
+def test_a_congestion_control_the_host_does_not_allow_is_refused_by_name(tmp_path):
+    """Checked against the host's list before any network is built (a usage
+    error, not a traceback from the namespace setup); without the list, the
+    setup itself refuses."""
+    from hopq.cluster.network import check_congestion
+
+    allowed = tmp_path / "allowed"
+    allowed.write_text("reno bbr\n")
+    assert check_congestion("bbr", allowed) == "bbr"
+    with pytest.raises(ValueError, match="only reno, bbr"):
+        check_congestion("cubic", allowed)
+    assert check_congestion("cubic", tmp_path / "missing") == "cubic"

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hopq.cluster import network
 from hopq.cluster.launch import run_workers
 from hopq.cluster.network import (
     CONGESTION,
@@ -69,10 +70,12 @@ def test_jumbo_frames():
     assert 0.6 * 80 < rate < 1.1 * 80, f"measured {rate:.1f} Mbit/s on an 80 Mbit/s link"
 
 
-def test_tcp_congestion_is_pinned_not_inherited():
+def test_tcp_congestion_is_pinned_not_inherited(monkeypatch, tmp_path):
     """Every worker namespace runs the congestion control asked for (reno by
     default, whatever the host's default is), and the report says which; one the
-    host does not allow is refused by name instead of silently left at the host's."""
+    host does not allow is refused by name instead of silently left at the host's:
+    before any namespace is built where the host lists the allowed ones, else by
+    the namespace setup."""
     with EmulatedNetwork(2, rate_mbit=80) as net:
         for ns in net.namespaces:
             got = subprocess.run(
@@ -82,6 +85,10 @@ def test_tcp_congestion_is_pinned_not_inherited():
             assert got == CONGESTION == "reno"
         assert net.describe().endswith("TCP reno")
     before = _namespaces()
+    if network.ALLOWED_CONGESTION.exists():
+        with pytest.raises(ValueError, match="nosuchcc: this host lets network namespaces"):
+            EmulatedNetwork(2, rate_mbit=80, congestion="nosuchcc")
+    monkeypatch.setattr(network, "ALLOWED_CONGESTION", tmp_path / "unreadable")
     refused = EmulatedNetwork(2, rate_mbit=80, congestion="nosuchcc")
     with pytest.raises(RuntimeError, match="nosuchcc.*allowed"), refused:
         pass

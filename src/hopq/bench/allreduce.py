@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hopq.cluster.launch import run_workers
-from hopq.cluster.network import CONGESTION, check_mtu
+from hopq.cluster.network import CONGESTION, check_congestion, check_mtu
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
@@ -75,6 +75,7 @@ class Options:
         check_mtu(self.mtu)
         if self.mtu != 1500 and self.rate_mbit <= 0:
             raise ValueError("--mtu sets the emulated network's links: give --rate-mbit too")
+        check_congestion(self.tcp_congestion)
         if self.tcp_congestion != CONGESTION and self.rate_mbit <= 0:
             raise ValueError(
                 "--tcp-congestion sets the emulated network's TCP: give --rate-mbit too"

@@ -48,6 +48,7 @@ import shutil
 import signal
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType, TracebackType
 
 CLONE_NEWNET = 0x40000000
@@ -68,6 +69,30 @@ def check_mtu(mtu: int) -> int:
     if not 576 <= mtu <= 65535:
         raise ValueError(f"--mtu must be between 576 and 65535, got {mtu}")
     return mtu
+
+
+#: Where Linux lists the congestion controls that network namespaces may set.
+ALLOWED_CONGESTION = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+
+
+def check_congestion(name: str, allowed_file: Path | None = None) -> str:
+    """``name`` if it names a TCP congestion control that this host lets network
+    namespaces set (``allowed_file``, by default :data:`ALLOWED_CONGESTION`,
+    lists them; where it cannot be read, any identifier passes and the
+    namespace setup refuses a bad one), else ValueError naming the allowed ones."""
+    if not name or not name.isidentifier():
+        raise ValueError(f"--tcp-congestion must name a TCP congestion control, got {name!r}")
+    allowed_file = allowed_file or ALLOWED_CONGESTION
+    try:
+        allowed = allowed_file.read_text().split()
+    except OSError:
+        return name
+    if allowed and name not in allowed:
+        raise ValueError(
+            f"--tcp-congestion {name}: this host lets network namespaces set only "
+            f"{', '.join(allowed)} ({allowed_file})"
+        )
+    return name
 
 
 def payload_fraction(mtu: int = 1500) -> float:
@@ -173,10 +198,7 @@ class EmulatedNetwork:
         if not self.rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0, got {self.rate_mbit}")
         check_mtu(self.mtu)
-        if not self.congestion or not self.congestion.isidentifier():
-            raise ValueError(
-                f"congestion must name a TCP congestion control, got {self.congestion!r}"
-            )
+        check_congestion(self.congestion)
 
     def describe(self) -> str:
         """The network in a report's words."""

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hopq.cluster.network import CONGESTION, check_mtu
+from hopq.cluster.network import CONGESTION, check_congestion, check_mtu
 from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
 from hopq.options import changed_options, option
@@ -149,6 +149,7 @@ class TrainOptions:
             raise ValueError(
                 "--mtu sets the emulated network's links, which --no-network turns off"
             )
+        check_congestion(self.tcp_congestion)
         if self.tcp_congestion != CONGESTION and not self.network:
             raise ValueError(
                 "--tcp-congestion sets the emulated network's TCP, which --no-network turns off"
