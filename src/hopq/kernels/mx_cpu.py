@@ -37,7 +37,7 @@ def supports(fmt: fpf.ElementFormat, block: int) -> bool:
 
 @lru_cache(maxsize=8)
 def _consts(fmt: fpf.ElementFormat) -> tuple[Any, ...]:
-    """(FMAX, the largest scale with v * s finite, magnitude table, powers of two)."""
+    """(FMAX, the largest scale with v * s finite, magnitude table)."""
     fmax = np.float32(fmt.max)
     # the reference compares float32 s with the Python float FLT_MAX / FMAX,
     # which torch casts to float32
@@ -46,10 +46,7 @@ def _consts(fmt: fpf.ElementFormat) -> tuple[Any, ...]:
     top = 1 << (fmt.bits - 1)
     table = np.full(top, np.nan, np.float32)
     table[: mags.size] = mags
-    p2 = np.array(
-        [2.0 ** (i - _jit().P2_ZERO) for i in range(2 * _jit().P2_ZERO)], dtype=np.float32
-    )
-    return fmax, safe, table, p2
+    return fmax, safe, table
 
 
 def encode(
@@ -58,11 +55,11 @@ def encode(
     """(payload, saturated count) of the contiguous float32 chunk x, whose
     blocks' scales are ``scale``."""
     n = x.numel()
-    fmax, _, _, p2 = _consts(fmt)
+    fmax, _, _ = _consts(fmt)
     out = torch.empty((n * fmt.bits + 7) // 8, dtype=torch.uint8)
     sat = _jit().encode(
         x.reshape(-1).numpy(), scale.numpy(), block, fmax, fmt.bits, fmt.man_bits, fmt.bias,
-        p2, out.numpy(),
+        out.numpy(),
     )  # fmt: skip
     return out, int(sat)
 
@@ -72,7 +69,7 @@ def decode(
     out: torch.Tensor, acc: bool,
 ) -> None:  # fmt: skip
     """out (contiguous float32) = the payload's values, or += with ``acc``."""
-    fmax, safe, table, _ = _consts(fmt)
+    fmax, safe, table = _consts(fmt)
     _jit().decode(
         payload.numpy(), out.numel(), scale.numpy(), block, fmax, safe, fmt.bits, table,
         out.reshape(-1).numpy(), acc,
@@ -86,10 +83,10 @@ def hop(
     """The fused hop: local (contiguous float32) += decode(payload); returns the
     sum's payload and the saturated count."""
     n = local.numel()
-    fmax, safe, table, p2 = _consts(fmt)
+    fmax, safe, table = _consts(fmt)
     out = torch.empty((n * fmt.bits + 7) // 8, dtype=torch.uint8)
     sat = _jit().hop(
         payload.numpy(), local.reshape(-1).numpy(), scale.numpy(), block, fmax, safe,
-        fmt.bits, fmt.man_bits, fmt.bias, table, p2, out.numpy(),
+        fmt.bits, fmt.man_bits, fmt.bias, table, out.numpy(),
     )  # fmt: skip
     return out, int(sat)
