@@ -1,6 +1,7 @@
 """THC: unbiasedness, exact homomorphic integer sums, lane overflow reported.
 OmniReduce: equals bf16 when every block fits, k converges to its target."""
 
+import math
 import warnings
 
 import pytest
@@ -188,3 +189,7 @@ def test_thc_fused_rotation_quantization_and_inverse_equal_the_reference():
     for op in (Op.SUM, Op.AVG):
         outs = [c.finish(p, y.clone(), op, 4) for c, p in zip((ref, ker), plans, strict=True)]
         assert torch.equal(outs[0], outs[1]), op
+    x[777] = float("nan")  # the fused rotation's maximum is NaN, as torch's amax
+    st = LocalStats(n_chunks=4, world_size=4, seed=5, round=2)
+    steps = [c.plan(x, st).step for c in (ref, ker)]
+    assert all(math.isnan(s) for s in steps), steps

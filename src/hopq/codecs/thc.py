@@ -250,7 +250,11 @@ class THC(Codec[THCPlan]):
         # Rotated coordinates reach sqrt(H) times the largest entry: near float32's
         # limit this rank rotates in float64 (its own choice: only its integers
         # leave it), so finite input never overflows.
-        big = float(flat.abs().max()) if d else 0.0
+        if d:  # max |x| without a temporary (NaN propagates)
+            lo, hi = torch.aminmax(flat)
+            big = float(torch.maximum(-lo, hi))
+        else:
+            big = 0.0
         if math.isfinite(big) and big * math.sqrt(H) >= WIDE:
             flat = flat.double()
         k = self.kernels(x.device)
@@ -316,19 +320,24 @@ class THC(Codec[THCPlan]):
     def _pack(self, plan: THCPlan, ints: torch.Tensor) -> torch.Tensor:
         b = plan.lane_bits
         top = (1 << (b - 1)) - 1
-        sat = ints.abs() > top
-        if bool(sat.any()):
-            self.overflows += int(sat.sum())
+        k = self.kernels(ints.device)
+        if b == 8 and k is not None and ints.dtype == torch.float32:
+            out, n_sat = k.pack8(ints, top)  # one pass, the same bytes
+        else:
+            sat = ints.abs() > top
+            n_sat = int(sat.sum()) if bool(sat.any()) else 0
+            i = ints.clamp(-top, top).to(torch.int64)
+            # two's complement in b-bit lanes
+            out = i.to(torch.int8).view(torch.uint8) if b == 8 else pack_bits(i & ((1 << b) - 1), b)
+        if n_sat:
+            self.overflows += n_sat
             warnings.warn(
-                f"thc: {int(sat.sum())} partial sums exceed {b}-bit lanes and saturate; "
+                f"thc: {n_sat} partial sums exceed {b}-bit lanes and saturate; "
                 f"leave lane_bits unset (this world needs {self.config.lane_need(plan.world_size)})",
                 RuntimeWarning,
                 stacklevel=3,
             )
-        i = ints.clamp(-top, top).to(torch.int64)
-        if b == 8:
-            return i.to(torch.int8).view(torch.uint8)
-        return pack_bits(i & ((1 << b) - 1), b)  # two's complement in b-bit lanes
+        return out
 
     def _unpack(self, plan: THCPlan, payload: torch.Tensor, n: int) -> torch.Tensor:
         b = plan.lane_bits

@@ -2,7 +2,15 @@
 numba is installed): THC's random signs and uniforms (the lowbias32 hash of
 :mod:`hopq.numerics.rng` in 32-bit lanes, ``_u32``) and the Walsh-Hadamard
 butterflies of :func:`hopq.codecs.thc.fwht`, in place, one cache-sized block
-at a time instead of one pass over the whole vector per butterfly level."""
+at a time instead of one pass over the whole vector per butterfly level.
+
+What keeps them fast: the butterfly loops index with unsigned integers (numba
+adds negative-index wrap-around code to signed ones, which kept them scalar:
+the transform of 4M entries 19 -> 10.5 ms); the first three levels run eight
+entries at a time in registers; and the interleave of :func:`rotate` and
+:func:`unrotate` goes through _TILE x _TILE squares, so that every cache line
+of the rows (H entries apart, so in the same cache sets) is written whole at
+once (rotate 32 -> 24 ms, unrotate 24 -> 18 ms)."""
 
 # mypy: ignore-errors
 
@@ -47,28 +55,74 @@ def _levels(row, lo, hi, h, h_end):
     every element: level h on (j, j+h) and (j+2h, j+3h), then level 2h on
     (j, j+2h) and (j+h, j+3h))."""
     while 2 * h < h_end:
+        hu = np.uint64(h)
         for i in range(lo, hi, 4 * h):
-            for j in range(i, i + h):
+            iu = np.uint64(i)
+            for t in range(h):
+                j = iu + np.uint64(t)
                 a = row[j]
-                b = row[j + h]
-                c = row[j + 2 * h]
-                e = row[j + 3 * h]
+                b = row[j + hu]
+                c = row[j + 2 * hu]
+                e = row[j + 3 * hu]
                 s1 = a + b
                 d1 = a - b
                 s2 = c + e
                 d2 = c - e
                 row[j] = s1 + s2
-                row[j + h] = d1 + d2
-                row[j + 2 * h] = s1 - s2
-                row[j + 3 * h] = d1 - d2
+                row[j + hu] = d1 + d2
+                row[j + 2 * hu] = s1 - s2
+                row[j + 3 * hu] = d1 - d2
         h *= 4
     if h < h_end:
+        hu = np.uint64(h)
         for i in range(lo, hi, 2 * h):
-            for j in range(i, i + h):
+            iu = np.uint64(i)
+            for t in range(h):
+                j = iu + np.uint64(t)
                 a = row[j]
-                b = row[j + h]
+                b = row[j + hu]
                 row[j] = a + b
-                row[j + h] = a - b
+                row[j + hu] = a - b
+
+
+@njit(inline="always")
+def _first3(row, lo, hi):
+    """Levels h = 1, 2, 4 on row[lo:hi] (a multiple of 8), eight entries at a
+    time in registers: the same additions in the same order as level by level."""
+    for gi in range(lo, hi, 8):
+        g = np.uint64(gi)
+        x0 = row[g]
+        x1 = row[g + np.uint64(1)]
+        x2 = row[g + np.uint64(2)]
+        x3 = row[g + np.uint64(3)]
+        x4 = row[g + np.uint64(4)]
+        x5 = row[g + np.uint64(5)]
+        x6 = row[g + np.uint64(6)]
+        x7 = row[g + np.uint64(7)]
+        a0 = x0 + x1
+        a1 = x0 - x1
+        a2 = x2 + x3
+        a3 = x2 - x3
+        a4 = x4 + x5
+        a5 = x4 - x5
+        a6 = x6 + x7
+        a7 = x6 - x7
+        b0 = a0 + a2
+        b2 = a0 - a2
+        b1 = a1 + a3
+        b3 = a1 - a3
+        b4 = a4 + a6
+        b6 = a4 - a6
+        b5 = a5 + a7
+        b7 = a5 - a7
+        row[g] = b0 + b4
+        row[g + np.uint64(4)] = b0 - b4
+        row[g + np.uint64(1)] = b1 + b5
+        row[g + np.uint64(5)] = b1 - b5
+        row[g + np.uint64(2)] = b2 + b6
+        row[g + np.uint64(6)] = b2 - b6
+        row[g + np.uint64(3)] = b3 + b7
+        row[g + np.uint64(7)] = b3 - b7
 
 
 @njit(**_O)
@@ -81,7 +135,11 @@ def fwht_row(row, scale):
     H = row.shape[0]
     piece = min(H, _PIECE)
     for lo in range(0, H, piece):
-        _levels(row, lo, lo + piece, 1, piece)
+        if piece >= 8:
+            _first3(row, lo, lo + piece)
+            _levels(row, lo, lo + piece, 8, piece)
+        else:
+            _levels(row, lo, lo + piece, 1, piece)
     _levels(row, 0, H, piece, H)
     for j in range(H):
         row[j] = row[j] * scale
@@ -102,9 +160,30 @@ def rotate(x, d, H, k0, k1, scale, out):
     transform). Returns max |out|."""
     m = out.shape[0] // H
     a, b = U32(k0), U32(k1)
+    tile = np.empty(_TILE * _TILE, np.float32)
     for j0 in range(0, m, _TILE):
         j1 = min(m, j0 + _TILE)
-        for i in range(H):
+        i_fast = 0
+        if j1 - j0 == _TILE:
+            # whole tiles inside x: _TILE x _TILE squares through a local tile,
+            # so that every line of out is written whole at once (rows H apart
+            # share cache sets: lines written one entry at a time were evicted
+            # before they were full)
+            i_fast = min(H, max(0, (d - j1) // m + 1)) // _TILE * _TILE
+            for i0 in range(0, i_fast, _TILE):
+                for ii in range(_TILE):
+                    bu = np.uint64((i0 + ii) * m + j0)
+                    for jj in range(_TILE):
+                        pos = bu + np.uint64(jj)
+                        sg = np.float32(1.0) - np.float32(2.0) * np.float32(
+                            hash32(U32(pos), a, b) & U32(1)
+                        )
+                        tile[ii * _TILE + jj] = x[pos] * sg
+                for jj in range(_TILE):
+                    ob = np.uint64((j0 + jj) * H + i0)
+                    for ii in range(_TILE):
+                        out[ob + np.uint64(ii)] = tile[ii * _TILE + jj]
+        for i in range(i_fast, H):
             base = i * m
             for j in range(j0, j1):
                 pos = base + j
@@ -114,11 +193,12 @@ def rotate(x, d, H, k0, k1, scale, out):
         for j in range(j0, j1):
             fwht_row(out[j * H : (j + 1) * H], scale)
     top = np.float32(0.0)
+    nan = False
     for k in range(out.shape[0]):
         v = abs(out[k])
-        if v > top or v != v:  # NaN wins, as in torch's amax
-            top = v
-    return top
+        top = max(top, v)
+        nan |= v != v
+    return np.float32(np.nan) if nan else top  # NaN wins, as in torch's amax
 
 
 @njit(**_O)
@@ -144,6 +224,7 @@ def unrotate(y, step, H, k0, k1, scale, d, out, buf):
     the first d entries into out. buf: _TILE * H float32 of scratch."""
     m = y.shape[0] // H
     a, b = U32(k0), U32(k1)
+    tile = np.empty(_TILE * _TILE, np.float32)
     for j0 in range(0, m, _TILE):
         j1 = min(m, j0 + _TILE)
         for j in range(j0, j1):
@@ -151,7 +232,23 @@ def unrotate(y, step, H, k0, k1, scale, d, out, buf):
             for i in range(H):
                 row[i] = y[j * H + i] * step
             fwht_row(row, scale)
-        for i in range(H):
+        i_fast = 0
+        if j1 - j0 == _TILE:  # whole squares through a local tile, as in rotate
+            i_fast = min(H, max(0, (d - j1) // m + 1)) // _TILE * _TILE
+            for i0 in range(0, i_fast, _TILE):
+                for jj in range(_TILE):
+                    rb = np.uint64(jj * H + i0)
+                    for ii in range(_TILE):
+                        tile[ii * _TILE + jj] = buf[rb + np.uint64(ii)]
+                for ii in range(_TILE):
+                    bu = np.uint64((i0 + ii) * m + j0)
+                    for jj in range(_TILE):
+                        pos = bu + np.uint64(jj)
+                        sg = np.float32(1.0) - np.float32(2.0) * np.float32(
+                            hash32(U32(pos), a, b) & U32(1)
+                        )
+                        out[pos] = tile[ii * _TILE + jj] * sg
+        for i in range(i_fast, H):
             base = i * m
             for j in range(j0, j1):
                 pos = base + j
@@ -160,3 +257,16 @@ def unrotate(y, step, H, k0, k1, scale, d, out, buf):
                         hash32(U32(pos), a, b) & U32(1)
                     )
                     out[pos] = buf[(j - j0) * H + i] * sg
+
+
+@njit(**_O)
+def pack8(ints, top, out):
+    """THC's 8-bit lanes: each integer (float32) clamped to +-top, as int8 (two's
+    complement) into out; returns how many were clamped."""
+    t = np.float32(top)
+    sat = 0
+    for k in range(ints.shape[0]):
+        v = ints[k]
+        sat += np.int64(abs(v) > t)
+        out[k] = np.int8(min(max(v, -t), t))
+    return sat

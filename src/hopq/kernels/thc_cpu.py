@@ -104,3 +104,13 @@ def unrotate(y: torch.Tensor, step: float, H: int, key: tuple[int, int], d: int)
         np.uint32(key[1]), _scale(H), d, out.numpy(), buf,
     )  # fmt: skip
     return out
+
+
+def pack8(ints: torch.Tensor, top: int) -> tuple[torch.Tensor, int]:
+    """``THC._pack`` for 8-bit lanes: (the integers clamped to +-top as int8
+    bytes, how many were clamped) in one pass."""
+    from hopq.kernels._thc_cpu_jit import pack8 as kernel
+
+    out = torch.empty(ints.numel(), dtype=torch.int8)
+    sat = kernel(ints.detach().reshape(-1).contiguous().numpy(), top, out.numpy())
+    return out.view(torch.uint8), int(sat)
