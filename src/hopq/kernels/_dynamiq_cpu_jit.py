@@ -14,7 +14,11 @@ to int64 (the correlated-rounding permutation: 4 lanes of emulated 64-bit
 multiplies before). Table lookups stay scalar loads inside those loops, so
 tables hold two values per 64-bit entry (a level and its gap; a bucket's first
 level and the level above it) and one load fetches both: 8-bit hops 169-178
--> 189-194, 4-bit 314-316 -> 346-348 M coordinates/s."""
+-> 189-194, 4-bit 314-316 -> 346-348 M coordinates/s. The copies in and out of
+a segment's rows and the code bytes index with unsigned integers (numba adds
+negative-index wrap-around code to signed ones, which kept those loops
+scalar): 8-bit hops 165-176 -> 218-219, 4-bit 303-308 -> 388-420 (2026-11-25,
+`hopq bench kernels`, the same machine, alternating)."""
 
 # ruff: noqa: E501
 # mypy: ignore-errors
@@ -109,19 +113,20 @@ def stage(mode, dec, local, base, m, x, outf):
     """The values a hop encodes, in x[:m]: ``local[base:]`` (ENCODE) or the decoded
     ``dec`` plus it; DECODE and DECODE_ACC write their result to ``outf[base:]``
     instead and return True (nothing to encode)."""
+    bu = np.uint64(base)
     if mode == ENCODE:
         for i in range(m):
-            x[i] = local[base + i]
+            x[i] = local[bu + np.uint64(i)]
         return False
     if mode == DECODE:
         for i in range(m):
-            outf[base + i] = dec[i]
+            outf[bu + np.uint64(i)] = dec[i]
         return True
     for i in range(m):
-        x[i] = local[base + i] + dec[i]
+        x[i] = local[bu + np.uint64(i)] + dec[i]
     if mode == DECODE_ACC:
         for i in range(m):
-            outf[base + i] = x[i]
+            outf[bu + np.uint64(i)] = x[i]
         return True
     return False
 
@@ -197,8 +202,9 @@ def impl(
                 sf = rg * M / f255 if M < BIG else rg * (M / f255)
                 for t in range(s):
                     gme[gi * s + t] = sf
+            cbu = np.uint64(cb)
             for o in range(code_bytes):
-                byte = np.int32(inb[cb + o])
+                byte = np.int32(inb[cbu + np.uint64(o)])
                 for t in range(per):
                     codes[o * per + t] = (byte >> (t * w)) & mask
             for j in range(S):
@@ -284,11 +290,12 @@ def impl(
                 neg = sgn if buf[j] < zero else I32(0)
                 codes[j] = iadd32(lvb[j], up) | neg
         cb = codes_at + r * code_bytes
+        cbu = np.uint64(cb)
         for o in range(code_bytes):
             acc = np.int32(0)
             for t in range(per):
                 acc |= codes[o * per + t] << (t * w)
-            outb[cb + o] = np.uint8(acc & 0xFF)
+            outb[cbu + np.uint64(o)] = np.uint8(acc & 0xFF)
 
 
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
