@@ -11,8 +11,9 @@ transformed in place while it stays in cache, two butterfly levels per pass
 all-reduce) :func:`rotate`, :func:`quantize` and :func:`unrotate` fuse the
 signs, the interleave, the transform and the maximum, the rounding, and the
 inverse with its scaling into one kernel each. On 4M coordinates (one
-process, Intel Xeon): the codec's plan 413 -> 38 -> 36 ms, prepare 375 -> 14
--> 8.5 ms, finish 427 -> 37 -> 29 ms (docs/codecs/thc.md).
+process, Intel Xeon): the codec's plan 413 -> 38 -> 36 -> 30 ms, prepare 375 ->
+14 -> 8.5 ms, finish 427 -> 37 -> 29 -> 21 ms (docs/codecs/thc.md). 8-bit lanes
+are packed by :func:`pack8` in one pass.
 
 numba is optional (``pip install hopq[cpu]``); without it the codec runs the
 reference. The first call compiles (cached on disk afterwards).
