@@ -18,7 +18,10 @@ level and the level above it) and one load fetches both: 8-bit hops 169-178
 a segment's rows and the code bytes index with unsigned integers (numba adds
 negative-index wrap-around code to signed ones, which kept those loops
 scalar): 8-bit hops 165-176 -> 218-219, 4-bit 303-308 -> 388-420 (2026-11-25,
-`hopq bench kernels`, the same machine, alternating)."""
+`hopq bench kernels`, the same machine, alternating). Since then the one-step
+bucket search reads its two values from two tables in one loop, which beat
+the 64-bit pair read in one loop and split in the next (8-bit hops 213-229 ->
+226-239, six alternating runs of one harness)."""
 
 # ruff: noqa: E501
 # mypy: ignore-errors
@@ -169,23 +172,23 @@ def impl(
     for i in range(top):
         dtab[i] = tab[i + 1] - tab[i]  # the reference's hi - lo
     # 64-bit entries, so that one gather fetches two values: ltab[lv] = (the
-    # level, its gap) as float32 pairs; btab[b] = (the level above bucket b's
-    # start, that start) as (float32, int32)
+    # level, its gap) as float32 pairs
     pk = np.empty(S, np.uint64)
     pkf = pk.view(np.float32)
-    pki = pk.view(np.int32)
     ltab = np.empty(top, np.uint64)
     ltf = ltab.view(np.float32)
     for i in range(top):
         ltf[2 * i] = tab[i]
         ltf[2 * i + 1] = dtab[i]
+    # the one-step bucket search: bucket b's first level and the level above
+    # it, in two tables read in the same loop (a 64-bit table of both, read in
+    # one loop and split in another, was 3-5% slower per hop)
     nbk = bucket.size if top > COUNT_MAX else 0
-    btab = np.empty(nbk, np.uint64)
-    btf = btab.view(np.float32)
-    bti = btab.view(np.int32)
+    bst = np.empty(nbk, np.int32)
+    blv = np.empty(nbk, np.float32)
     for b in range(nbk):
-        btf[2 * b] = tab[bucket[b] + 1]
-        bti[2 * b + 1] = bucket[b]
+        blv[b] = tab[bucket[b] + 1]
+        bst[b] = bucket[b]
     for r in range(k):
         R = row0 + r
         base = r * S
@@ -266,10 +269,8 @@ def impl(
                 if steps == 1:
                     for j in range(S):
                         y = ybuf[j]
-                        pk[j] = btab[min(np.int32((y if y == y else zero) * fnb), nbm)]
-                    for j in range(S):
-                        y = ybuf[j]
-                        lv = pki[2 * j + 1] + np.int32(pkf[2 * j] <= y)
+                        bi = min(np.int32((y if y == y else zero) * fnb), nbm)
+                        lv = bst[bi] + np.int32(blv[bi] <= y)
                         lvb[j] = min(lv, tm) if y == y else tm
                 else:
                     for j in range(S):  # a bucket table gives a start a few levels below

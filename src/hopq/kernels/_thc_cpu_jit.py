@@ -161,6 +161,8 @@ def rotate(x, d, H, k0, k1, scale, out):
     m = out.shape[0] // H
     a, b = U32(k0), U32(k1)
     tile = np.empty(_TILE * _TILE, np.float32)
+    top = np.float32(0.0)
+    nan = False
     for j0 in range(0, m, _TILE):
         j1 = min(m, j0 + _TILE)
         i_fast = 0
@@ -191,13 +193,12 @@ def rotate(x, d, H, k0, k1, scale, out):
                 v = x[pos] if pos < d else np.float32(0.0)
                 out[j * H + i] = v * sg
         for j in range(j0, j1):
-            fwht_row(out[j * H : (j + 1) * H], scale)
-    top = np.float32(0.0)
-    nan = False
-    for k in range(out.shape[0]):
-        v = abs(out[k])
-        top = max(top, v)
-        nan |= v != v
+            row = out[j * H : (j + 1) * H]
+            fwht_row(row, scale)
+            for k in range(H):  # the maximum while the row is in cache
+                v = abs(row[k])
+                top = max(top, v)
+                nan |= v != v
     return np.float32(np.nan) if nan else top  # NaN wins, as in torch's amax
 
 
