@@ -4,8 +4,11 @@ as :mod:`hopq.codecs.gcomp.reference`; errors come back as negative codes.
 Bit streams are MSB first. The encoder works on sub-blocks of ``SUB`` values
 that stay in L1: a first loop, which LLVM vectorizes, turns each value into
 three records ``bits << 6 | width`` (its exponent's code from the table, its
-2-bit level, its sign and kept mantissa bits; widths 0 for a pruned zero), and
-a second loop appends the three records to their streams. A writer is a 64-bit
+2-bit level, its sign and kept mantissa bits; widths 0 for a pruned zero); the
+levels of each 16 values are joined into one record of at most 32 bits, by
+pairs in four vectorized rounds. A second loop appends the exponent and
+mantissa records to their streams, and the level records (one per 16 values)
+to theirs. A writer is a 64-bit
 accumulator and the stream's total bit count ``P``: after each append it
 stores, without a branch, the last complete 32-bit word (the one ending at bit
 ``32 * (P >> 5)``, which the accumulator still holds) at word ``P >> 5`` of a
@@ -33,7 +36,7 @@ _O = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"
 _U64 = np.uint64
 _U32 = np.uint32
 
-#: Values per encoder sub-block: three 4-byte records each, 24 KiB, in L1.
+#: Values per encoder sub-block: their records and scratch stay in L1.
 SUB = 2048
 #: Lookup-table entries at or above this (symbol >= 256) are the escape or a
 #: code the table does not know (symbol 257).
