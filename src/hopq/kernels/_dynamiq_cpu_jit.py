@@ -409,10 +409,12 @@ def gather_rows(x, perm, mu, S, out):
         base = src * S
         cnt = min(S, d - base)
         m = mu[src]
+        bu = np.uint64(base)
+        ou = np.uint64(k * S)
         for j in range(cnt):
-            out[k * S + j] = x[base + j] - m
+            out[ou + np.uint64(j)] = x[bu + np.uint64(j)] - m
         for j in range(cnt, S):
-            out[k * S + j] = np.float32(0.0)
+            out[ou + np.uint64(j)] = np.float32(0.0)
 
 
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
@@ -429,14 +431,16 @@ def scatter_rows(y, perm, mu, S, n, avg, sat, out):
         base = dst * S
         cnt = min(S, d - base)
         m = mu[dst]
+        bu = np.uint64(base)
+        yu = np.uint64(k * S)
         if avg:
             for j in range(cnt):
-                out[base + j] = y[k * S + j] / fn + m
+                out[bu + np.uint64(j)] = y[yu + np.uint64(j)] / fn + m
         else:
             mn = m * fn
             for j in range(cnt):
-                out[base + j] = y[k * S + j] + mn
+                out[bu + np.uint64(j)] = y[yu + np.uint64(j)] + mn
         if sat and abs(m) < inf:
             for j in range(cnt):
-                v = out[base + j]
-                out[base + j] = big if v == inf else (-big if v == -inf else v)
+                v = out[bu + np.uint64(j)]
+                out[bu + np.uint64(j)] = big if v == inf else (-big if v == -inf else v)
