@@ -10,6 +10,7 @@ from hopq.bench import faults
 from hopq.cluster.launch import run_workers, spawn
 from tests.workers import (
     aborts_at_exit,
+    ddp_group_freed_on_destroy,
     group_freed_on_destroy,
     make_input,
     plan_fails_everywhere,
@@ -112,6 +113,26 @@ def test_destroying_the_group_frees_it_after_hopq_used_it():
     outs = spawn(2, group_freed_on_destroy, clean_exit=False, timeout=300)
     assert [o.error for o in outs] == [None, None]
     assert [o.result for o in outs] == [True, True]
+
+
+def test_destroying_the_group_frees_it_after_ddp_used_it(tmp_path):
+    """torch's DDP imports torch.distributed.nn.functional, whose default
+    arguments capture the group on import: hopq imports it first, so DDP with the
+    hook leaves nothing holding the group; where it was imported while a group
+    lived, hopq's exit handler releases the destroyed group."""
+    outs = spawn(2, ddp_group_freed_on_destroy, str(tmp_path), clean_exit=False, timeout=300)
+    assert [o.error for o in outs] == [None, None]
+    want = {"ddp": True, "held by the defaults": True, "released at exit": True}
+    assert [o.result for o in outs] == [want, want]
+
+
+def test_a_rank_killed_by_a_signal_leaves_its_threads_stacks():
+    """faulthandler writes every thread's Python stack when a rank aborts, even
+    at interpreter exit, and the error shows it."""
+    with pytest.raises(RuntimeError) as e:
+        run_workers(2, aborts_at_exit)
+    assert "threads when it died" in str(e.value)
+    assert "Fatal Python error: Aborted" in str(e.value)
 
 
 def test_mismatches_where_the_statistics_ride_with_the_agreement():

@@ -291,6 +291,45 @@ def group_freed_on_destroy(rank: int, n: int) -> bool:
     return ref() is None
 
 
+def ddp_group_freed_on_destroy(rank: int, n: int, tmp: str) -> dict[str, Any]:
+    """Trains a step of DDP with the hopq hook, destroys the group and says
+    whether it is gone. Then does it again in a second group after
+    ``torch.distributed.nn.functional`` was imported anew while that group lived
+    (what an import after ``init_process_group`` does): destroying does not free
+    it, hopq's exit handler does."""
+    import gc
+    import importlib
+    import os
+    import weakref
+
+    import torch.distributed.nn.functional as functional
+
+    from hopq.comm import shutdown
+
+    out: dict[str, Any] = {}
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 4))
+    model.register_comm_hook(hopq.HookState(codec="bf16"), hopq.ddp_hook)
+    model(torch.randn(2, 8)).sum().backward()
+    del model
+    ref = weakref.ref(dist.group.WORLD)
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    out["ddp"] = ref() is None
+    store = dist.FileStore(os.path.join(tmp, "again"), n)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    importlib.reload(functional)
+    hopq.all_reduce(torch.ones(64), "bf16", "ring")
+    ref = weakref.ref(dist.group.WORLD)
+    dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
+    out["held by the defaults"] = ref() is not None
+    shutdown.at_exit()
+    out["released at exit"] = ref() is None
+    return out
+
+
 def plan_fails_everywhere(rank: int, n: int) -> dict[str, Any]:
     """Every rank's plan raises: the error surfaces, no posted message is left
     behind, and the next call on the group is correct."""

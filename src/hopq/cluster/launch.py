@@ -8,6 +8,7 @@ join the launcher's process group instead (:func:`init_from_env`).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import sys
 import tempfile
@@ -54,6 +55,9 @@ class RankOutcome:
     #: How far it got: "started", "returned" (its function returned, the
     #: teardown did not finish) or "torn down" (barrier and group destroyed).
     reached: str = "started"
+    #: For a rank killed by a signal (SIGABRT, SIGSEGV...): the Python stacks of
+    #: its threads at that moment, as :mod:`faulthandler` wrote them.
+    fault: str | None = None
 
 
 def _entry(
@@ -68,6 +72,9 @@ def _entry(
     clean_exit: bool,
 ) -> None:
     torch.set_num_threads(threads)
+    # a crash, even one at interpreter exit, leaves every thread's Python stack
+    # here (the file stays open until the process ends)
+    faulthandler.enable(open(os.path.join(tmp, f"fault{rank}.txt"), "w"), all_threads=True)  # noqa: SIM115
     try:
         if namespace is not None:  # before Gloo creates its sockets and threads
             from hopq.cluster.network import WORKER_IFACE, enter_namespace
@@ -161,6 +168,10 @@ def spawn(
                 out.reached = "returned"
             if os.path.exists(os.path.join(tmp, f"gone{r}")):
                 out.reached = "torn down"
+            fault = os.path.join(tmp, f"fault{r}.txt")
+            if code is not None and code < 0 and os.path.exists(fault):
+                with open(fault) as f:
+                    out.fault = f.read().strip() or None
             outcomes.append(out)
         return outcomes
 
@@ -195,5 +206,8 @@ def run_workers(
             or (f"{len(hung)} ranks did not finish in {timeout} s" if hung else "")
             or "ranks died: "
             + "; ".join(f"rank {o.rank} with exit code {o.exitcode} ({_stage(o)})" for o in dead)
+            + "".join(
+                f"\nrank {o.rank}'s threads when it died:\n{o.fault}" for o in dead if o.fault
+            )
         )
     return [o.result for o in outcomes]

@@ -14,6 +14,19 @@ short timeout, so a rank that died does not hold the others) and (2) destroys
 the process group in order, unless the script already did. Users need not know.
 ``hopq bench exits`` runs the README's example under torchrun repeatedly and
 counts the exit codes.
+
+Destroying the group only helps if that frees it: Gloo's threads stop when the
+group object dies, and a group that outlives the script dies during interpreter
+finalization, where a Gloo thread that needs the GIL can still abort the rank.
+torch keeps the default group alive itself once DDP is built:
+``torch.distributed.nn.functional``, which DDP imports, evaluates
+``group=group.WORLD`` as the default argument of ten functions when it is first
+imported, so a process that builds DDP after ``init_process_group`` holds its
+group in those defaults until exit. hopq therefore imports that module itself
+when it is imported before any group exists (the defaults are then None, which
+those functions read as the default group, the same behaviour), and its exit
+handler replaces defaults that still hold a destroyed group by None, so the
+group is freed while the interpreter is fully alive.
 """
 
 from __future__ import annotations
@@ -35,16 +48,57 @@ def install() -> None:
         _installed = True
 
 
-def at_exit() -> None:
+def import_functional_early() -> None:
+    """Import ``torch.distributed.nn.functional`` while no group exists, so that
+    its default arguments hold None rather than the group (see above)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if dist.is_available() and not dist.is_initialized():
+        with contextlib.suppress(ImportError):  # builds without torch.distributed.nn
+            import torch.distributed.nn.functional  # noqa: F401
+
+
+def release_destroyed_groups() -> int:
+    """Replace every default argument of ``torch.distributed.nn.functional``
+    that holds a process group no longer registered (destroyed) by None;
+    returns how many were replaced."""
+    import sys
+
+    import torch.distributed as dist
+
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None or not dist.is_available():
+        return 0
+    from torch.distributed.distributed_c10d import _world
+
+    live = set(_world.pg_map)
+    replaced = 0
+    for fn in vars(mod).values():
+        defaults = getattr(fn, "__defaults__", None)
+        if not (callable(fn) and defaults):
+            continue
+        stale = [isinstance(d, dist.ProcessGroup) and d not in live for d in defaults]
+        if any(stale):
+            fn.__defaults__ = tuple(None if s else d for d, s in zip(defaults, stale, strict=True))
+            replaced += sum(stale)
+    return replaced
+
+
+def at_exit() -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    if not dist.is_available():
         return
-    try:
-        work = dist.barrier(async_op=True)
-        if work is not None:
-            work.wait(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
-    except Exception:  # noqa: BLE001 - a peer died: tear down anyway
-        pass
-    with contextlib.suppress(Exception):  # already gone
-        dist.destroy_process_group()
+    if dist.is_initialized():
+        try:
+            work = dist.barrier(async_op=True)
+            if work is not None:
+                work.wait(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
+        except Exception:  # noqa: BLE001 - a peer died: tear down anyway
+            pass
+        with contextlib.suppress(Exception):  # already gone
+            dist.destroy_process_group()
+    if release_destroyed_groups():
+        gc.collect()  # the group, and with it Gloo's threads, go now

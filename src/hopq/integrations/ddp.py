@@ -29,12 +29,17 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hopq.codecs.base import Codec, check_takes_optimizer
 from hopq.codecs.registry import get_codec
+from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
 from hopq.comm.topology import get_schedule
 from hopq.errors import HookNotEngagedWarning
 from hopq.integrations.records import MAX_KEPT_CALLS, CallRecords, StepMetrics
 from hopq.options import check_finite, check_int
+
+# before DDP imports it after the group exists and keeps the group alive to the
+# end of the interpreter (see hopq.comm.shutdown)
+shutdown.import_functional_early()
 
 __all__ = ["MAX_KEPT_CALLS", "HookState", "StepMetrics", "ddp_hook"]
 
