@@ -41,6 +41,8 @@ SUB = 2048
 #: Lookup-table entries at or above this (symbol >= 256) are the escape or a
 #: code the table does not know (symbol 257).
 _RARE = 256 << 8
+#: Pair-table entries at or above this: the first code is not in the table.
+_PAIR_RARE = 0xFFFFFFFF
 #: By level + 4 * (value != 0): the kept sign + mantissa bits, and the mask of
 #: the kept mantissa bits (all 0 for a pruned zero).
 _KEEP = np.array([0, 0, 0, 0, 24, 18, 12, 6], np.uint64)
@@ -316,11 +318,34 @@ def _load_streams(p, off, ebytes, lbytes, mbytes, E, L, M):
         M[j] = _bswap64(M[j])
 
 
+@njit(inline="always", **_O)
+def _value(M, L, li, mbit, sym):
+    """One value's float32 bits from its exponent ``sym``, its level (``L[li]``,
+    read when the value is non-zero) and its sign + kept mantissa bits at bit
+    ``mbit`` of M; with the level and mantissa positions after it."""
+    nz = _U64(sym != _U64(0))
+    lx = _U64(L[li]) + (nz << _U64(2))
+    q = mbit >> _U64(6)
+    o = mbit & _U64(63)
+    hi = (M[q] << o) | ((M[q + _U64(1)] >> _U64(1)) >> (_U64(63) - o))
+    u = hi >> _U64(32)
+    v = _U32((u & (nz << _U64(31))) | ((u >> _U64(8)) & _MASK[lx]) | (sym << _U64(23)))
+    return v, li + nz, mbit + _KEEP[lx]
+
+
 @njit(**_O)
-def _decode_chunk(p, heads, c, scr, lut, lengths, n_theta, dst):
+def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     """Chunk c's values as float32 bits into dst (uint32, the chunk's length).
     Returns 0, or -1 bad exponent stream, -2 escaped short code, -3 non-zero
-    count, -4 mantissa length."""
+    count, -4 mantissa length.
+
+    Exponents are decoded two at a time where both codes fit in the next ``pw``
+    bits (the pair table ``plut``: first symbol, second symbol << 8, both codes'
+    length << 16, 1 << 24 when the second is there; ``_PAIR_RARE`` where the
+    first code is not in ``lut``), so the loop's serial chain, lookup -> shift, runs
+    about once per two values. The second value is always computed and kept only
+    when its code was there (its level and mantissa positions advance by 0
+    otherwise). Escapes and unknown codes take the one-value ``lut`` path."""
     E, L, M, _ = scr
     off = heads[c, 0]
     vals = heads[c, 2]
@@ -335,35 +360,41 @@ def _decode_chunk(p, heads, c, scr, lut, lengths, n_theta, dst):
     cnt = _U64(64)
     fi = _U64(2)
     sh = _U64(64 - n_theta)
+    psh = _U64(64 - pw)
     nt = _U64(n_theta)
     li = _U64(0)
     mbit = _U64(0)
-    for i in range(vals):
-        ent = _U64(lut[bb >> sh])
-        if ent >= _U64(_RARE):
-            if ent >> _U64(8) != _U64(256):
-                return -1
-            sym = (bb << nt) >> _U64(56)
-            if lengths[sym] <= n_theta:
-                return -2
-        else:
-            sym = ent >> _U64(8)
-        ln = ent & _U64(0xFF)
+    i = _U64(0)
+    nv = _U64(vals)
+    while i < nv:
+        # the chunk's last value takes its own code only
+        ent = _U64(plut[bb >> psh]) if i + _U64(1) < nv else _U64(_PAIR_RARE)
+        if ent >= _U64(_PAIR_RARE):
+            e1 = _U64(lut[bb >> sh])
+            if e1 >= _U64(_RARE):
+                if e1 >> _U64(8) != _U64(256):
+                    return -1
+                s1 = (bb << nt) >> _U64(56)
+                if lengths[s1] <= n_theta:
+                    return -2
+            else:
+                s1 = e1 >> _U64(8)
+            ent = s1 | ((e1 & _U64(0xFF)) << _U64(16))
+        ln = (ent >> _U64(16)) & _U64(0xFF)
         bb <<= ln
         cnt -= ln
         if cnt < _U64(32):
             bb |= _U64(E[fi]) << (_U64(32) - cnt)
             cnt += _U64(32)
             fi += _U64(1)
-        nz = _U64(sym != _U64(0))
-        lx = _U64(L[li]) + (nz << _U64(2))
-        li += nz
-        q = mbit >> _U64(6)
-        o = mbit & _U64(63)
-        hi = (M[q] << o) | ((M[q + _U64(1)] >> _U64(1)) >> (_U64(63) - o))
-        u = hi >> _U64(32)
-        dst[i] = _U32((u & (nz << _U64(31))) | ((u >> _U64(8)) & _MASK[lx]) | (sym << _U64(23)))
-        mbit += _KEEP[lx]
+        two = (ent >> _U64(24)) & _U64(1)
+        v1, li1, mb1 = _value(M, L, li, mbit, ent & _U64(0xFF))
+        v2, li2, mb2 = _value(M, L, li1, mb1, (ent >> _U64(8)) & _U64(0xFF))
+        dst[i] = v1
+        dst[i + two] = v2 if two else v1
+        li = li1 + (li2 - li1) * two
+        mbit = mb1 + (mb2 - mb1) * two
+        i += _U64(1) + two
     if _U64(32) * fi - cnt != _U64(eb):
         return -1
     if li != _U64(nnz):
@@ -382,7 +413,7 @@ def _add(x, s, r, n):
 
 
 @njit(**_O)
-def decode_chunks(p, heads, C, lut, lengths, n_theta, out, out_u, acc):
+def decode_chunks(p, heads, C, lut, plut, pw, lengths, n_theta, out, out_u, acc):
     """Decode (acc=False) or accumulate (acc=True) every chunk into out (float32;
     out_u: the same memory as uint32). Returns 0 or an error code of
     :func:`_decode_chunk`."""
@@ -393,7 +424,7 @@ def decode_chunks(p, heads, C, lut, lengths, n_theta, out, out_u, acc):
         vals = heads[c, 2]
         s = c * C
         err = _decode_chunk(
-            p, heads, c, scr, lut, lengths, n_theta, res if acc else out_u[s : s + vals]
+            p, heads, c, scr, lut, plut, pw, lengths, n_theta, res if acc else out_u[s : s + vals]
         )
         if err:
             return err
@@ -403,7 +434,9 @@ def decode_chunks(p, heads, C, lut, lengths, n_theta, out, out_u, acc):
 
 
 @njit(**_O)
-def hop_block(p, heads, lut, lengths, xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head):
+def hop_block(
+    p, heads, lut, plut, pw, lengths, xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head
+):
     """The fused hop, chunk by chunk while the chunk stays in cache: decode it
     from p, add it to the local values (xf, overwritten with the sum; xu: the
     same memory as uint32) and encode the sum into out. Returns the payload
@@ -419,7 +452,7 @@ def hop_block(p, heads, lut, lengths, xu, xf, thr, has_thr, fixed, etab, n_theta
     for c in range(k):
         vals = heads[c, 2]
         s = c * C
-        err = _decode_chunk(p, heads, c, dscr, lut, lengths, n_theta, res)
+        err = _decode_chunk(p, heads, c, dscr, lut, plut, pw, lengths, n_theta, res)
         if err:
             return err
         _add(xf, s, resf, vals)

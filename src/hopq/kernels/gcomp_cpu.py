@@ -37,17 +37,45 @@ def _jit() -> Any:
     return _gcomp_cpu_jit
 
 
+#: Bits the decoder's pair table reads at once (at least n_theta).
+PAIR_BITS = 12
+
+
 @lru_cache(maxsize=64)
 def _np_table(table: Table) -> tuple[np.ndarray, ...]:
     """(each exponent's code << 6 | length; the lookup table, symbol << 8 |
-    length, symbol 257 where no code reaches; the native code lengths)."""
+    length, symbol 257 where no code reaches; the native code lengths; the pair
+    table of :func:`_pair_table`)."""
     lut = (table.lut_sym << 8) | table.lut_len
     lut[table.lut_len == 0] = 257 << 8
+    lut_np = lut.numpy().astype(np.uint32)
     return (
         ((table.enc_code << 6) | table.enc_len).numpy().astype(np.uint32),
-        lut.numpy().astype(np.uint32),
+        lut_np,
         table.lengths.numpy().astype(np.int64),
+        _pair_table(lut_np, table.n_theta),
     )
+
+
+def _pair_table(lut: np.ndarray, n_theta: int) -> np.ndarray:
+    """For every value of the next w = max(PAIR_BITS, n_theta) bits of the
+    exponent stream: the first code's symbol, the second's << 8, both lengths'
+    sum << 16 and 1 << 24 when the second code lies within the w bits too (a
+    prefix code: a code no longer than the bits known is the true next one); all
+    ones where the first code is an escape or
+    unknown (the decoder's one-code path). Symbols 256 and 257 never pair."""
+    w = max(PAIR_BITS, n_theta)
+    idx = np.arange(1 << w, dtype=np.int64)
+    e1 = lut[idx >> (w - n_theta)].astype(np.int64)
+    l1 = e1 & 0xFF
+    rest = (idx << l1) & ((1 << w) - 1)  # the bits after the first code, zero filled
+    e2 = lut[rest >> (w - n_theta)].astype(np.int64)
+    l2 = e2 & 0xFF
+    two = (e2 < (256 << 8)) & (l2 <= w - l1)
+    ent = (e1 >> 8) | np.where(two, ((e2 >> 8) << 8) | (1 << 24), 0)
+    ent |= (l1 + np.where(two, l2, 0)) << 16
+    ent[e1 >= (256 << 8)] = 0xFFFFFFFF
+    return ent.astype(np.uint32)
 
 
 _EMPTY_F32 = np.empty(0, np.float32)
@@ -72,7 +100,7 @@ def encode(
     x: torch.Tensor, thr: torch.Tensor | None, fixed: int, table: Table, chunk_values: int
 ) -> torch.Tensor:
     n = x.numel()
-    etab, _, _ = _np_table(table)
+    etab = _np_table(table)[0]
     out, head = _out_and_head(n, table, chunk_values)
     xu, xf = _views(x)
     t = _EMPTY_F32 if thr is None else thr.contiguous().numpy()
@@ -88,7 +116,7 @@ def decode(
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if n == 0:
         return
-    _, lut, lengths = _np_table(table)
+    _, lut, lengths, plut = _np_table(table)
     o = out.numpy() if out.is_contiguous() else None
     target = o if o is not None else np.zeros(n, np.float32)
     if o is None and acc:
@@ -98,6 +126,8 @@ def decode(
         heads.numpy(),
         chunk_values,
         lut,
+        plut,
+        max(PAIR_BITS, table.n_theta),
         lengths,
         table.n_theta,
         target,
@@ -125,7 +155,7 @@ def hop(
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if not local.is_contiguous():
         raise ValueError("gcomp: the fused hop needs a contiguous local chunk")
-    etab, lut, lengths = _np_table(table)
+    etab, lut, lengths, plut = _np_table(table)
     out, head = _out_and_head(n, table, chunk_values)
     xf = local.reshape(-1).numpy()
     t = _EMPTY_F32 if thr is None else thr.contiguous().numpy()
@@ -133,6 +163,8 @@ def hop(
         payload.numpy(),
         heads.numpy(),
         lut,
+        plut,
+        max(PAIR_BITS, table.n_theta),
         lengths,
         xf.view(np.uint32),
         xf,
