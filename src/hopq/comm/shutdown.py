@@ -100,5 +100,8 @@ def at_exit() -> None:
             pass
         with contextlib.suppress(Exception):  # already gone
             dist.destroy_process_group()
-    if release_destroyed_groups():
+    released = 0
+    with contextlib.suppress(Exception):  # torch internals this version lacks
+        released = release_destroyed_groups()
+    if released:
         gc.collect()  # the group, and with it Gloo's threads, go now

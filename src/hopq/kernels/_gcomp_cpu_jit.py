@@ -16,9 +16,11 @@ buffer whose word 0 is scratch, so the loop keeps no word index and no
 per-stream remainder.
 
 The decoder reads exponents from a 64-bit bit buffer refilled 32 bits at a
-time from big-endian words, so the loop's serial chain is lookup -> shift; the
-lookup table packs ``symbol << 8 | length`` and one compare sends the escape
-and the codes the table does not know to a rare branch. The levels are first
+time from big-endian words, so the loop's serial chain is lookup -> shift, and
+it looks up two codes at once where both fit in the next 12 bits (a pair
+table), so the chain runs about once per two values; the one-code table packs
+``symbol << 8 | length`` and one compare sends the escape and the codes the
+table does not know to a rare branch. The levels are first
 unpacked one per byte, and a mantissa field is peeked at its bit position with
 two loads and a funnel shift. Reads past a stream's end stay inside the
 scratch buffers (each sized for a chunk's worst case), and the counts are

@@ -62,8 +62,8 @@ def _pair_table(lut: np.ndarray, n_theta: int) -> np.ndarray:
     exponent stream: the first code's symbol, the second's << 8, both lengths'
     sum << 16 and 1 << 24 when the second code lies within the w bits too (a
     prefix code: a code no longer than the bits known is the true next one); all
-    ones where the first code is an escape or
-    unknown (the decoder's one-code path). Symbols 256 and 257 never pair."""
+    ones where the first code is an escape or unknown (the decoder's one-code
+    path). Symbols 256 and 257 never pair."""
     w = max(PAIR_BITS, n_theta)
     idx = np.arange(1 << w, dtype=np.int64)
     e1 = lut[idx >> (w - n_theta)].astype(np.int64)
