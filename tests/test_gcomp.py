@@ -380,6 +380,7 @@ def test_bench_gcomp_tiny(tmp_path):
     )
     text = run(o, log=lambda _s: None)
     assert "## Kernels" in text and "fused hop" in text
+    assert "| torch fp16 cast |" in text and "of its speed" in text  # what users have
     assert "## Loss deviation" in text and (tmp_path / "loss.png").exists()
     assert "|      gpt |       sgd |" in text and "|      gpt |     adamw |" in text
     assert (tmp_path / "size.png").exists()

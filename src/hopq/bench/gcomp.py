@@ -197,7 +197,41 @@ def kernel_rows(n: int, repeats: int, seed: int = 0) -> list[list[Any]]:
         for mode, fixed, th in (("none", -1, None), ("thresholds", -1, thr), ("fixed 3", 3, None)):
             size, speeds = _kernel_speeds(x, fixed, th, repeats)
             rows.append([mode, f"{size:.3f}", *(f"{s / 1e6:.0f}" for s in speeds)])
+        rows.append(
+            ["torch fp16 cast", "0.500", *(f"{s / 1e6:.0f}" for s in _fp16_speeds(x, repeats))]
+        )
         return rows
+
+
+def _ratio(rows: list[list[Any]]) -> str:
+    """GComp's fused hops over torch's fp16 one (the last row), as a range."""
+    ref = float(rows[-1][-1])
+    rs = [float(r[-1]) / ref for r in rows[:-1]] if ref > 0 else []
+    return f"{min(rs):.2f}-{max(rs):.2f}x" if rs else "n/a"
+
+
+def _fp16_speeds(x: torch.Tensor, repeats: int) -> list[float]:
+    """What torch users have, in the same run: ``fp16_compress_hook``'s codec
+    (a cast to float16 and back), as [encode, decode, decode-accumulate, fused
+    hop] coordinates/s."""
+    n = x.numel()
+    payload = x.to(torch.float16)
+    out = torch.empty_like(x)
+    acc = x.clone()
+    local = x.clone()
+
+    def hop() -> object:
+        local.copy_(x)
+        local.add_(payload)
+        return local.to(torch.float16)
+
+    t_copy = _median_time(lambda: local.copy_(x), repeats)
+    return [
+        n / _median_time(lambda: x.to(torch.float16), repeats),
+        n / _median_time(lambda: out.copy_(payload), repeats),
+        n / _median_time(lambda: acc.add_(payload), repeats),
+        n / max(_median_time(hop, repeats) - t_copy, 1e-9),
+    ]
 
 
 # -- sizes over training -------------------------------------------------------
@@ -419,6 +453,9 @@ def run(o: GCompBenchOptions, log: Callable[[str], None] | None = None) -> str:
             + markdown_table(
                 ["truncation", "size / fp32", "encode", "decode", "decode+acc", "fused hop"], rows
             )
+            + "\n\n'torch fp16 cast' is the codec of torch's `fp16_compress_hook` (a cast to "
+            "float16 and back, no compression beyond it) timed the same way in the same run; "
+            f"GComp's fused hop runs at {_ratio(rows)} of its speed.\n"
         )
     if "sizes" in o.parts:
         runs: dict[tuple[str, str], list[StepSizes]] = {}
