@@ -24,14 +24,17 @@ table does not know to a rare branch. The levels are first
 unpacked one per byte, and a mantissa field is peeked at its bit position with
 two loads and a funnel shift. Reads past a stream's end stay inside the
 scratch buffers (each sized for a chunk's worst case), and the counts are
-checked once at the end of the chunk against the header. The fused hop works
-chunk by chunk while the chunk is in cache: decode, add, then encode the sum."""
+checked once at the end of the chunk against the header. Accumulating
+decoders add each value to the local one in the decoder's loop (no decoded
+buffer, no second pass). The fused hop works chunk by chunk while the chunk is
+in cache: decode into the local values, then encode the sum."""
 
 # mypy: ignore-errors
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, types
+from numba.extending import overload
 
 _O = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
 
@@ -280,13 +283,12 @@ def encode_block(xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head):
 
 @njit(**_O)
 def _dec_scratch(C, n_theta):
-    """(exponent words, levels one per byte, mantissa words, decoded values)
-    for chunks of at most C values."""
+    """(exponent words, levels one per byte, mantissa words) for chunks of at
+    most C values."""
     return (
         np.empty((C * (n_theta + 8)) // 32 + 8, np.uint32),
         np.zeros(C + 8, np.uint8),  # zeros: a corrupt count reads levels 0-3 only
         np.empty((3 * C) // 8 + 8, np.uint64),
-        np.empty(C, np.uint32),
     )
 
 
@@ -335,11 +337,40 @@ def _value(M, L, li, mbit, sym):
     return v, li + nz, mbit + _KEEP[lx]
 
 
+def _put(dst, i, two, v1, v2):
+    """Store the decoded pair (v1, and v2 when ``two``) at dst[i]: by dst's
+    type, their float32 bits (uint32) or added to it in place (float32)."""
+
+
+@overload(_put, inline="always")
+def _put_by_type(dst, i, two, v1, v2):
+    if isinstance(dst.dtype, types.Float):
+
+        def put_sum(dst, i, two, v1, v2):
+            # local + decoded, as _add did; both local values are read before
+            # either store, so a lone value (two = 0) is added once
+            a1 = dst[i]
+            a2 = dst[i + two]
+            r1 = a1 + _U32(v1).view(np.float32)
+            r2 = a2 + _U32(v2).view(np.float32) if two else r1
+            dst[i] = r1
+            dst[i + two] = r2
+
+        return put_sum
+
+    def put_bits(dst, i, two, v1, v2):
+        dst[i] = v1
+        dst[i + two] = v2 if two else v1
+
+    return put_bits
+
+
 @njit(**_O)
 def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
-    """Chunk c's values as float32 bits into dst (uint32, the chunk's length).
-    Returns 0, or -1 bad exponent stream, -2 escaped short code, -3 non-zero
-    count, -4 mantissa length.
+    """Chunk c's values into dst (the chunk's length): their float32 bits when
+    dst is uint32, added to it when it is float32 (the accumulation fused into
+    the decoder's loop, where it hides behind the exponent chain). Returns 0, or -1 bad exponent stream, -2
+    escaped short code, -3 non-zero count, -4 mantissa length.
 
     Exponents are decoded two at a time where both codes fit in the next ``pw``
     bits (the pair table ``plut``: first symbol, second symbol << 8, both codes'
@@ -348,7 +379,7 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     about once per two values. The second value is always computed and kept only
     when its code was there (its level and mantissa positions advance by 0
     otherwise). Escapes and unknown codes take the one-value ``lut`` path."""
-    E, L, M, _ = scr
+    E, L, M = scr
     off = heads[c, 0]
     vals = heads[c, 2]
     nnz = heads[c, 3]
@@ -392,8 +423,7 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
         two = (ent >> _U64(24)) & _U64(1)
         v1, li1, mb1 = _value(M, L, li, mbit, ent & _U64(0xFF))
         v2, li2, mb2 = _value(M, L, li1, mb1, (ent >> _U64(8)) & _U64(0xFF))
-        dst[i] = v1
-        dst[i + two] = v2 if two else v1
+        _put(dst, i, two, v1, v2)
         li = li1 + (li2 - li1) * two
         mbit = mb1 + (mb2 - mb1) * two
         i += _U64(1) + two
@@ -407,31 +437,20 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
 
 
 @njit(**_O)
-def _add(x, s, r, n):
-    """x[s : s + n] += r[:n] (unsigned indices: a vectorized loop)."""
-    s = _U64(s)
-    for i in range(n):
-        x[s + _U64(i)] += r[i]
-
-
-@njit(**_O)
 def decode_chunks(p, heads, C, lut, plut, pw, lengths, n_theta, out, out_u, acc):
     """Decode (acc=False) or accumulate (acc=True) every chunk into out (float32;
     out_u: the same memory as uint32). Returns 0 or an error code of
     :func:`_decode_chunk`."""
     scr = _dec_scratch(C, n_theta)
-    res = scr[3]
-    resf = res.view(np.float32)
     for c in range(heads.shape[0]):
-        vals = heads[c, 2]
         s = c * C
-        err = _decode_chunk(
-            p, heads, c, scr, lut, plut, pw, lengths, n_theta, res if acc else out_u[s : s + vals]
-        )
+        e = s + heads[c, 2]
+        if acc:
+            err = _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, out[s:e])
+        else:
+            err = _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, out_u[s:e])
         if err:
             return err
-        if acc:
-            _add(out, s, resf, vals)
     return 0
 
 
@@ -449,15 +468,12 @@ def hop_block(
     cm = min(C, max(n, 1))
     dscr = _dec_scratch(cm, n_theta)
     escr = _enc_scratch(cm, n_theta)
-    res = dscr[3]
-    resf = res.view(np.float32)
     for c in range(k):
         vals = heads[c, 2]
         s = c * C
-        err = _decode_chunk(p, heads, c, dscr, lut, plut, pw, lengths, n_theta, res)
+        err = _decode_chunk(p, heads, c, dscr, lut, plut, pw, lengths, n_theta, xf[s : s + vals])
         if err:
             return err
-        _add(xf, s, resf, vals)
         nb, nnz, eb, mb = _encode_chunk(
             xu, xf, thr, has_thr, fixed, etab, s, s + vals, escr, out, pos
         )
