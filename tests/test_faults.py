@@ -14,6 +14,7 @@ from tests.workers import (
     group_freed_on_destroy,
     make_input,
     plan_fails_everywhere,
+    straggler,
     wrong_sizes,
 )
 
@@ -154,3 +155,29 @@ def test_mismatches_where_the_statistics_ride_with_the_agreement():
                 assert torch.equal(what, hopq.simulate(xs, codec, topo, seed=1).outputs[0])
             else:
                 assert what == "MismatchError", (kind, what)
+
+
+def test_a_call_waits_as_long_as_the_process_group_does():
+    """With no timeout given, a call waits for a late peer as long as the group's
+    own timeout (init_process_group(timeout=)), as torch's collectives do: a
+    rank 4 s late is waited for under a 20 s group timeout, and under a 2 s one
+    the early rank gives up in about 2 s while the late rank's error says that
+    its peer gave up waiting."""
+    outs = spawn(2, straggler, 4.0, pg_timeout=20, clean_exit=False, timeout=300)
+    assert [o.error for o in outs] == [None, None]
+    assert [o.result["timeout_s"] for o in outs] == [20.0, 20.0]
+    assert [o.result.get("ok") for o in outs] == [3.0, 3.0]
+    outs = spawn(2, straggler, 4.0, pg_timeout=2, clean_exit=False, timeout=300)
+    early, late = (o.result for o in outs)
+    assert "within the call's timeout of 2 s" in early["error"], early
+    assert early["waited_s"] < 4.0
+    assert "gave up waiting for this rank" in late["error"], late
+    assert "step -" not in early["error"] + late["error"]  # no internal step numbers
+
+
+def test_calls_without_a_process_group_say_so():
+    x = torch.ones(4)
+    with pytest.raises(RuntimeError, match="init_process_group first"):
+        hopq.all_reduce(x)
+    with pytest.raises(RuntimeError, match="init_process_group first"):
+        hopq.reduce_scatter(x, shards="equal")

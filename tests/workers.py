@@ -354,3 +354,24 @@ def plan_fails_everywhere(rank: int, n: int) -> dict[str, Any]:
     hopq.all_reduce(y, codec=codec, timeout=20.0)
     out["after"] = y
     return out
+
+
+def straggler(rank: int, n: int, late_s: float) -> dict[str, Any]:
+    """Rank n - 1 calls ``late_s`` seconds after the others; every call takes the
+    default timeout (None: the process group's own). Returns what each saw."""
+    import time
+
+    from hopq.comm.collectives import _transport
+
+    out: dict[str, Any] = {"timeout_s": _transport(None).timeout_s}
+    if rank == n - 1:
+        time.sleep(late_s)
+    t = time.monotonic()
+    x = torch.full((1000,), float(rank + 1))
+    try:
+        hopq.all_reduce(x, codec="bf16")
+        out["ok"] = float(x[0])
+    except hopq.TransportError as e:
+        out["error"] = str(e)
+    out["waited_s"] = time.monotonic() - t
+    return out

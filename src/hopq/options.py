@@ -118,6 +118,12 @@ def check_finite(name: str, value: Any, *, positive: bool = False) -> float:
     return v
 
 
+def check_timeout(value: Any) -> float | None:
+    """A call's timeout in seconds: a finite positive number, or None for the
+    process group's own timeout (``init_process_group(timeout=)``)."""
+    return None if value is None else check_finite("timeout", value, positive=True)
+
+
 def int_tuple(name: str, value: Any) -> tuple[int, ...]:
     """A tuple of ints from a tuple or list of ints; a string is refused (``"248"``
     is not the widths 2, 4, 8)."""

@@ -53,7 +53,7 @@ DEATHS = (
     "dies after its first send",
     "dies mid-step",
 )
-#: Seconds beyond hopq's timeout within which every survivor must have raised.
+#: Seconds beyond the calls' timeout within which every survivor must have raised.
 MARGIN_S = 15.0
 
 
@@ -66,7 +66,7 @@ class FaultOptions:
     worlds: tuple[int, ...] = option((2, 3, 4), "world sizes")
     mismatches: tuple[str, ...] = option(MISMATCHES, "mismatch kinds", choices=MISMATCHES)
     deaths: tuple[str, ...] = option(DEATHS, "rank-death kinds", choices=DEATHS)
-    timeout: float = option(3.0, "hopq's timeout in the death runs, seconds")
+    timeout: float = option(3.0, "the calls' timeout in the death runs, seconds")
     size: int = option(4099, "coordinates per call")
 
     def __post_init__(self) -> None:

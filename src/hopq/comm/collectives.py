@@ -14,7 +14,7 @@ from hopq.codecs.registry import codec_info, get_codec
 from hopq.comm import engine
 from hopq.comm.topology import equal_shards, get_schedule
 from hopq.comm.transport import DistTransport
-from hopq.options import check_finite, check_int
+from hopq.options import check_finite, check_int, check_timeout
 
 #: One transport per live process group, held weakly: once
 #: ``destroy_process_group`` drops torch's references, the group (and Gloo's
@@ -30,6 +30,12 @@ def _transport(group: torch.distributed.ProcessGroup | None) -> DistTransport:
     counter numbers the calls every rank makes on that group."""
     import torch.distributed as dist
 
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialized: call "
+            "torch.distributed.init_process_group first (torchrun sets its environment), "
+            "or use hopq.simulate for an in-process run"
+        )
     key = group if group is not None else dist.group.WORLD
     t = _TRANSPORTS.get(key)
     if t is None:
@@ -75,7 +81,7 @@ class Call:
     op: ReduceOp
     seed: int
     key: int | None
-    timeout: float
+    timeout: float | None
     #: torch's PREMUL_SUM factor (op is then SUM), or None.
     premul: float | None = None
 
@@ -87,7 +93,7 @@ def check_call(
     op: Op,
     seed: int,
     key: int | None,
-    timeout: float,
+    timeout: float | None,
     gather_codec: str | Codec[Any] | None = None,
 ) -> Call:
     """Refuse bad input before anything is sent: TypeError for types and dtypes,
@@ -114,7 +120,7 @@ def check_call(
     seed = check_int("seed", seed, lo=0, hi=(1 << 63) - 1)
     if key is not None:
         key = check_int("key", key, lo=0, hi=(1 << 62) - 1)
-    timeout = check_finite("timeout", timeout, positive=True)
+    timeout = check_timeout(timeout)
     red, premul = parse_op(op)
     return Call(c, g, topology, red, seed, key, timeout, premul)
 
@@ -128,7 +134,7 @@ def all_reduce(
     seed: int = 0,
     key: int | None = None,
     *,
-    timeout: float = engine.DEFAULT_TIMEOUT_S,
+    timeout: float | None = None,
     gather_codec: str | Codec[Any] | None = None,
     pipeline: bool = True,
     microshards: int | None = None,
@@ -143,8 +149,11 @@ def all_reduce(
 
     Before any payload moves, the ranks check that they all make the same call;
     if not, :class:`hopq.MismatchError` is raised on every rank and the group
-    stays usable. A peer that does not answer within ``timeout`` seconds raises
-    :class:`hopq.TransportError` naming it.
+    stays usable. A peer that does not answer within ``timeout`` seconds (None:
+    the group's own timeout, ``init_process_group(timeout=)``, torch's default 30
+    minutes) raises :class:`hopq.TransportError` naming it; after a timeout the
+    group is unusable (Gloo closes the connection it waited on), as after
+    torch's own collectives time out.
 
     ``key`` names the tensor when a step reduces several (the DDP hook passes the
     bucket index): the same key on every rank, stable from step to step. DynamiQ
@@ -180,7 +189,7 @@ def reduce_scatter(
     seed: int = 0,
     *,
     key: int | None = None,
-    timeout: float = engine.DEFAULT_TIMEOUT_S,
+    timeout: float | None = None,
     shards: str | Sequence[int] = "topology",
 ) -> torch.Tensor:
     """Compressed reduce-scatter: this rank's shard of the reduced, flattened tensor,
@@ -223,7 +232,7 @@ def reduce_scatter_with_stats(
     seed: int = 0,
     *,
     key: int | None = None,
-    timeout: float = engine.DEFAULT_TIMEOUT_S,
+    timeout: float | None = None,
     shards: str | Sequence[int] = "topology",
 ) -> tuple[torch.Tensor, engine.RunStats]:
     """:func:`reduce_scatter`, and this rank's statistics (bits per coordinate of

@@ -69,8 +69,6 @@ from hopq.comm.transport import (
 )
 from hopq.errors import CodecError
 
-#: hopq's own timeout for a call, in seconds: a few minutes, not Gloo's 30.
-DEFAULT_TIMEOUT_S = 300.0
 #: Coordinates per microshard, when a codec does not set its own
 #: (``Codec.microshard_coords``): a schedule chunk of d/n coordinates moves as
 #: ceil(d / n / coords) messages (at most MAX_MICROSHARDS). Measured with
@@ -635,7 +633,7 @@ def run(
     gather: bool = True,
     scratch: bool = False,
     key: int | None = None,
-    timeout: float = DEFAULT_TIMEOUT_S,
+    timeout: float | None = None,
     gather_codec: Codec[Any] | None = None,
     microshards: int | None = None,
     pipeline: bool = True,
@@ -650,7 +648,8 @@ def run(
 
     ``scratch``: the codec may work in ``x``'s memory (and return it). ``key``
     names the tensor across steps (``StatsExchange.key``). ``timeout``: seconds
-    the whole call may take before a missing peer raises TransportError.
+    the whole call may take before a missing peer raises TransportError (None:
+    the transport's, for a process group its own timeout).
     ``gather_codec``: the codec of the all-gather stage (default: ``codec``).
     ``microshards``: messages per schedule chunk and step (default: by size).
     ``pipeline``: overlap codec work with transfers (the same bits either way).
@@ -692,7 +691,7 @@ def run(
     op_name = ReduceOp(op).value if premul is None else f"premul_sum({premul!r})"
     call = transport.next_call()
     label = what or f"{kind}({codec.name}, {schedule.topology}, key={key})"
-    deadline = Deadline(timeout)
+    deadline = Deadline(timeout if timeout is not None else transport.timeout_s)
     info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
     if microshards is not None and not (isinstance(microshards, int) and microshards >= 1):
         raise ValueError(f"microshards must be a positive int or None, got {microshards!r}")

@@ -50,7 +50,8 @@ def header_nbytes(parts: int) -> int:
 
 
 class Deadline:
-    """The time a call may take: hopq's own timeout, not the process group's."""
+    """The time a call may take: the caller's timeout, else the process group's
+    (``Transport.timeout_s``)."""
 
     def __init__(self, timeout_s: float) -> None:
         if not timeout_s > 0:
@@ -78,7 +79,8 @@ class Where:
     def describe(self) -> str:
         part = f" microshard {self.micro}" if self.micro else ""
         phase = f" ({self.phase})" if self.phase else ""
-        return f"{self.what}, call {self.call}, step {self.step}{part}{phase}"
+        step = f", step {self.step}" if self.step >= 0 else ""  # < 0: before the hops
+        return f"{self.what}, call {self.call}{step}{part}{phase}"
 
 
 def frame(where: Where, lengths: list[int], status: int = OK) -> torch.Tensor:

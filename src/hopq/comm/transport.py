@@ -9,7 +9,8 @@ within a deadline):
 * :class:`InProcessTransport` for the simulator: n virtual ranks, one thread
   each, exchanging tensors through queues.
 
-Every wait has a deadline (hopq's own timeout); a peer that does not answer in
+Every wait has a deadline (the call's timeout: the caller's, else the process
+group's own); a peer that does not answer in
 time, or whose connection closes, raises :class:`~hopq.TransportError` naming
 the peer and where in the call this rank was.
 
@@ -26,6 +27,7 @@ bits; its first round can ride with the agreement as those tails.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import threading
@@ -54,6 +56,11 @@ class Handle(ABC):
     def wait(self, deadline: Deadline, where: Where) -> None: ...
 
 
+#: A call's timeout when neither the caller nor the process group gives one:
+#: torch's default process-group timeout (30 minutes).
+FALLBACK_TIMEOUT_S = 1800.0
+
+
 class Transport(ABC):
     rank: int
     world_size: int
@@ -74,6 +81,11 @@ class Transport(ABC):
     def next_call(self) -> int:
         self.calls += 1
         return self.calls
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a call may take when the caller gives no timeout."""
+        return FALLBACK_TIMEOUT_S
 
     def reserve(self, nbytes: int, device: torch.device) -> None:
         """Announce that the coming call receives ``nbytes`` in all; the receive
@@ -129,12 +141,14 @@ def _transport_error(
     direction = "to" if kind == "send" else "from"
     if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
         return TransportError(
-            f"rank {rank}: no answer {direction} rank {peer} within hopq's timeout of "
-            f"{deadline.timeout_s:g} s, in {where.describe()}"
+            f"rank {rank}: no answer {direction} rank {peer} within the call's timeout "
+            f"of {deadline.timeout_s:g} s, in {where.describe()}"
         )
     if "closed" in msg.lower() or "reset" in msg.lower() or "broken pipe" in msg.lower():
         return TransportError(
-            f"rank {rank}: lost rank {peer} (its connection closed) in {where.describe()}"
+            f"rank {rank}: rank {peer} closed its connection in {where.describe()}: it "
+            "exited, died, or gave up waiting for this rank (its own timeout ran out "
+            "first; it raised TransportError there)"
         )
     return TransportError(
         f"rank {rank}: {kind} {direction} rank {peer} failed in {where.describe()}: {msg}"
@@ -176,6 +190,18 @@ class DistTransport(Transport):
                 "hopq communicates on live groups only"
             )
         return g
+
+    @property
+    def timeout_s(self) -> float:
+        """The process group's own timeout (``init_process_group(timeout=)``,
+        torch's default 30 minutes), read from its backend's options (a private
+        attribute: the fallback when a torch version lacks it)."""
+        device = torch.device("cuda" if self.backend == "nccl" else "cpu")
+        with contextlib.suppress(Exception):
+            t = self.group._get_backend(device).options._timeout
+            if t.total_seconds() > 0:
+                return float(t.total_seconds())
+        return FALLBACK_TIMEOUT_S
 
     def post(
         self,
@@ -244,7 +270,7 @@ class _SimHandle(Handle):
             left = deadline.remaining()
             if left <= 0:
                 raise TransportError(
-                    f"rank {self.rank}: no answer from rank {self.peer} within hopq's timeout "
+                    f"rank {self.rank}: no answer from rank {self.peer} within the call's timeout "
                     f"of {deadline.timeout_s:g} s, in {where.describe()}"
                 )
             try:

@@ -31,11 +31,11 @@ from hopq.codecs.base import Codec, check_takes_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
-from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
+from hopq.comm.engine import RunStats
 from hopq.comm.topology import get_schedule
 from hopq.errors import HookNotEngagedWarning
 from hopq.integrations.records import MAX_KEPT_CALLS, CallRecords, StepMetrics
-from hopq.options import check_finite, check_int
+from hopq.options import check_int, check_timeout
 
 # before DDP imports it after the group exists and keeps the group alive to the
 # end of the interpreter (see hopq.comm.shutdown)
@@ -64,7 +64,7 @@ class HookState(CallRecords):
         process_group: "dist.ProcessGroup | None" = None,
         seed: int = 0,
         *,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
         gather_codec: "str | Codec[Any] | None" = None,
         overlap: bool = True,
         optimizer: "torch.optim.Optimizer | None" = None,
@@ -81,7 +81,7 @@ class HookState(CallRecords):
         self.topology = topology
         self.process_group = process_group
         self.seed = check_int("seed", seed, lo=0, hi=(1 << 63) - 1)
-        self.timeout = check_finite("timeout", timeout, positive=True)
+        self.timeout = check_timeout(timeout)
         self.gather_codec = None if gather_codec is None else get_codec(gather_codec)
         if self.gather_codec is not None and not self.gather_codec.gather_stage:
             self.gather_codec.plan_gather(0, ())  # raises why it cannot

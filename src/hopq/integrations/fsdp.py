@@ -49,10 +49,10 @@ import torch
 from hopq.codecs.base import Codec, check_takes_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import Op, reduce_scatter_with_stats
-from hopq.comm.engine import DEFAULT_TIMEOUT_S, RunStats
+from hopq.comm.engine import RunStats
 from hopq.comm.topology import get_schedule
 from hopq.integrations.records import CallRecords, StepMetrics
-from hopq.options import check_finite, check_int
+from hopq.options import check_int, check_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -99,7 +99,7 @@ class _Shared(CallRecords):
     records_owner = "FSDPReduceScatter"
 
     def __init__(
-        self, codec: Codec[Any], topology: str, seed: int, timeout: float,
+        self, codec: Codec[Any], topology: str, seed: int, timeout: float | None,
         optimizer: torch.optim.Optimizer | None = None, thresholds_every: int = THRESHOLDS_EVERY,
     ) -> None:  # fmt: skip
         self.codec, self.topology, self.seed, self.timeout = codec, topology, seed, timeout
@@ -133,7 +133,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         topology: str = "ring",
         seed: int = 0,
         *,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
         key: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         thresholds_every: int = THRESHOLDS_EVERY,
@@ -153,7 +153,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
             c,
             topology,
             check_int("seed", seed, lo=0, hi=(1 << 63) - 1),
-            check_finite("timeout", timeout, positive=True),
+            check_timeout(timeout),
             optimizer,
             check_int("thresholds_every", thresholds_every, lo=1),
         )
