@@ -1,6 +1,7 @@
 """Guarantees of every registered codec, checked in the simulator (no process group):
 the grid is generated from the registry so that a new codec inherits it."""
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -225,6 +226,7 @@ def test_bad_configurations_fail_at_construction():
         ({"widths": "248"}, TypeError),
         ({"eps": ((8, 50.0),)}, ValueError),
         ({"eps": "0.3"}, TypeError),
+        ({"eps": 0.3}, TypeError),
     ):
         with pytest.raises(err):
             DynamiQ(**bad)
@@ -240,6 +242,20 @@ def test_bad_configurations_fail_at_construction():
         hopq.HookState(codec="bf16", topology="butterfy")
     with pytest.raises(ValueError, match="gather stage"):
         hopq.simulate(_inputs(2, 8), "bf16", gather_codec="dynamiq")
+    with pytest.raises(TypeError, match="process_group="):
+        hopq.HookState(codec="dynamiq", group=None)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_an_unknown_option_names_the_codec_and_its_options(codec):
+    """A misspelt option (through get_codec, HookState or all_reduce's codec
+    name) says which codec refused it and lists the ones it has."""
+    with pytest.raises(TypeError, match=f"codec '{codec}' has no option 'bugdet'") as e:
+        hopq.get_codec(codec, bugdet=4)
+    for name in dataclasses.fields(hopq.get_codec(codec).config_class):
+        assert name.name in str(e.value)
+    with pytest.raises(TypeError, match="has no option 'bugdet'"):
+        hopq.HookState(codec=codec, bugdet=4)
 
 
 # -- reduce-scatter over rank shards (FSDP's layout) ------------------------------

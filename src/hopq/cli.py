@@ -43,7 +43,12 @@ def _typed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
 
 def _parse_as(hint: Any, what: str, text: str) -> Any:
-    return parse_value(hint, text, what)
+    """parse_value without naming the option: argparse's message names it."""
+    try:
+        return parse_value(hint, text, what)
+    except ValueError as e:
+        msg = str(e)
+        raise ValueError(msg.removeprefix(f"{what}: ")) from None
 
 
 def add_options(p: argparse.ArgumentParser, cls: type) -> None:

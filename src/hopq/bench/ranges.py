@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hopq.codecs.registry import codec_choices, codec_info, resolve_codecs
+from hopq.comm.topology import TOPOLOGIES
 from hopq.options import option
 from hopq.reporting import machine, markdown_table
 
@@ -30,7 +31,7 @@ class RangeOptions:
     codecs: tuple[str, ...] = option(("all",), "codecs to scan", choices=codec_choices)
     world_size: int = option(4, "simulated ranks")
     size: int = option(4099, "coordinates per rank")
-    topology: str = option("ring", "schedule")
+    topology: str = option("ring", "schedule", choices=lambda: sorted(TOPOLOGIES))
     seed: int = option(0, "seed of the data and the codecs")
 
     def __post_init__(self) -> None:

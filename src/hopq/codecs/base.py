@@ -353,6 +353,14 @@ class Codec(ABC, Generic[P]):
     microshard_coords: ClassVar[int] = 1 << 18
 
     def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
+        known = {f.name for f in dataclasses.fields(self.config_class)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            has = f"its options are {sorted(known)}" if known else "it has no options"
+            raise TypeError(
+                f"codec {self.name!r} has no option {unknown[0]!r}; {has} "
+                "(`hopq codecs` lists them with their defaults)"
+            )
         if config is None:
             config = self.config_class(**overrides)
         elif overrides:

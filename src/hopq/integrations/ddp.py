@@ -70,6 +70,10 @@ class HookState(CallRecords):
         optimizer: "torch.optim.Optimizer | None" = None,
         **codec_config: Any,
     ) -> None:
+        if "group" in codec_config:  # hopq.all_reduce's name for it
+            raise TypeError(
+                "HookState takes the process group as process_group= (DDP's name), not group="
+            )
         self.codec = get_codec(codec, **codec_config)
         #: The optimizer whose state sets the codec's per-coordinate thresholds
         #: before each bucket (codecs with ``set_thresholds``: GComp's

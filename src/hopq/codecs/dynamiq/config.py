@@ -132,7 +132,7 @@ class DynamiQConfig(CodecConfig):
                 f"width {widths[0]} already takes {floor:.4f} with scales and statistics (S={S}, s={s})"
             )
         if self.eps is not None:
-            if isinstance(self.eps, str) or not all(
+            if not isinstance(self.eps, tuple | list) or not all(
                 isinstance(p, tuple | list) and len(p) == 2 for p in self.eps
             ):
                 raise TypeError(f"dynamiq: eps must be ((width, eps), ...), got {self.eps!r}")
