@@ -353,7 +353,7 @@ def test_reduce_scatter_shards_and_ops():
             hopq.simulate(xs, "fp32", "ring", op=op)
     # the topology's own shards need a layout-preserving codec
     with pytest.raises(ValueError, match="shards='equal'"):
-        hopq.reduce_scatter(xs[0], "dynamiq")
+        hopq.reduce_scatter(xs[0], "dynamiq", shards="topology")
 
 
 def test_reduce_scatter_chunk_local_plans():

@@ -59,7 +59,10 @@ def grid(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
             hopq.all_reduce(z, codec="fp32", topology=topo)
             out[("dtype", str(dt), topo)] = z
         x = make_input("float", rank, 1000)
-        out[("rs", topo)] = hopq.reduce_scatter(x.clone(), codec="bf16", topology=topo)
+        out[("rs", topo)] = hopq.reduce_scatter(
+            x.clone(), codec="bf16", topology=topo, shards="topology"
+        )
+        out[("rs_default", topo)] = hopq.reduce_scatter(x.clone(), codec="dynamiq", topology=topo)
         hopq.all_reduce(x, codec="bf16", topology=topo)
         out[("rs_full", topo)] = x
     # keyed calls over two steps through one codec instance (DynamiQ shares the

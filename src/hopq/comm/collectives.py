@@ -190,14 +190,15 @@ def reduce_scatter(
     *,
     key: int | None = None,
     timeout: float | None = None,
-    shards: str | Sequence[int] = "topology",
+    shards: str | Sequence[int] = "equal",
 ) -> torch.Tensor:
     """Compressed reduce-scatter: this rank's shard of the reduced, flattened tensor,
     in the tensor's dtype.
 
     ``shards`` says which shard:
 
-    * ``"equal"``: rank r gets the r-th of n rank-ordered, near-equal slices
+    * ``"equal"`` (the default, as in :func:`hopq.simulate_reduce_scatter`):
+      rank r gets the r-th of n rank-ordered, near-equal slices
       (equal when n divides the size, as FSDP pads it; otherwise earlier ranks
       get one more, like ``torch.tensor_split``), torch's ``reduce_scatter``
       layout. Every codec works: the engine asks the codec to cut its chunks
@@ -207,7 +208,7 @@ def reduce_scatter(
       a world size that is not a power of two; every rank but the root on the
       tree) receives the final payloads of the rest from their sinks.
     * n + 1 offsets: rank r gets ``shards[r]:shards[r + 1]``, as for "equal".
-    * ``"topology"`` (the default): the slice the topology makes this rank own
+    * ``"topology"``: the slice the topology makes this rank own
       (ring: the r-th of n near-equal slices; butterfly with a world size that
       is not a power of two: the folded ranks own nothing and get an empty
       tensor), with nothing sent after the reduce phase. Needs a
@@ -233,7 +234,7 @@ def reduce_scatter_with_stats(
     *,
     key: int | None = None,
     timeout: float | None = None,
-    shards: str | Sequence[int] = "topology",
+    shards: str | Sequence[int] = "equal",
 ) -> tuple[torch.Tensor, engine.RunStats]:
     """:func:`reduce_scatter`, and this rank's statistics (bits per coordinate of
     a reduce-scatter count (n-1)/n x d coordinates, so that bf16 is 16)."""
