@@ -62,7 +62,9 @@ for step in range(args.steps):
     loss.backward()
     opt.step()
     opt.zero_grad()
-    m = comm.pop_step()  # this step's reduce-scatters, summed (step_metrics(): a flat dict)
+    # this step's reduce-scatters on this rank, summed (step_metrics(): a flat dict);
+    # DynamiQ's budget holds averaged over the ranks, so one rank may print a little more
+    m = comm.pop_step()
     if rank == 0:
         print(
             f"step {step}: loss {loss.item():.4f}, {m.buckets} reduce-scatters, "

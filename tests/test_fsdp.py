@@ -94,8 +94,12 @@ def test_every_codec_trains_like_native_fsdp(two, codec):
         assert all(c.phases == ("reduce",) for c in calls)
         if codec in WIRE:
             assert step.bits_per_coordinate == pytest.approx(WIRE[codec], rel=1e-9)
-        if codec == "dynamiq":  # its budget holds in a reduce-scatter's accounting
-            assert step.bits_per_coordinate <= hopq.get_codec(codec).config.budget + 1e-9
+    if codec == "dynamiq":  # its budget holds in a reduce-scatter's accounting,
+        # averaged over the ranks (DESIGN.md's definition; one rank may send more)
+        budget = hopq.get_codec(codec).config.budget
+        for s in range(len(got["records"])):
+            per_rank = [res[r][i]["records"][s][1].bits_per_coordinate for r in range(2)]
+            assert sum(per_rank) / 2 <= budget + 1e-9, per_rank
     if codec == "dynamiq":  # the step's budget was split across the three keys
         shares = got["shares"]
         assert sorted(shares) == [1, 2, 3]
