@@ -60,10 +60,19 @@ def _error(capsys, argv):
         (["bench", "vnmse", "--workloads", "gpt", "--minilm-warmup", "5"], "--workloads minilm"),
         (["bench", "vnmse", "--tables", "eps", "--sweep-coords", "1000"], "--tables scale"),
         (["bench", "shards", "--data", "synthetic", "--gpt-warmup", "5"], "--data gpt"),
+        (["bench", "ranges", "--topology", "star"], "invalid choice: 'star'"),
+        (["bench", "ranges", "--size", "abc"], "argument --size: expected int, got 'abc'"),
     ],
 )
 def test_bad_options_are_usage_errors(capsys, argv, words):
     assert words in _error(capsys, argv)
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hopq {hopq.__version__}"
 
 
 def test_help_names_choices_and_defaults(capsys):

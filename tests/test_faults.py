@@ -2,6 +2,8 @@
 timeouts, a transport that checks every size). Generated from the codec
 registry; ``hopq bench faults`` runs the same code for docs/reliability.md."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -83,7 +85,8 @@ def test_the_readme_example_exits_cleanly_under_torchrun():
     """Every rank of every launch exits 0 (hopq bench exits --runs 30 for the docs)."""
     from hopq.bench import exits
 
-    text = exits.run(exits.ExitOptions(runs=2, nproc=3))
+    root = Path(__file__).resolve().parents[1]
+    text = exits.run(exits.ExitOptions(runs=2, nproc=3, script=str(root / exits.EXAMPLE)))
     assert "**2 exited 0**, 0 failed" in text, text
 
 

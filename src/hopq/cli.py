@@ -160,6 +160,9 @@ def parser() -> tuple[
     top = argparse.ArgumentParser(
         prog="hopq", description="Compressed gradient synchronization inside multi-hop all-reduce."
     )
+    from hopq import __version__
+
+    top.add_argument("--version", action="version", version=f"hopq {__version__}")
     sub = top.add_subparsers(dest="cmd", required=True, metavar="{train,bench,codecs}")
     commands: dict[str, tuple[argparse.ArgumentParser, type, Any]] = {}
     tr = sub.add_parser(

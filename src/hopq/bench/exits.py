@@ -1,5 +1,6 @@
-"""``hopq bench exits``: the README's standalone example under torchrun, run
-again and again; every run must exit 0 on every rank.
+"""``hopq bench exits``: the standalone example (``examples/allreduce.py``, the
+README's collectives snippet) under torchrun, run again and again; every run
+must exit 0 on every rank.
 
 Gloo's point-to-point teardown could abort processes that had finished their
 work (``terminate called without an active exception``), and torchrun then
@@ -19,21 +20,26 @@ from pathlib import Path
 from hopq.options import option
 from hopq.reporting import Progress, machine
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "allreduce.py"
+#: Relative to the working directory: the repository's root (the examples are
+#: not part of an installed package).
+EXAMPLE = "examples/allreduce.py"
 
 
 @dataclass(frozen=True)
 class ExitOptions:
     runs: int = option(30, "torchrun launches")
     nproc: int = option(3, "ranks per launch (--nproc_per_node)")
-    script: str = option(str(EXAMPLE), "the script torchrun runs")
+    script: str = option(EXAMPLE, "the script torchrun runs")
     timeout: float = option(300.0, "seconds one launch may take")
 
     def __post_init__(self) -> None:
         if self.runs < 1 or self.nproc < 1:
             raise ValueError("runs and nproc must be >= 1")
         if not Path(self.script).exists():
-            raise ValueError(f"no script at {self.script}")
+            raise ValueError(
+                f"no script at {self.script} (from {Path.cwd()}): run from the repository's "
+                "root, or pass --script"
+            )
 
 
 def launch(o: ExitOptions, port: int) -> tuple[int, str, float]:
