@@ -184,3 +184,33 @@ def test_calls_without_a_process_group_say_so():
         hopq.all_reduce(x)
     with pytest.raises(RuntimeError, match="init_process_group first"):
         hopq.reduce_scatter(x, shards="equal")
+
+
+def test_the_default_timeout_follows_the_backend():
+    """NCCL: 90% of the group's timeout (hopq raises before NCCL's watchdog
+    kills the process); a group whose timeout cannot be read: a warning, once,
+    and 30 minutes."""
+    import datetime
+    import types
+
+    from hopq.comm import transport as tr
+
+    def fake(backend, group):
+        t = tr.DistTransport.__new__(tr.DistTransport)
+        t.backend, t._warned_timeout, t._group = backend, False, lambda: group
+        return t
+
+    opts = types.SimpleNamespace(
+        options=types.SimpleNamespace(_timeout=datetime.timedelta(minutes=10))
+    )
+    group = types.SimpleNamespace(_get_backend=lambda device: opts)
+    assert fake("nccl", group).timeout_s == pytest.approx(540.0)
+    assert fake("gloo", group).timeout_s == 600.0
+    blind = fake("gloo", object())  # no _get_backend
+    with pytest.warns(RuntimeWarning, match="could not read the process group's timeout"):
+        assert blind.timeout_s == tr.FALLBACK_TIMEOUT_S
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert blind.timeout_s == tr.FALLBACK_TIMEOUT_S  # warned once

@@ -27,10 +27,10 @@ bits; its first round can ride with the agreement as those tails.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import queue
 import threading
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -57,8 +57,12 @@ class Handle(ABC):
 
 
 #: A call's timeout when neither the caller nor the process group gives one:
-#: torch's default process-group timeout (30 minutes).
+#: torch's default process-group timeout on Gloo (30 minutes).
 FALLBACK_TIMEOUT_S = 1800.0
+#: On NCCL a call's default timeout is this share of the group's: NCCL's
+#: watchdog tears the process down once an operation outlives the group's
+#: timeout, so hopq raises its TransportError first.
+NCCL_TIMEOUT_SHARE = 0.9
 
 
 class Transport(ABC):
@@ -178,6 +182,7 @@ class DistTransport(Transport):
         self.world_size = dist.get_world_size(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.backend = str(dist.get_backend(self.group)).lower()
+        self._warned_timeout = False
         self.prepost = self.backend != "nccl"
         self.short_messages = self.backend != "nccl"
 
@@ -193,14 +198,29 @@ class DistTransport(Transport):
 
     @property
     def timeout_s(self) -> float:
-        """The process group's own timeout (``init_process_group(timeout=)``,
-        torch's default 30 minutes), read from its backend's options (a private
-        attribute: the fallback when a torch version lacks it)."""
-        device = torch.device("cuda" if self.backend == "nccl" else "cpu")
-        with contextlib.suppress(Exception):
-            t = self.group._get_backend(device).options._timeout
-            if t.total_seconds() > 0:
-                return float(t.total_seconds())
+        """The process group's own timeout (the ``timeout=`` it was created with;
+        torch's default: 30 minutes on Gloo, 10 on NCCL), read from its
+        backend's options, a private attribute; on NCCL
+        :data:`NCCL_TIMEOUT_SHARE` of it. Where torch does not expose it: a
+        warning (once) and :data:`FALLBACK_TIMEOUT_S`."""
+        nccl = self.backend == "nccl"
+        try:
+            backend = self.group._get_backend(torch.device("cuda" if nccl else "cpu"))
+            t = float(backend.options._timeout.total_seconds())
+        except Exception as e:  # a torch version without it
+            t, why = 0.0, f"{type(e).__name__}: {e}"
+        else:
+            why = f"it reads {t} s"
+        if t > 0:
+            return t * NCCL_TIMEOUT_SHARE if nccl else t
+        if not self._warned_timeout:
+            self._warned_timeout = True
+            warnings.warn(
+                f"hopq could not read the process group's timeout ({why}); calls without "
+                f"timeout= wait {FALLBACK_TIMEOUT_S:g} s for a peer",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return FALLBACK_TIMEOUT_S
 
     def post(
@@ -295,6 +315,10 @@ class InProcessTransport(Transport):
         self.hub = hub
         self.rank = rank
         self.world_size = hub.world_size
+
+    @property
+    def timeout_s(self) -> float:
+        return SIM_TIMEOUT_S
 
     def post(
         self,
