@@ -149,12 +149,12 @@ def all_reduce(
 
     Before any payload moves, the ranks check that they all make the same call;
     if not, :class:`hopq.MismatchError` is raised on every rank and the group
-    stays usable. A peer that does not answer within ``timeout`` seconds (None:
-    the group's own timeout, the ``timeout=`` it was created with; torch's
-    default is 30 minutes on Gloo, 10 on NCCL, where hopq takes 90% of it so
-    that it raises before NCCL's watchdog) raises :class:`hopq.TransportError` naming it; after a timeout the
-    group is unusable (Gloo closes the connection it waited on), as after
-    torch's own collectives time out.
+    stays usable. A peer that does not answer within ``timeout`` seconds raises
+    :class:`hopq.TransportError` naming it. None (the default): the group's own
+    timeout, the ``timeout=`` it was created with (torch's default: 30 minutes
+    on Gloo; 10 on NCCL, where hopq takes 90% of it so that it raises before
+    NCCL's watchdog). After a timeout the group is unusable (Gloo closes the
+    connection it waited on), as after torch's own collectives time out.
 
     ``key`` names the tensor when a step reduces several (the DDP hook passes the
     bucket index): the same key on every rank, stable from step to step. DynamiQ
