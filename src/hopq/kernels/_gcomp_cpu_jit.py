@@ -347,7 +347,7 @@ def _put_by_type(dst, i, two, v1, v2):
     if isinstance(dst.dtype, types.Float):
 
         def put_sum(dst, i, two, v1, v2):
-            # local + decoded, as _add did; both local values are read before
+            # local + decoded (the reference's order); both local values are read before
             # either store, so a lone value (two = 0) is added once
             a1 = dst[i]
             a2 = dst[i + two]

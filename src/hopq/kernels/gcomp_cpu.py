@@ -42,10 +42,10 @@ PAIR_BITS = 12
 
 
 @lru_cache(maxsize=64)
-def _np_table(table: Table) -> tuple[np.ndarray, ...]:
+def _np_table(table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """(each exponent's code << 6 | length; the lookup table, symbol << 8 |
     length, symbol 257 where no code reaches; the native code lengths; the pair
-    table of :func:`_pair_table`)."""
+    table of :func:`_pair_table` and the bits it reads)."""
     lut = (table.lut_sym << 8) | table.lut_len
     lut[table.lut_len == 0] = 257 << 8
     lut_np = lut.numpy().astype(np.uint32)
@@ -54,6 +54,7 @@ def _np_table(table: Table) -> tuple[np.ndarray, ...]:
         lut_np,
         table.lengths.numpy().astype(np.int64),
         _pair_table(lut_np, table.n_theta),
+        max(PAIR_BITS, table.n_theta),
     )
 
 
@@ -116,7 +117,7 @@ def decode(
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if n == 0:
         return
-    _, lut, lengths, plut = _np_table(table)
+    _, lut, lengths, plut, pw = _np_table(table)
     o = out.numpy() if out.is_contiguous() else None
     target = o if o is not None else np.zeros(n, np.float32)
     if o is None and acc:
@@ -127,7 +128,7 @@ def decode(
         chunk_values,
         lut,
         plut,
-        max(PAIR_BITS, table.n_theta),
+        pw,
         lengths,
         table.n_theta,
         target,
@@ -155,7 +156,7 @@ def hop(
     heads = fmt.parse(payload, n, table.table_id, table.n_theta, chunk_values)
     if not local.is_contiguous():
         raise ValueError("gcomp: the fused hop needs a contiguous local chunk")
-    etab, lut, lengths, plut = _np_table(table)
+    etab, lut, lengths, plut, pw = _np_table(table)
     out, head = _out_and_head(n, table, chunk_values)
     xf = local.reshape(-1).numpy()
     t = _EMPTY_F32 if thr is None else thr.contiguous().numpy()
@@ -164,7 +165,7 @@ def hop(
         heads.numpy(),
         lut,
         plut,
-        max(PAIR_BITS, table.n_theta),
+        pw,
         lengths,
         xf.view(np.uint32),
         xf,
