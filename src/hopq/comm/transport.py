@@ -542,14 +542,16 @@ def direct_all_reduce(
                 f"rank {r}: rank {q} sent {held[q].numel()} bytes of its statistics' piece, "
                 f"this rank expects {mine}, in {where.describe()}"
             )
-    got = {q: b.view(t.dtype) for q, b in held.items()}
+    # received bytes may sit on another device than t (pieces that rode with the
+    # agreement arrive in its host buffers)
+    got = {q: b.view(t.dtype).to(t.device) for q, b in held.items()}
     got[r] = pieces[r]
     acc = got[0].clone()
     for q in range(1, n):
         combine(acc, got[q])
     sizes = {q: pieces[q].numel() * item for q in peers}
     done = {
-        q: b.view(t.dtype)
+        q: b.view(t.dtype).to(t.device)
         for q, b in _each_peer(transport, dict.fromkeys(peers, acc), sizes, deadline, at(1)).items()
     }
     done[r] = acc
