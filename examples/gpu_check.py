@@ -6,7 +6,9 @@
    default backend there): virtual ranks bit-identical, finite where the CPU
    run is finite, the output's bits against the same call on the CPU, and the
    time per call;
-2. the DDP hook on a single-rank NCCL group with CUDA parameters: the
+2. the engine's other paths (reduce-scatter, the other topologies, several
+   calls with keys, bf16 inputs) on CUDA against the same calls on the CPU;
+3. the DDP hook on a single-rank NCCL group with CUDA parameters: the
    overlapped hook (its side stream and the future with devices) against
    ``overlap=False`` bit for bit, and kernel selection under ``backend="auto"``.
 
@@ -86,6 +88,75 @@ def check_codecs(n: int, world: int, lines: list[str]) -> bool:
         except Exception as e:  # report every codec, then fail
             ok = False
             row += [f"**error**: {type(e).__name__}: {str(e)[:120]}", "", "", "", ""]
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    return ok
+
+
+def _variant(name: str, case: str, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One engine path of codec ``name`` on the inputs' device: every virtual
+    rank's outputs (several calls concatenated where the case has several)."""
+    codec = get_codec(name)
+    if case == "reduce-scatter":
+        return hopq.simulate_reduce_scatter(xs, codec, "ring", seed=2).outputs
+    if case == "3 calls, keys 0 1 0":  # adaptive state across calls and buckets
+        runs = [
+            hopq.simulate(xs, codec, "ring", seed=3 + i, key=k) for i, k in enumerate((0, 1, 0))
+        ]
+        return [torch.cat([r.outputs[q] for r in runs]) for q in range(len(xs))]
+    if case == "bf16 inputs":
+        return hopq.simulate([x.bfloat16() for x in xs], codec, "ring", seed=4).outputs
+    return hopq.simulate(xs, codec, case, seed=5).outputs  # a topology
+
+
+VARIANTS = ("reduce-scatter", "butterfly", "tree", "semiloop", "3 calls, keys 0 1 0", "bf16 inputs")
+
+
+def check_variants(n: int, world: int, lines: list[str], dev: str = "cuda") -> bool:
+    """The engine's other paths on CUDA, each against the same call on the CPU:
+    cells say 'same' (bits equal, ranks agree), 'n/a' (the codec refuses it)."""
+    ok = True
+    lines += [
+        f"## The engine's other paths on CUDA ({world} virtual ranks, {n:,} coordinates "
+        "each): bits against the same call on the CPU",
+        "",
+        "| codec | " + " | ".join(VARIANTS) + " |",
+        "|---|" + "---|" * len(VARIANTS),
+    ]
+    gen = torch.Generator().manual_seed(7)
+    xs_cpu = [torch.randn(n, generator=gen) for _ in range(world)]
+    xs_dev = [x.to(dev) for x in xs_cpu]
+    for name in available_codecs():
+        info = codec_info(name)
+        if "cuda" not in info.devices:
+            continue
+        row = [name]
+        for case in VARIANTS:
+            topo = case in ("butterfly", "tree", "semiloop")
+            if topo and info.topologies is not None and case not in info.topologies:
+                row.append("n/a")
+                continue
+            if case == "bf16 inputs" and torch.bfloat16 not in info.dtypes:
+                row.append("n/a")
+                continue
+            try:
+                g = _variant(name, case, xs_dev)
+                c = _variant(name, case, xs_cpu)
+                agree = case == "reduce-scatter" or all(torch.equal(g[0], y) for y in g[1:])
+                diff = sum(
+                    int((a.cpu().view(-1).view(torch.int16 if a.element_size() == 2 else torch.int32)
+                         != b.view(-1).view(torch.int16 if b.element_size() == 2 else torch.int32)).sum())
+                    for a, b in zip(g, c, strict=True)
+                )  # fmt: skip
+                good = agree and diff == 0
+                ok &= good
+                row.append(
+                    "same" if good else f"**{diff:,} differ{'' if agree else ', ranks differ'}**"
+                )
+            except Exception as e:
+                ok = False
+                row.append(f"**{type(e).__name__}: {str(e)[:80]}**")
         lines.append("| " + " | ".join(row) + " |")
         print(lines[-1], flush=True)
     lines.append("")
@@ -214,7 +285,16 @@ def main() -> int:
     p.add_argument(
         "--profile", metavar="CODEC", help="only profile one simulate call of CODEC on CUDA"
     )
+    p.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run the engine-paths table with the CPU standing in for CUDA (checks the script)",
+    )
     args = p.parse_args()
+    if args.cpu_dry_run:
+        lines: list[str] = []
+        ok = check_variants(args.n // 4, args.world, lines, dev="cpu")
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 2
@@ -229,6 +309,7 @@ def main() -> int:
         "",
     ]
     ok = check_codecs(args.n, args.world, lines)
+    ok &= check_variants(args.n // 4, args.world, lines)
     if not args.skip_hook:
         ok &= check_hook(lines)
     out = Path(args.out) / "gpu_check.md"
