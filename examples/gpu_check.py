@@ -177,9 +177,11 @@ def _train(codec: str, overlap: bool, steps: int = 5) -> tuple[list[torch.Tensor
 
     torch.manual_seed(0)
     model = DDP(_Net().cuda(), device_ids=[0], bucket_cap_mb=4)
-    state = hopq.HookState(codec=codec, overlap=overlap)
-    model.register_comm_hook(state, hopq.ddp_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    # a codec that takes the optimizer (GComp's thresholds) gets it
+    takes = hasattr(get_codec(codec), "set_thresholds")
+    state = hopq.HookState(codec=codec, overlap=overlap, optimizer=opt if takes else None)
+    model.register_comm_hook(state, hopq.ddp_hook)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(steps):
         x = torch.randn(64, 1024, device="cuda", generator=gen)

@@ -23,6 +23,12 @@ ring, adapted to hopq's multi-hop engine.
   error is biased (toward smaller magnitudes); ``hopq bench gcomp`` measures it.
 * Non-finite values: exponent 255 always travels at level 0 (whole mantissa):
   NaN and Inf arrive where they were. Zeros, -0 and subnormals become +0.
+* CUDA tensors are coded on the host, as the paper's system does (PyTorch DDP
+  on Gloo with A100s, its coder on the CPU inside Gloo; no GPU kernels): each
+  encode, decode and fused hop copies its chunk (and payload) to the host, runs
+  the CPU kernels (or the reference) there and copies the result back, so the
+  bits are the CPU run's. Payloads live on the tensor's device, as the
+  transport needs (NCCL takes CUDA tensors only).
 """
 
 from __future__ import annotations
@@ -96,7 +102,7 @@ def resolve_kernels(cfg: GCompConfig, device_type: str) -> Any:
 @register(
     "gcomp",
     "GComp: Huffman-coded exponents, optimizer-aware mantissa truncation, zero pruning",
-    devices=("cpu",),
+    devices=("cpu", "cuda"),  # CUDA tensors coded on the host (see the module's docstring)
 )
 class GComp(Codec[GCompPlan]):
     config_class = GCompConfig
@@ -117,9 +123,11 @@ class GComp(Codec[GCompPlan]):
         return {**self.__dict__, "_kernel_cache": {}}
 
     def kernels(self, device: torch.device) -> Any:
-        if device.type not in self._kernel_cache:
-            self._kernel_cache[device.type] = resolve_kernels(self.config, device.type)
-        return self._kernel_cache[device.type]
+        """The kernel module (None: the reference); GComp codes every device's
+        tensors on the host, so this is the CPU's whatever ``device`` is."""
+        if "cpu" not in self._kernel_cache:
+            self._kernel_cache["cpu"] = resolve_kernels(self.config, "cpu")
+        return self._kernel_cache["cpu"]
 
     # -- thresholds -----------------------------------------------------------
     @property
@@ -166,6 +174,8 @@ class GComp(Codec[GCompPlan]):
             raise ValueError(
                 f"gcomp: thresholds for key {stats.key} have {thr.numel()} entries, the tensor {d}"
             )
+        if thr is not None:
+            thr = _host(thr)  # the coder runs on the host: one copy per call
         chunks = plan_chunks(d, stats)
         sizes = tuple(fmt.bound(e - s, cfg.chunk_values, cfg.n_theta) for s, e in chunks)
         return GCompPlan(
@@ -190,11 +200,12 @@ class GComp(Codec[GCompPlan]):
     def encode(self, plan: GCompPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         thr = self._thr(plan, ctx)
         kern = self.kernels(chunk.device)
+        x = _host(chunk)
         if kern is not None:
-            out: torch.Tensor = kern.encode(chunk, thr, plan.fixed, plan.table, plan.chunk_values)
+            out: torch.Tensor = kern.encode(x, thr, plan.fixed, plan.table, plan.chunk_values)
         else:
-            out = ref.encode(chunk, thr, plan.fixed, plan.table, plan.chunk_values)
-        return out
+            out = ref.encode(x, thr, plan.fixed, plan.table, plan.chunk_values)
+        return out.to(chunk.device)
 
     def _decode(
         self, plan: GCompPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor, acc: bool
@@ -203,14 +214,20 @@ class GComp(Codec[GCompPlan]):
         if out.numel() != n:
             raise PayloadError(f"gcomp: output of {out.numel()} values, the chunk has {n}")
         kern = self.kernels(out.device)
+        p = _host(payload)
+        # on a GPU: decode (and add) into a host copy, then copy it back, so the
+        # sums are the host's float32 additions, as on the CPU
+        dst = out if out.device.type == "cpu" else (out.cpu() if acc else torch.empty(n))
         if kern is not None:
-            kern.decode(payload, n, plan.table, plan.chunk_values, out, acc)
-            return
-        y = ref.decode(payload, n, plan.table, plan.chunk_values)
-        if acc:
-            out.add_(y)
+            kern.decode(p, n, plan.table, plan.chunk_values, dst, acc)
         else:
-            out.copy_(y)
+            y = ref.decode(p, n, plan.table, plan.chunk_values)
+            if acc:
+                dst.add_(y)
+            else:
+                dst.copy_(y)
+        if dst is not out:
+            out.copy_(dst)
 
     def decode(
         self, plan: GCompPlan, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
@@ -233,10 +250,13 @@ class GComp(Codec[GCompPlan]):
             return super().decode_accumulate_encode(plan, payload, local, ctx)
         if local.numel() != n:
             raise PayloadError(f"gcomp: local chunk of {local.numel()} values, the chunk has {n}")
+        h = _host(local)
         out: torch.Tensor = kern.hop(
-            payload, local, self._thr(plan, ctx), plan.fixed, plan.table, plan.chunk_values
+            _host(payload), h, self._thr(plan, ctx), plan.fixed, plan.table, plan.chunk_values
         )
-        return out
+        if h is not local:
+            local.copy_(h)  # the sum, as the CPU run leaves it
+        return out.to(local.device)
 
     def finish(
         self, plan: GCompPlan, y: torch.Tensor, op: ReduceOp, world_size: int
@@ -260,6 +280,11 @@ class GComp(Codec[GCompPlan]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.round = int(state["round"])
         self.tables = {str(k): (list(v[0]), int(v[1])) for k, v in state["tables"].items()}
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host (itself when it is there)."""
+    return t if t.device.type == "cpu" else t.cpu()
 
 
 _TABLES: dict[tuple[tuple[int, ...], int], Table] = {}
