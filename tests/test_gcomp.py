@@ -411,3 +411,16 @@ def test_gcomp_loss_methods_tiny():
     assert curves["fp32"][0] == curves["gcomp"][0] == curves["periodic"][0]  # same start
     dev = {m: abs(curves[m][-1] - curves["fp32"][-1]) for m in curves}
     assert dev["gcomp"] < 1e-4 and dev["gcomp"] <= dev["truncate-18"]
+
+
+def test_bench_bias_part_stays_within_the_allowance():
+    """``hopq bench gcomp --parts bias``: per-hop truncation errs toward zero and
+    within one allowance 2^-23 |A| per coordinate, and it shrinks the payload."""
+    from hopq.bench.gcomp import GCompBenchOptions, bias_rows
+
+    for _topo, mean, largest, within, size, lossless in bias_rows(20_000, 4):
+        assert within == "100.00%" and float(largest) <= 1.0
+        assert float(mean) <= 0.0
+        assert float(size) < float(lossless)
+    with pytest.raises(ValueError, match="bias"):
+        GCompBenchOptions(parts=("kernels",), bias_coords=1000)

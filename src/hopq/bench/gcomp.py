@@ -35,6 +35,15 @@ the same step (the mean over workers of the micro-batch losses), its mean
 absolute value and its variance over the steps; the paper's claim is that GComp
 cuts the baselines' average deviation by 73.6-96.8%.
 
+**Bias.** Every hop truncates its own partial sum (docs/codecs/gcomp.md):
+``world`` simulated ranks of ``bias_coords`` N(0, 1e-3) coordinates each,
+thresholds A = |exact average| 2^U(0,24) per coordinate, GComp averaged on ring
+and butterfly with those thresholds and without them (lossless but for zeros,
+the same float32 additions); the difference of the two outputs is the
+truncation's error, reported in units of the paper's allowance 2^-23 |A| (one
+truncation of the averaged gradient): its mean (signed by the exact average's
+sign; negative: toward zero), its largest magnitude and the share of coordinates within the allowance.
+
 **Kernels.** Encode, decode, decode-accumulate and the fused hop of
 ``n`` synthetic gradient coordinates (log-normal magnitudes, 30% zeros) on one
 core, with no truncation, with thresholds (|A| = |x| 2^U(0,24)) and with
@@ -63,7 +72,7 @@ from hopq.options import check_scoped, option
 from hopq.reporting import machine, markdown_table, pyplot, save_figure
 from hopq.train.workloads import WORKLOADS
 
-PARTS = ("kernels", "sizes", "loss")
+PARTS = ("kernels", "bias", "sizes", "loss")
 #: Section 7.6's methods: GComp against its two lossy baselines.
 LOSS_METHODS = ("fp32", "gcomp", "truncate-18", "periodic")
 OPTIMIZERS = ("sgd", "adamw")
@@ -88,6 +97,7 @@ class GCompBenchOptions:
     gpt_layers: int = option(4, "the GPT's layers")
     context: int = option(128, "tokens per sequence")
     kernel_coords: int = option(1 << 22, "coordinates of the kernel timings")
+    bias_coords: int = option(200_000, "coordinates per simulated rank of part bias")
     repeats: int = option(5, "timed kernel repetitions (median) after a warm-up")
     seed: int = option(0, "seed of the weights and the data")
     plot: str = option("runs/gcomp/gcomp_size.png", "size plot (PNG); empty: none")
@@ -113,6 +123,8 @@ class GCompBenchOptions:
             raise ValueError("--rebuild-every must be at least 1")
         if self.kernel_coords < 1:
             raise ValueError("--kernel-coords must be at least 1")
+        if self.bias_coords < 1:
+            raise ValueError("--bias-coords must be at least 1")
         if self.sync_every < 2:
             raise ValueError("--sync-every must be at least 2")
         training = ["workloads", "optimizers", "steps", "workers", "batch", "rebuild_every"]
@@ -122,10 +134,12 @@ class GCompBenchOptions:
             {
                 "kernel_coords": ("kernels",),
                 "repeats": ("kernels",),
+                "bias_coords": ("bias",),
                 "plot": ("sizes",),
                 "loss_plot": ("loss",),
                 "sync_every": ("loss",),
                 **dict.fromkeys(training, ("sizes", "loss")),
+                "workers": ("bias", "sizes", "loss"),
             },
             self.parts,
             "--parts",
@@ -201,6 +215,37 @@ def kernel_rows(n: int, repeats: int, seed: int = 0) -> list[list[Any]]:
             ["torch fp16 cast", "0.500", *(f"{s / 1e6:.0f}" for s in _fp16_speeds(x, repeats))]
         )
         return rows
+
+
+def bias_rows(n: int, world: int, seed: int = 0) -> list[list[Any]]:
+    """Part bias (see the module's docstring): one row per topology."""
+    import hopq
+
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(n, generator=gen) * 1e-3 for _ in range(world)]
+    exact = torch.stack(xs).double().mean(0)
+    a = (exact.abs() * torch.exp2(torch.rand(n, generator=gen) * 24)).float()
+    allow = a.double() * 2.0**-23
+    keep = allow > 0
+    rows: list[list[Any]] = []
+    for topo in ("ring", "butterfly"):
+        plain = hopq.simulate(xs, GComp(), topo, seed=seed, op="avg")
+        cut_codec = GComp()
+        cut_codec.set_thresholds(a)
+        cut = hopq.simulate(xs, cut_codec, topo, seed=seed, op="avg")
+        err = (cut.outputs[0].double() - plain.outputs[0].double())[keep] / allow[keep]
+        err = err * exact[keep].sign()  # negative: toward zero
+        rows.append(
+            [
+                topo,
+                f"{err.mean().item():+.3f}",
+                f"{err.abs().max().item():.3f}",
+                f"{(err.abs() <= 1).double().mean().item():.2%}",
+                f"{cut.bits_per_coord / 32:.3f}",
+                f"{plain.bits_per_coord / 32:.3f}",
+            ]
+        )
+    return rows
 
 
 def _ratio(rows: list[list[Any]]) -> str:
@@ -456,6 +501,26 @@ def run(o: GCompBenchOptions, log: Callable[[str], None] | None = None) -> str:
             + "\n\n'torch fp16 cast' is the codec of torch's `fp16_compress_hook` (a cast to "
             "float16 and back, no compression beyond it) timed the same way in the same run; "
             f"GComp's fused hop runs at {_ratio(rows)} of its speed.\n"
+        )
+    if "bias" in o.parts:
+        say(f"truncation bias on {o.workers} simulated ranks ...")
+        sections.append(
+            f"## Bias of per-hop truncation ({o.workers} simulated ranks, {o.bias_coords:,} "
+            "coordinates each)\n\nThe averaged output with thresholds minus the one without "
+            "(the same additions), in units of the allowance 2^-23 |A| per coordinate, signed "
+            "by the exact average's sign (negative: toward zero); "
+            "'size': payload bytes / fp32 bytes over the call, with thresholds and without.\n\n"
+            + markdown_table(
+                [
+                    "topology",
+                    "mean error",
+                    "largest |error|",
+                    "within allowance",
+                    "size",
+                    "lossless",
+                ],
+                bias_rows(o.bias_coords, o.workers, o.seed),
+            )
         )
     if "sizes" in o.parts:
         runs: dict[tuple[str, str], list[StepSizes]] = {}
