@@ -8,12 +8,15 @@
    time per call;
 2. the engine's other paths (reduce-scatter, the other topologies, several
    calls with keys, bf16 inputs) on CUDA against the same calls on the CPU;
-3. the DDP hook on a single-rank NCCL group with CUDA parameters: the
+3. several Gloo ranks on the one GPU (real processes, CUDA tensors): torch's
+   own send/recv of a CUDA tensor, ``hopq.all_reduce`` against the simulator,
+   DDP with hopq's hook;
+4. the DDP hook on a single-rank NCCL group with CUDA parameters: the
    overlapped hook (its side stream and the future with devices) against
    ``overlap=False`` bit for bit, and kernel selection under ``backend="auto"``.
 
 Two NCCL ranks cannot share one GPU: the multi-rank NCCL transport stays
-unverified by this script. Writes ``gpu_check.md`` under ``--out``.
+unverified by this script (Gloo ranks can, and do). Writes ``gpu_check.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -163,6 +166,132 @@ def check_variants(n: int, world: int, lines: list[str], dev: str = "cuda") -> b
     return ok
 
 
+def _raw_p2p(rank: int, n: int, dev: str) -> object:
+    """torch's own Gloo send/recv of a CUDA tensor (what hopq stages around)."""
+    x = torch.arange(1024, dtype=torch.float32, device=dev) + 1
+    if rank == 0:
+        dist.send(x, 1)
+        return "sent"
+    y = torch.zeros(1024, device=dev)
+    dist.recv(y, 0)
+    return bool(torch.equal(y.cpu(), torch.arange(1024, dtype=torch.float32) + 1))
+
+
+def _gloo_all_reduce(rank: int, n: int, names: list[str], d: int, dev: str) -> dict[str, object]:
+    """hopq.all_reduce of CUDA tensors over a real Gloo group: bits or the error."""
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(d, generator=gen) for _ in range(n)]
+    out: dict[str, object] = {}
+    for name in names:
+        for topo in ("ring", "butterfly"):
+            y = xs[rank].to(dev, copy=True)
+            try:
+                hopq.all_reduce(y, name, topo, seed=3)
+                out[f"{name}/{topo}"] = y.cpu()
+            except Exception as e:
+                out[f"{name}/{topo}"] = f"{type(e).__name__}: {str(e)[:160]}"
+    return out
+
+
+def _gloo_ddp(rank: int, n: int, names: list[str], dev: str) -> dict[str, object]:
+    """DDP on Gloo with CUDA parameters (the GComp paper's setup) and hopq's hook:
+    the parameters after 3 steps, or the error."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, object] = {}
+    for name in names:
+        try:
+            torch.manual_seed(0)
+            cuda = dev == "cuda"
+            model = DDP(_Net().to(dev), device_ids=[0] if cuda else None, bucket_cap_mb=4)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            takes = hasattr(get_codec(name), "set_thresholds")
+            state = hopq.HookState(codec=name, optimizer=opt if takes else None)
+            model.register_comm_hook(state, hopq.ddp_hook)
+            gen = torch.Generator(device=dev).manual_seed(rank)
+            for _ in range(3):
+                x = torch.randn(64, 1024, device=dev, generator=gen)
+                opt.zero_grad()
+                model(x).backward()
+                opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+            calls = len(state.pop_stats())
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+            out[name] = (flat, calls)
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[:160]}"
+    return out
+
+
+def check_gloo(world: int, d: int, lines: list[str], dev: str = "cuda") -> bool:
+    """Several Gloo ranks on the one GPU: the multi-rank transport with CUDA
+    tensors (NCCL refuses two ranks on one device; Gloo does not care)."""
+    from hopq.cluster.launch import run_workers, spawn
+
+    ok = True
+    lines += [f"## {world} Gloo ranks on the one GPU (CUDA tensors, real transport)", ""]
+    raw = spawn(2, _raw_p2p, dev, timeout=120, clean_exit=False)
+    desc = "; ".join(
+        f"rank {o.rank}: exit {o.exitcode}, "
+        + (
+            f"result {o.result!r}"
+            if o.error is None
+            else f"error {o.error.strip().splitlines()[-1]}"
+        )
+        for o in raw
+    )
+    lines += [f"torch's own Gloo send/recv of a CUDA tensor: {desc}", ""]
+    print(lines[-2], flush=True)
+    names = [c for c in available_codecs() if "cuda" in codec_info(c).devices]
+    res = run_workers(world, _gloo_all_reduce, names, d, dev, timeout=600)
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(d, generator=gen) for _ in range(world)]
+    lines += [
+        f"`hopq.all_reduce` of {d:,} CUDA coordinates per rank against `hopq.simulate` "
+        "of the same call on the CPU:",
+        "",
+        "| codec | ring | butterfly |",
+        "|---|---|---|",
+    ]
+    for name in names:
+        row = [name]
+        for topo in ("ring", "butterfly"):
+            got = [r[f"{name}/{topo}"] for r in res]
+            if any(isinstance(g, str) for g in got):
+                ok = False
+                row.append("**" + next(g for g in got if isinstance(g, str)) + "**")
+                continue
+            sim = hopq.simulate(xs, name, topo, seed=3).outputs
+            same = all(torch.equal(_bits(g), _bits(s)) for g, s in zip(got, sim, strict=True))
+            ok &= same
+            row.append("same bits" if same else "**differs**")
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    ddp_names = ["dynamiq", "gcomp", "bf16", "thc"]
+    res = run_workers(world, _gloo_ddp, ddp_names, dev, timeout=600)
+    lines += [
+        "DDP on Gloo with CUDA parameters and hopq's hook (AdamW, 3 steps; GComp with "
+        "`optimizer=`):",
+        "",
+        "| codec | ranks' parameters bit-identical | hook calls |",
+        "|---|---|---:|",
+    ]
+    for name in ddp_names:
+        got = [r[name] for r in res]
+        if any(isinstance(g, str) for g in got):
+            ok = False
+            lines.append(f"| {name} | **{next(g for g in got if isinstance(g, str))}** | |")
+        else:
+            same = all(torch.equal(_bits(g[0]), _bits(got[0][0])) for g in got)
+            ok &= same and got[0][1] > 0
+            lines.append(f"| {name} | {'yes' if same else '**NO**'} | {got[0][1]} |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    return ok
+
+
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -287,6 +416,7 @@ def main() -> int:
     p.add_argument(
         "--profile", metavar="CODEC", help="only profile one simulate call of CODEC on CUDA"
     )
+    p.add_argument("--only-gloo", action="store_true", help="only the Gloo ranks' section")
     p.add_argument(
         "--cpu-dry-run",
         action="store_true",
@@ -296,6 +426,7 @@ def main() -> int:
     if args.cpu_dry_run:
         lines: list[str] = []
         ok = check_variants(args.n // 4, args.world, lines, dev="cpu")
+        ok &= check_gloo(args.world, args.n // 16, lines, dev="cpu")
         return 0 if ok else 1
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -310,8 +441,14 @@ def main() -> int:
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
         "",
     ]
+    if args.only_gloo:
+        ok = check_gloo(args.world, args.n // 16, lines)
+        out = Path(args.out) / "gpu_check.md"
+        out.write_text("\n".join(lines) + "\n")
+        return 0 if ok else 1
     ok = check_codecs(args.n, args.world, lines)
     ok &= check_variants(args.n // 4, args.world, lines)
+    ok &= check_gloo(args.world, args.n // 16, lines)
     if not args.skip_hook:
         ok &= check_hook(lines)
     out = Path(args.out) / "gpu_check.md"

@@ -4,8 +4,12 @@ Two implementations of one small interface (post operations, then wait on them
 within a deadline):
 
 * :class:`DistTransport` over a real ``torch.distributed`` process group:
-  point-to-point ``isend``/``irecv`` (Gloo for CPU tensors; on NCCL a step's
-  operations are posted as one ``batch_isend_irecv`` group, which NCCL needs).
+  point-to-point ``isend``/``irecv`` (on NCCL a step's operations are posted
+  as one ``batch_isend_irecv`` group, which NCCL needs). Gloo's point-to-point
+  operations take host memory only: on Gloo, messages of CUDA tensors are staged
+  through the host (a send copies its bytes out first; a receive lands in host
+  memory and is copied to its device buffer when waited on), as the paper
+  systems that train on GPUs with Gloo do.
 * :class:`InProcessTransport` for the simulator: n virtual ranks, one thread
   each, exchanging tensors through queues.
 
@@ -123,8 +127,19 @@ class Transport(ABC):
 
 
 class _DistHandle(Handle):
-    def __init__(self, work: object, peer: int, kind: str, rank: int) -> None:
+    def __init__(
+        self,
+        work: object,
+        peer: int,
+        kind: str,
+        rank: int,
+        staged: torch.Tensor | None = None,
+        device_buf: torch.Tensor | None = None,
+    ) -> None:
         self.work, self.peer, self.kind, self.rank = work, peer, kind, rank
+        #: A host copy the operation works on (kept alive until it completes),
+        #: and for a receive the device buffer its bytes go to once they arrived.
+        self.staged, self.device_buf = staged, device_buf
 
     def wait(self, deadline: Deadline, where: Where) -> None:
         if self.work is None:
@@ -137,6 +152,9 @@ class _DistHandle(Handle):
         except RuntimeError as e:
             raise _transport_error(str(e), self.rank, self.peer, self.kind, deadline, where) from e
         self.work = None
+        if self.device_buf is not None and self.staged is not None:
+            self.device_buf.copy_(self.staged)
+        self.staged = self.device_buf = None
 
 
 def _transport_error(
@@ -251,13 +269,20 @@ class DistTransport(Transport):
             ("recv", recvs, dist.irecv, out_r),
         ):
             for p, t in items:
+                staged = device_buf = None
+                if t.device.type != "cpu":  # Gloo: host memory only
+                    if kind == "send":
+                        staged = t = t.cpu()
+                    else:
+                        device_buf, staged = t, torch.empty(t.shape, dtype=t.dtype)
+                        t = staged
                 try:
                     work = op(t, self._global[p], group=group)
                 except RuntimeError as e:  # a pair already closed fails at posting
                     raise _transport_error(
                         str(e), self.rank, p, kind, Deadline(1.0), where or Where("a call", 0, 0)
                     ) from e
-                out.append(_DistHandle(work, p, kind, self.rank))
+                out.append(_DistHandle(work, p, kind, self.rank, staged, device_buf))
         return out_s, out_r
 
 
