@@ -16,6 +16,7 @@ from tests.workers import (
     keyed_input,
     make_input,
     resume,
+    staged,
 )
 
 CODECS = hopq.available_codecs()
@@ -164,3 +165,26 @@ def test_overlapped_hook_errors_reach_backward():
     for r in range(2):
         assert res[r]["raised"] is not None, res[r]
     assert "CodecError: rank 0: codec 'bf16' produced" in res[0]["msg"], res[0]
+
+
+def test_messages_staged_through_host_memory():
+    """Gloo takes host memory only, so messages of CUDA tensors go through a host
+    copy (a GPU run checks that; docs/bench/gpu.md). Here every message is
+    staged, CPU tensors too: the same bits as the simulator, many microshards
+    included."""
+    n = 3
+    codecs = ["bf16", "dynamiq", "gcomp", "mxfp8"]
+    res = run_ranks(n, staged, codecs)
+    assert all(r["staged"] > 0 for r in res)
+    for codec in codecs:
+        for topo in ("ring", "butterfly"):
+            xs = [make_input("float", r, 20011) for r in range(n)]
+            sim = hopq.simulate(xs, codec, topo, seed=3)
+            for r in range(n):
+                assert torch.equal(_bits(res[r][(codec, topo)]), _bits(sim.outputs[r])), (
+                    codec,
+                    topo,
+                )
+    xs = [make_input("float", r, 20011) for r in range(n)]
+    sim = hopq.simulate(xs, "dynamiq", "ring", seed=6)
+    assert all(torch.equal(_bits(res[r]["micro"]), _bits(sim.outputs[0])) for r in range(n))

@@ -378,3 +378,28 @@ def straggler(rank: int, n: int, late_s: float) -> dict[str, Any]:
         out["error"] = str(e)
     out["waited_s"] = time.monotonic() - t
     return out
+
+
+def staged(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
+    """Every message staged through a host copy, as Gloo's CUDA tensors are
+    (``transport.STAGE_ALL``): all-reduces with one and with many microshards."""
+    from hopq.comm import collectives, engine, transport
+
+    transport.STAGE_ALL = True
+    out: dict[Any, Any] = {}
+    saved = engine.MICROSHARD_COORDS
+    try:
+        for codec in codecs:
+            for topo in ("ring", "butterfly"):
+                x = make_input("float", rank, 20011)
+                hopq.all_reduce(x, codec=codec, topology=topo, seed=3)
+                out[(codec, topo)] = x
+        engine.MICROSHARD_COORDS = 1500
+        x = make_input("float", rank, 20011)
+        hopq.all_reduce(x, codec="dynamiq", topology="ring", seed=6)
+        out["micro"] = x
+    finally:
+        engine.MICROSHARD_COORDS = saved
+        transport.STAGE_ALL = False
+    out["staged"] = collectives._transport(None).staged_messages
+    return out

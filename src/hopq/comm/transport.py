@@ -67,6 +67,9 @@ FALLBACK_TIMEOUT_S = 1800.0
 #: watchdog tears the process down once an operation outlives the group's
 #: timeout, so hopq raises its TransportError first.
 NCCL_TIMEOUT_SHARE = 0.9
+#: Stage every Gloo message through a host copy, CPU tensors too: lets the tests
+#: run the staging that CUDA tensors take on machines without a GPU.
+STAGE_ALL = False
 
 
 class Transport(ABC):
@@ -203,6 +206,8 @@ class DistTransport(Transport):
         self._warned_timeout = False
         self.prepost = self.backend != "nccl"
         self.short_messages = self.backend != "nccl"
+        #: Messages staged through host memory (Gloo with CUDA tensors).
+        self.staged_messages = 0
 
     @property
     def group(self) -> torch.distributed.ProcessGroup:
@@ -270,9 +275,10 @@ class DistTransport(Transport):
         ):
             for p, t in items:
                 staged = device_buf = None
-                if t.device.type != "cpu":  # Gloo: host memory only
+                if t.device.type != "cpu" or STAGE_ALL:  # Gloo: host memory only
+                    self.staged_messages += 1
                     if kind == "send":
-                        staged = t = t.cpu()
+                        staged = t = t.to("cpu", copy=True)
                     else:
                         device_buf, staged = t, torch.empty(t.shape, dtype=t.dtype)
                         t = staged
