@@ -212,11 +212,24 @@ def test_refusals_and_views(monkeypatch):
         hopq.FSDPReduceScatter("gcomp", optimizer=opt, fixed_level=2)
     with pytest.raises(ValueError, match="fixed_level=0 truncates every value"):
         hopq.HookState("gcomp", optimizer=opt, fixed_level=0)
-    hopq.HookState("gcomp", fixed_level=0)  # without an optimizer: fine
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hopq.HookState("gcomp", fixed_level=0)  # without an optimizer: fine
+        hopq.HookState("gcomp", optimizer=opt)
+        hopq.HookState("bf16")
+    # GComp without its optimizer compresses far less than its paper: it says so
+    for make in (hopq.HookState, hopq.FSDPReduceScatter):
+        with pytest.warns(UserWarning, match="without optimizer= truncates no mantissa bits"):
+            make("gcomp")
     with pytest.raises(ValueError, match="fixed_level=1 truncates every value"):
         hopq.get_codec("gcomp", fixed_level=1).set_thresholds(torch.ones(4))
     # how often thresholds are refreshed means nothing without an optimizer
-    with pytest.raises(ValueError, match="pass optimizer= too"):
+    with (
+        pytest.raises(ValueError, match="pass optimizer= too"),
+        pytest.warns(UserWarning, match="without optimizer="),
+    ):
         hopq.FSDPReduceScatter("gcomp", thresholds_every=5)
     with pytest.raises(ValueError, match="seed"):
         hopq.HookState("bf16", seed=1 << 70)

@@ -493,3 +493,23 @@ def check_takes_optimizer(codec: Codec[Any]) -> None:
     why = optimizer_unused(codec)
     if why:
         raise ValueError(why)
+
+
+def check_optimizer(codec: Codec[Any], optimizer: Any, where: str) -> None:
+    """``where``'s check of its ``optimizer=``: one that ``codec`` would not use
+    raises (:func:`check_takes_optimizer`); none where the codec's compression
+    depends on one (GComp's truncation) warns, since the codec then silently
+    compresses far less than its paper says."""
+    import warnings
+
+    if optimizer is not None:
+        check_takes_optimizer(codec)
+    elif hasattr(codec, "set_thresholds") and optimizer_unused(codec) is None:
+        warnings.warn(
+            f"{where}: codec {codec.name!r} without optimizer= truncates no mantissa bits "
+            "(lossless but for zeros, so its payload stays near fp32's on gradients with "
+            "few zeros); pass optimizer= (the optimizer that steps these parameters) for "
+            "its optimizer-aware truncation, or fixed_level= for one level everywhere",
+            UserWarning,
+            stacklevel=3,
+        )

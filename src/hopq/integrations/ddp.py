@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hopq.codecs.base import Codec, check_takes_optimizer
+from hopq.codecs.base import Codec, check_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
@@ -78,8 +78,7 @@ class HookState(CallRecords):
         #: The optimizer whose state sets the codec's per-coordinate thresholds
         #: before each bucket (codecs with ``set_thresholds``: GComp's
         #: optimizer-aware truncation); None: no thresholds.
-        if optimizer is not None:
-            check_takes_optimizer(self.codec)
+        check_optimizer(self.codec, optimizer, "HookState")
         self.optimizer = optimizer
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology

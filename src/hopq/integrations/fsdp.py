@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hopq.codecs.base import Codec, check_takes_optimizer
+from hopq.codecs.base import Codec, check_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import Op, reduce_scatter_with_stats
 from hopq.comm.engine import RunStats
@@ -142,9 +142,8 @@ class FSDPReduceScatter(_ReduceScatterBase):
         _require_api()
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         c = get_codec(codec, **codec_config)
-        if optimizer is not None:
-            check_takes_optimizer(c)
-        elif thresholds_every != THRESHOLDS_EVERY:
+        check_optimizer(c, optimizer, "FSDPReduceScatter")
+        if optimizer is None and thresholds_every != THRESHOLDS_EVERY:
             raise ValueError(
                 "thresholds_every sets how often the optimizer's thresholds are refreshed: "
                 "pass optimizer= too, or leave it out"

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hopq.codecs.base import optimizer_unused
-from hopq.codecs.registry import codec_choices, codec_info, resolve_codecs
+from hopq.codecs.registry import codec_choices, codec_info, get_codec, resolve_codecs
 from hopq.integrations.ddp import HookState, ddp_hook
 
 TORCH_CONTENDERS: dict[str, str] = {
@@ -172,12 +172,14 @@ class Sync:
         self.counter: ByteCounter | None = None
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
         if not is_torch(name):
-            self.state = HookState(codec=name, topology=topology, seed=seed, **codec_config)
+            codec = get_codec(name, **codec_config)
             # optimizer-aware codecs (GComp) get the job's optimizer, unless their
             # configuration would not use it (fixed_level: the thresholds would be
             # computed every step and thrown away)
-            if optimizer_unused(self.state.codec) is None:
-                self.state.optimizer = optimizer
+            takes = optimizer_unused(codec) is None
+            self.state = HookState(
+                codec=codec, topology=topology, seed=seed, optimizer=optimizer if takes else None
+            )
             ddp.register_comm_hook(self.state, ddp_hook)
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
