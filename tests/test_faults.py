@@ -214,3 +214,50 @@ def test_the_default_timeout_follows_the_backend():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert blind.timeout_s == tr.FALLBACK_TIMEOUT_S  # warned once
+
+
+def test_batched_posts_and_staged_messages():
+    """The transport's NCCL path as NCCL answers it (one work for a whole
+    coalesced batch: every handle waits on it) and its staging (a message in
+    the memory its backend does not take is posted as a copy; a received one is
+    copied to its own buffer when waited on). The fake backend delivers by
+    filling the posted receive buffers."""
+    import types
+
+    from hopq.comm import transport as tr
+    from hopq.comm.framing import Deadline, Where
+
+    class Work:
+        def __init__(self, recvs):
+            self.recvs, self.waits = recvs, 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            for t in self.recvs:
+                t.fill_(7)
+            return True
+
+    works = []
+
+    def batch(ops):
+        works.append(Work([o[1] for o in ops if o[0] == "irecv"]))
+        return works[-1:]
+
+    fake = types.SimpleNamespace(
+        isend="isend", irecv="irecv", batch_isend_irecv=batch,
+        P2POp=lambda op, t, peer, group: (op, t, peer),
+    )  # fmt: skip
+    t = tr.DistTransport.__new__(tr.DistTransport)
+    t._dist, t._group, t._global, t.rank = fake, lambda: object(), [0, 1, 2], 0
+    t.prepost, t.backend, t.staged_messages = False, "nccl", 0
+    t._stage_to = {"cpu": torch.device("cpu")}  # stage CPU messages (to the CPU: a copy)
+    out = [torch.zeros(3, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8)]
+    sent = torch.ones(4, dtype=torch.uint8)
+    s, r = t.post([(1, sent)], [(1, out[0]), (2, out[1])])
+    assert len(works) == 1 and t.staged_messages == 3
+    assert [h.peer for h in s + r] == [1, 1, 2]
+    for h in s + r:
+        h.wait(Deadline(5.0), Where("a call", 0, 0))
+    assert works[0].waits == 3
+    assert all(bool((o == 7).all()) for o in out)  # copied from the staged buffers
+    assert bool((sent == 1).all())  # a send's copy, not the tensor itself, was posted

@@ -5,11 +5,13 @@ within a deadline):
 
 * :class:`DistTransport` over a real ``torch.distributed`` process group:
   point-to-point ``isend``/``irecv`` (on NCCL a step's operations are posted
-  as one ``batch_isend_irecv`` group, which NCCL needs). Gloo's point-to-point
-  operations take host memory only: on Gloo, messages of CUDA tensors are staged
-  through the host (a send copies its bytes out first; a receive lands in host
-  memory and is copied to its device buffer when waited on), as the paper
-  systems that train on GPUs with Gloo do.
+  as one ``batch_isend_irecv`` group, which NCCL needs). Each backend takes
+  one kind of memory: Gloo's point-to-point operations host memory (a CUDA
+  pointer aborts the process), NCCL's CUDA memory. A message in the other kind
+  (CUDA tensors on Gloo, as when DDP trains on GPUs over Gloo; the agreement's
+  host-built fingerprints on NCCL) is staged: a send copies its bytes over
+  first, a receive lands in a buffer of the right kind and is copied to its own
+  buffer when waited on.
 * :class:`InProcessTransport` for the simulator: n virtual ranks, one thread
   each, exchanging tensors through queues.
 
@@ -137,12 +139,12 @@ class _DistHandle(Handle):
         kind: str,
         rank: int,
         staged: torch.Tensor | None = None,
-        device_buf: torch.Tensor | None = None,
+        dest: torch.Tensor | None = None,
     ) -> None:
         self.work, self.peer, self.kind, self.rank = work, peer, kind, rank
-        #: A host copy the operation works on (kept alive until it completes),
-        #: and for a receive the device buffer its bytes go to once they arrived.
-        self.staged, self.device_buf = staged, device_buf
+        #: The staged copy the operation works on (kept alive until it
+        #: completes), and for a receive the buffer its bytes go to on arrival.
+        self.staged, self.dest = staged, dest
 
     def wait(self, deadline: Deadline, where: Where) -> None:
         if self.work is None:
@@ -155,9 +157,21 @@ class _DistHandle(Handle):
         except RuntimeError as e:
             raise _transport_error(str(e), self.rank, self.peer, self.kind, deadline, where) from e
         self.work = None
-        if self.device_buf is not None and self.staged is not None:
-            self.device_buf.copy_(self.staged)
-        self.staged = self.device_buf = None
+        if self.dest is not None and self.staged is not None:
+            self.dest.copy_(self.staged)
+        self.staged = self.dest = None
+
+
+class _Works:
+    """Several works waited as one (a coalesced batch's, for each of its ops)."""
+
+    def __init__(self, works: list[object]) -> None:
+        self.works = works
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        for w in self.works:
+            w.wait(timeout=timeout)  # type: ignore[attr-defined]
+        return True
 
 
 def _transport_error(
@@ -206,8 +220,10 @@ class DistTransport(Transport):
         self._warned_timeout = False
         self.prepost = self.backend != "nccl"
         self.short_messages = self.backend != "nccl"
-        #: Messages staged through host memory (Gloo with CUDA tensors).
+        #: Messages staged into the memory their backend takes (see the module's
+        #: docstring), and per device type where its messages are staged to.
         self.staged_messages = 0
+        self._stage_to: dict[str, torch.device | None] = {}
 
     @property
     def group(self) -> torch.distributed.ProcessGroup:
@@ -246,6 +262,38 @@ class DistTransport(Transport):
             )
         return FALLBACK_TIMEOUT_S
 
+    def staging(self, device: torch.device) -> torch.device | None:
+        """Where messages of ``device`` tensors are staged to (None: posted as
+        they are), from the backend that carries that device type: Gloo takes
+        host memory, NCCL CUDA memory (the current device)."""
+        if device.type == "cpu" and STAGE_ALL:
+            return device
+        if device.type not in self._stage_to:
+            try:  # a group may carry each device type on another backend
+                carrier = str(self.group._get_backend(device).name()).lower()
+            except Exception:
+                carrier = self.backend
+            to: torch.device | None = None
+            if carrier == "nccl" and device.type != "cuda":
+                to = torch.device("cuda", torch.cuda.current_device())
+            elif carrier != "nccl" and device.type != "cpu":
+                to = torch.device("cpu")
+            self._stage_to[device.type] = to
+        return self._stage_to[device.type]
+
+    def _staged(self, kind: str, t: torch.Tensor) -> tuple[torch.Tensor, _DistHandle]:
+        """The tensor to post for ``t`` and a handle (its work still None)
+        holding what the staging keeps."""
+        to = self.staging(t.device)
+        if to is None:
+            return t, _DistHandle(None, 0, kind, self.rank)
+        self.staged_messages += 1
+        if kind == "send":
+            posted = t.to(to, copy=True)
+            return posted, _DistHandle(None, 0, kind, self.rank, posted)
+        posted = torch.empty(t.shape, dtype=t.dtype, device=to)
+        return posted, _DistHandle(None, 0, kind, self.rank, posted, t)
+
     def post(
         self,
         sends: list[tuple[int, torch.Tensor]],
@@ -254,42 +302,33 @@ class DistTransport(Transport):
     ) -> tuple[list[Handle], list[Handle]]:
         dist = self._dist
         group = self.group
-        if not self.prepost:  # NCCL: one group per step, sends first
-            ops = [dist.P2POp(dist.isend, t, self._global[p], group) for p, t in sends]
-            ops += [dist.P2POp(dist.irecv, b, self._global[p], group) for p, b in recvs]
-            works = dist.batch_isend_irecv(ops) if ops else []
-            handles: list[Handle] = [
-                _DistHandle(w, p, k, self.rank)
-                for w, (p, k) in zip(
-                    works,
-                    [(p, "send") for p, _ in sends] + [(p, "recv") for p, _ in recvs],
-                    strict=True,
-                )
-            ]
-            return handles[: len(sends)], handles[len(sends) :]
-        out_s: list[Handle] = []
-        out_r: list[Handle] = []
-        for kind, items, op, out in (
-            ("send", sends, dist.isend, out_s),
-            ("recv", recvs, dist.irecv, out_r),
-        ):
+        ops: list[tuple[str, int, torch.Tensor, _DistHandle]] = []
+        for kind, items in (("send", sends), ("recv", recvs)):
             for p, t in items:
-                staged = device_buf = None
-                if t.device.type != "cpu" or STAGE_ALL:  # Gloo: host memory only
-                    self.staged_messages += 1
-                    if kind == "send":
-                        staged = t = t.to("cpu", copy=True)
-                    else:
-                        device_buf, staged = t, torch.empty(t.shape, dtype=t.dtype)
-                        t = staged
+                posted, h = self._staged(kind, t)
+                h.peer = p
+                ops.append((kind, p, posted, h))
+        if not self.prepost:  # NCCL: one group per step, sends first
+            p2p = [
+                dist.P2POp(dist.isend if k == "send" else dist.irecv, t, self._global[p], group)
+                for k, p, t, _ in ops
+            ]
+            works = dist.batch_isend_irecv(p2p) if p2p else []
+            # NCCL coalesces a batch into one work; other backends give one per op
+            each = works if len(works) == len(ops) else [_Works(works)] * len(ops)
+            for w, (_, _, _, h) in zip(each, ops, strict=True):
+                h.work = w
+        else:
+            for kind, p, t, h in ops:
+                op = dist.isend if kind == "send" else dist.irecv
                 try:
-                    work = op(t, self._global[p], group=group)
+                    h.work = op(t, self._global[p], group=group)
                 except RuntimeError as e:  # a pair already closed fails at posting
                     raise _transport_error(
                         str(e), self.rank, p, kind, Deadline(1.0), where or Where("a call", 0, 0)
                     ) from e
-                out.append(_DistHandle(work, p, kind, self.rank, staged, device_buf))
-        return out_s, out_r
+        handles: list[Handle] = [h for _, _, _, h in ops]
+        return handles[: len(sends)], handles[len(sends) :]
 
 
 class _Hub:
