@@ -66,3 +66,29 @@ def ddp_gcomp_adamw(rank: int, n: int, steps: int) -> dict[str, Any]:
             out[f"{key}/calls"] = len(calls)
             out[f"{key}/thresholds"] = sorted(getattr(state.codec, "thresholds", {}))
     return out
+
+
+def gcomp_optimizer_warning(rank: int, n: int) -> dict[str, list[str]]:
+    """The warnings of a DDP job's first steps with HookState("gcomp"): no
+    optimizer ever, or one set on the state after it was built."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out: dict[str, list[str]] = {}
+    for case in ("none", "later"):
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(32, 32))
+        state = hopq.HookState("gcomp", overlap=False)
+        model.register_comm_hook(state, hopq.ddp_hook)
+        opt = torch.optim.AdamW(model.parameters())
+        if case == "later":
+            state.optimizer = opt
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                opt.zero_grad()
+                model(torch.randn(4, 32)).square().sum().backward()
+                opt.step()
+        out[case] = [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
+    return out

@@ -36,13 +36,14 @@ absolute value and its variance over the steps; the paper's claim is that GComp
 cuts the baselines' average deviation by 73.6-96.8%.
 
 **Bias.** Every hop truncates its own partial sum (docs/codecs/gcomp.md):
-``world`` simulated ranks of ``bias_coords`` N(0, 1e-3) coordinates each,
+``workers`` simulated ranks of ``bias_coords`` N(0, 1e-3) coordinates each,
 thresholds A = |exact average| 2^U(0,24) per coordinate, GComp averaged on ring
 and butterfly with those thresholds and without them (lossless but for zeros,
-the same float32 additions); the difference of the two outputs is the
+the additions in the same order); the difference of the two outputs is the
 truncation's error, reported in units of the paper's allowance 2^-23 |A| (one
 truncation of the averaged gradient): its mean (signed by the exact average's
-sign; negative: toward zero), its largest magnitude and the share of coordinates within the allowance.
+sign; negative: toward zero), its largest magnitude and the number of
+coordinates beyond the allowance.
 
 **Kernels.** Encode, decode, decode-accumulate and the fused hop of
 ``n`` synthetic gradient coordinates (log-normal magnitudes, 30% zeros) on one
@@ -240,7 +241,7 @@ def bias_rows(n: int, world: int, seed: int = 0) -> list[list[Any]]:
                 topo,
                 f"{err.mean().item():+.3f}",
                 f"{err.abs().max().item():.3f}",
-                f"{(err.abs() <= 1).double().mean().item():.2%}",
+                int((err.abs() > 1).sum()),
                 f"{cut.bits_per_coord / 32:.3f}",
                 f"{plain.bits_per_coord / 32:.3f}",
             ]
@@ -515,7 +516,7 @@ def run(o: GCompBenchOptions, log: Callable[[str], None] | None = None) -> str:
                     "topology",
                     "mean error",
                     "largest |error|",
-                    "within allowance",
+                    "beyond allowance",
                     "size",
                     "lossless",
                 ],

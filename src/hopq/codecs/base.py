@@ -495,21 +495,18 @@ def check_takes_optimizer(codec: Codec[Any]) -> None:
         raise ValueError(why)
 
 
-def check_optimizer(codec: Codec[Any], optimizer: Any, where: str) -> None:
-    """``where``'s check of its ``optimizer=``: one that ``codec`` would not use
-    raises (:func:`check_takes_optimizer`); none where the codec's compression
-    depends on one (GComp's truncation) warns, since the codec then silently
-    compresses far less than its paper says."""
-    import warnings
-
-    if optimizer is not None:
-        check_takes_optimizer(codec)
-    elif hasattr(codec, "set_thresholds") and optimizer_unused(codec) is None:
-        warnings.warn(
-            f"{where}: codec {codec.name!r} without optimizer= truncates no mantissa bits "
-            "(lossless but for zeros, so its payload stays near fp32's on gradients with "
-            "few zeros); pass optimizer= (the optimizer that steps these parameters) for "
-            "its optimizer-aware truncation, or fixed_level= for one level everywhere",
-            UserWarning,
-            stacklevel=3,
-        )
+def missing_optimizer(codec: Codec[Any], optimizer: Any, where: str) -> str | None:
+    """Why ``codec`` compresses far less than its paper says when a call reaches
+    it through ``where`` without ``optimizer``, or None: a codec whose
+    compression depends on an optimizer's state (GComp's truncation), given
+    none and no thresholds by hand, truncates no mantissa bits."""
+    if optimizer is not None or not hasattr(codec, "set_thresholds"):
+        return None
+    if optimizer_unused(codec) is not None or getattr(codec, "thresholds", None):
+        return None
+    return (
+        f"{where}: codec {codec.name!r} without optimizer= truncates no mantissa bits "
+        "(lossless but for zeros, so its payload stays near fp32's on gradients with few "
+        "zeros); pass optimizer= (the optimizer that steps these parameters) for its "
+        "optimizer-aware truncation, or fixed_level= for one level everywhere"
+    )

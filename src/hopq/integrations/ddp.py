@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hopq.codecs.base import Codec, check_optimizer
+from hopq.codecs.base import Codec, check_takes_optimizer, missing_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
@@ -78,7 +78,8 @@ class HookState(CallRecords):
         #: The optimizer whose state sets the codec's per-coordinate thresholds
         #: before each bucket (codecs with ``set_thresholds``: GComp's
         #: optimizer-aware truncation); None: no thresholds.
-        check_optimizer(self.codec, optimizer, "HookState")
+        if optimizer is not None:
+            check_takes_optimizer(self.codec)
         self.optimizer = optimizer
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology
@@ -107,6 +108,7 @@ class HookState(CallRecords):
         #: process since this state was built while it was not (the evidence
         #: that training went on without it: see ``_after_optimizer_step``).
         self._engaged = False
+        self._optimizer_checked = False
         self._steps_unengaged = 0
         self._world: int | None = None
         self._warned = False
@@ -282,6 +284,11 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     all-reduce is raised by DDP in the training step's backward pass.
     """
     buf = bucket.buffer()
+    if not state._optimizer_checked:  # the first bucket: the optimizer is set by now if ever
+        state._optimizer_checked = True
+        why = missing_optimizer(state.codec, state.optimizer, "HookState")
+        if why:
+            warnings.warn(why, UserWarning, stacklevel=2)
     state._engaged = True
     if state.optimizer is not None:  # before the bucket is queued: the state is current
         from hopq.codecs.gcomp.optim import thresholds

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hopq.codecs.base import Codec, check_optimizer
+from hopq.codecs.base import Codec, check_takes_optimizer, missing_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import Op, reduce_scatter_with_stats
 from hopq.comm.engine import RunStats
@@ -108,6 +108,7 @@ class _Shared(CallRecords):
         #: last exchange); the thresholds themselves live in the codec
         self.thresholds: dict[int | None, tuple[int, bool]] = {}
         self.warned: set[int | None] = set()
+        self.called = False
         self._init_records()
 
 
@@ -142,8 +143,9 @@ class FSDPReduceScatter(_ReduceScatterBase):
         _require_api()
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         c = get_codec(codec, **codec_config)
-        check_optimizer(c, optimizer, "FSDPReduceScatter")
-        if optimizer is None and thresholds_every != THRESHOLDS_EVERY:
+        if optimizer is not None:
+            check_takes_optimizer(c)
+        elif thresholds_every != THRESHOLDS_EVERY:
             raise ValueError(
                 "thresholds_every sets how often the optimizer's thresholds are refreshed: "
                 "pass optimizer= too, or leave it out"
@@ -233,6 +235,11 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 f"not {n} x the output's {output_tensor.numel()}"
             )
         shared = self._shared
+        if not shared.called:  # the first call: warn about a missing optimizer once
+            shared.called = True
+            why = missing_optimizer(shared.codec, shared.optimizer, "FSDPReduceScatter")
+            if why:
+                warnings.warn(why, UserWarning, stacklevel=2)
         gathered = 0
         if shared.optimizer is not None:
             gathered = self._set_thresholds(output_tensor.numel(), group, input_tensor.device)

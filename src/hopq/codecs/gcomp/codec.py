@@ -217,7 +217,11 @@ class GComp(Codec[GCompPlan]):
         p = _host(payload)
         # on a GPU: decode (and add) into a host copy, then copy it back, so the
         # sums are the host's float32 additions, as on the CPU
-        dst = out if out.device.type == "cpu" else (out.cpu() if acc else torch.empty(n))
+        dst = (
+            out
+            if out.device.type == "cpu"
+            else (out.cpu() if acc else torch.empty(n, dtype=out.dtype))
+        )
         if kern is not None:
             kern.decode(p, n, plan.table, plan.chunk_values, dst, acc)
         else:
