@@ -572,11 +572,12 @@ class _Call:
                 for m in reads:
                     self.pending_by_part.setdefault(m, []).append(h)
 
-    def fail_remaining(self, steps: list[int]) -> None:
+    def fail_remaining(self, steps: list[int], micro: int | None = None) -> None:
         """After a failure on this rank: tell every peer this rank still owes a
-        message that it failed (a header with no payload), without waiting."""
+        message that it failed (a header with no payload), without waiting
+        (``micro``: that microshard's messages only)."""
         for s in steps:
-            for j in range(self.u):
+            for j in range(self.u) if micro is None else (micro,):
                 for t in self.schedule.sends(self.rank, s):
                     if (s, j, t.dst) in self.posted:
                         continue
@@ -602,8 +603,14 @@ class _Call:
         try:
             for s in steps:
                 for j in range(self.u):
-                    if (s, j) not in self.received:
-                        self.post_recvs(s, j)
+                    # NCCL: the notices and receives of a microshard in one group, as
+                    # its peers post theirs (a group of receives alone would wait for
+                    # sends queued behind it)
+                    with self.transport.batch():
+                        if not self.transport.prepost:
+                            self.fail_remaining([s], j)
+                        if (s, j) not in self.received:
+                            self.post_recvs(s, j)
             for (s, j), entries in sorted(self.recvs.items()):
                 for t, _bufs, handles, _b, _n in entries:
                     for h in handles:
@@ -767,8 +774,9 @@ def run(
         _hops(st, active, pipeline and transport.prepost)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
-            st.fail_remaining(active)
-            st.drain(active)
+            if transport.prepost:
+                st.fail_remaining(active)
+            st.drain(active)  # on NCCL it sends the notices too, batched with its receives
         raise
     st.wait_sends()
     if st.outgoing:
@@ -817,13 +825,19 @@ def _hops(st: _Call, active: list[int], pipelined: bool) -> None:
     """Run the steps. Pipelined: the next step's receives are posted ahead, every
     message of a step is sent before any of its receives is processed, and a
     microshard's next-step message leaves as soon as that microshard is done.
-    Serial: post, wait and process each (step, microshard) in turn."""
+    Serial: post, wait and process each (step, microshard) in turn, its
+    receives and sends as one group (NCCL needs that; see Transport.batch)."""
     u = st.u
     if not pipelined:
         for s in active:
             for j in range(u):
-                st.post_recvs(s, j)
-                st.build_and_post(s, j)
+                with st.transport.batch():
+                    st.post_recvs(s, j)
+                    try:
+                        st.build_and_post(s, j)
+                    except BaseException:
+                        st.fail_remaining([s], j)  # the notices ride in this group
+                        raise
                 st.process_recvs(s, j)
                 st.wait_sends()
         return

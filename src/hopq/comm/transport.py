@@ -33,13 +33,14 @@ bits; its first round can ride with the agreement as those tails.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import queue
 import threading
 import warnings
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -91,6 +92,14 @@ class Transport(ABC):
         #: Calls made on this transport (every rank counts the same; agreed).
         self.calls = 0
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        """Everything posted inside goes out as one group where the backend runs
+        groups one after another (NCCL: a group of receives alone would wait
+        for sends its peers queue behind their own such group). Handles posted
+        inside may be waited on only after the block."""
+        yield
+
     def next_call(self) -> int:
         self.calls += 1
         return self.calls
@@ -131,6 +140,10 @@ class Transport(ABC):
         names the step for error messages."""
 
 
+#: The work of an operation whose batch has not been posted yet.
+_UNPOSTED = object()
+
+
 class _DistHandle(Handle):
     def __init__(
         self,
@@ -149,6 +162,11 @@ class _DistHandle(Handle):
     def wait(self, deadline: Deadline, where: Where) -> None:
         if self.work is None:
             return
+        if self.work is _UNPOSTED:
+            raise RuntimeError(
+                f"hopq internal error: an operation of {where.describe()} was waited on "
+                "before its batch was posted"
+            )
         left = deadline.remaining()
         try:
             if left <= 0:
@@ -224,6 +242,8 @@ class DistTransport(Transport):
         #: docstring), and per device type where its messages are staged to.
         self.staged_messages = 0
         self._stage_to: dict[str, torch.device | None] = {}
+        #: The operations of an open batch (NCCL), posted when it closes.
+        self._batching: list[tuple[str, int, torch.Tensor, _DistHandle]] | None = None
 
     @property
     def group(self) -> torch.distributed.ProcessGroup:
@@ -294,6 +314,34 @@ class DistTransport(Transport):
         posted = torch.empty(t.shape, dtype=t.dtype, device=to)
         return posted, _DistHandle(None, 0, kind, self.rank, posted, t)
 
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        if self.prepost or self._batching is not None:
+            yield
+            return
+        self._batching = []
+        try:
+            yield
+        finally:  # also after an error inside: its receives must be live for the drain
+            ops, self._batching = self._batching, None
+            self._launch(ops)
+
+    def _launch(self, ops: list[tuple[str, int, torch.Tensor, _DistHandle]]) -> None:
+        """Post ``ops`` as one group (NCCL's batch_isend_irecv)."""
+        if not ops:
+            return
+        dist = self._dist
+        group = self.group
+        p2p = [
+            dist.P2POp(dist.isend if k == "send" else dist.irecv, t, self._global[p], group)
+            for k, p, t, _ in ops
+        ]
+        works = dist.batch_isend_irecv(p2p)
+        # NCCL coalesces a batch into one work; other backends give one per op
+        each = works if len(works) == len(ops) else [_Works(works)] * len(ops)
+        for w, (_, _, _, h) in zip(each, ops, strict=True):
+            h.work = w
+
     def post(
         self,
         sends: list[tuple[int, torch.Tensor]],
@@ -308,16 +356,13 @@ class DistTransport(Transport):
                 posted, h = self._staged(kind, t)
                 h.peer = p
                 ops.append((kind, p, posted, h))
-        if not self.prepost:  # NCCL: one group per step, sends first
-            p2p = [
-                dist.P2POp(dist.isend if k == "send" else dist.irecv, t, self._global[p], group)
-                for k, p, t, _ in ops
-            ]
-            works = dist.batch_isend_irecv(p2p) if p2p else []
-            # NCCL coalesces a batch into one work; other backends give one per op
-            each = works if len(works) == len(ops) else [_Works(works)] * len(ops)
-            for w, (_, _, _, h) in zip(each, ops, strict=True):
-                h.work = w
+        if not self.prepost:  # NCCL: every post, or every open batch, one group
+            if self._batching is not None:
+                for *_, h in ops:
+                    h.work = _UNPOSTED
+                self._batching += ops
+            else:
+                self._launch(ops)
         else:
             for kind, p, t, h in ops:
                 op = dist.isend if kind == "send" else dist.irecv
