@@ -131,6 +131,7 @@ def _run(codec: str, topo: str, n: int, gather: bool = True, fail_rank: int = -1
     return [t.groups for t in ts], errors
 
 
+@pytest.mark.filterwarnings("ignore:.*padded to their bound")
 @pytest.mark.parametrize(
     ("codec", "topo", "n"),
     [
@@ -163,3 +164,38 @@ def test_a_failing_rank_leaves_no_group_waiting_under_nccl_rules():
     done, bad = replay(groups)
     assert not bad, bad[:3]
     assert done
+
+
+def test_padded_payloads_say_so():
+    """On NCCL a variable-size codec's payloads travel padded to their bound
+    (GComp's bound exceeds fp32): the first such call warns, once."""
+    engine._PADDED.discard("gcomp")
+    with pytest.warns(RuntimeWarning, match="padded to their bound, 44 bits per coordinate"):
+        _, errors = _run("gcomp", "ring", 2)
+    assert errors == [None, None]
+    assert "gcomp" in engine._PADDED
+
+
+def test_transport_reads_nccl_and_mixed_groups():
+    """NCCL's timeout text is a timeout; a group of several backends
+    ("undefined", "cpu:gloo,cuda:nccl") is carried by its GPU's backend where
+    there is a GPU, else by its CPU's."""
+    import types
+
+    from hopq.comm import transport as tr
+    from hopq.comm.framing import Deadline, Where
+
+    msg = "Watchdog caught collective operation timeout: ran for 600000 ms before timing out."
+    err = tr._transport_error(msg, 0, 1, "recv", Deadline(5.0), Where("a call", 0, 0))
+    assert "within the call's timeout" in str(err)
+
+    def backend(name):
+        return types.SimpleNamespace(name=lambda: name)
+
+    mixed = types.SimpleNamespace(
+        _get_backend=lambda d: backend({"cpu": "gloo", "cuda": "nccl"}[d.type])
+    )
+    want = "nccl" if torch.cuda.is_available() else "gloo"
+    assert tr._carrier(mixed, "cpu:gloo,cuda:nccl") == want
+    assert tr._carrier(mixed, "undefined") == want
+    assert tr._carrier(mixed, "nccl") == "nccl"

@@ -171,13 +171,30 @@ class _DistHandle(Handle):
         try:
             if left <= 0:
                 raise RuntimeError("Timed out before waiting")
-            self.work.wait(timeout=datetime.timedelta(seconds=left))  # type: ignore[attr-defined]
+            # at least 1 ms: NCCL reads a zero timeout as none at all
+            wait_s = max(left, 1e-3)
+            self.work.wait(timeout=datetime.timedelta(seconds=wait_s))  # type: ignore[attr-defined]
         except RuntimeError as e:
             raise _transport_error(str(e), self.rank, self.peer, self.kind, deadline, where) from e
         self.work = None
         if self.dest is not None and self.staged is not None:
             self.dest.copy_(self.staged)
         self.staged = self.dest = None
+
+
+def _carrier(group: torch.distributed.ProcessGroup, name: str) -> str:
+    """The backend hopq's messages take on ``group``: its name, or for a group
+    of several backends (``init_process_group()`` without one: "undefined", or
+    "cpu:gloo,cuda:nccl") the one that carries CUDA tensors when this process
+    has a GPU (training tensors live there), else the CPU's."""
+    if name in ("gloo", "nccl"):
+        return name
+    for dev in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
+        try:
+            return str(group._get_backend(torch.device(dev)).name()).lower()
+        except Exception:  # noqa: BLE001 - no backend for that device type
+            continue
+    return name
 
 
 class _Works:
@@ -196,7 +213,8 @@ def _transport_error(
     msg: str, rank: int, peer: int, kind: str, deadline: Deadline, where: Where
 ) -> TransportError:
     direction = "to" if kind == "send" else "from"
-    if "Timed out" in msg or "timed out" in msg or "Timeout" in msg:
+    low = msg.lower()
+    if "timed out" in low or "timeout" in low or "timing out" in low:  # Gloo's, NCCL's
         return TransportError(
             f"rank {rank}: no answer {direction} rank {peer} within the call's timeout "
             f"of {deadline.timeout_s:g} s, in {where.describe()}"
@@ -234,7 +252,7 @@ class DistTransport(Transport):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-        self.backend = str(dist.get_backend(self.group)).lower()
+        self.backend = _carrier(self.group, str(dist.get_backend(self.group)).lower())
         self._warned_timeout = False
         self.prepost = self.backend != "nccl"
         self.short_messages = self.backend != "nccl"
@@ -295,7 +313,14 @@ class DistTransport(Transport):
                 carrier = self.backend
             to: torch.device | None = None
             if carrier == "nccl" and device.type != "cuda":
-                to = torch.device("cuda", torch.cuda.current_device())
+                bound = getattr(
+                    self.group, "bound_device_id", None
+                )  # init_process_group(device_id=)
+                to = (
+                    bound
+                    if bound is not None
+                    else torch.device("cuda", torch.cuda.current_device())
+                )
             elif carrier != "nccl" and device.type != "cpu":
                 to = torch.device("cpu")
             self._stage_to[device.type] = to

@@ -407,7 +407,7 @@ def run(o: TrainOptions) -> str | None:
     contenders = o.resolved_codecs()
     folder = Path(o.out)
     if launched_by_torchrun():
-        rank, n = init_from_env()
+        rank, n = init_from_env("gloo")  # the workloads train on the CPU
         note = ignored_under_torchrun(o)
         if note and rank == 0:
             print(f"warning: {note}", flush=True)
