@@ -10,6 +10,11 @@ CUDA the thread works on a side stream that first waits for the bucket's
 gradients, and the future carries that stream's completion to DDP.
 ``HookState(overlap=False)`` runs each bucket inside the hook instead; both
 paths give the same bits.
+
+Unverified on multi-GPU NCCL: the overlapped hook's thread shares the group's
+NCCL communicator with collectives DDP issues during the backward pass
+(``find_unused_parameters=True``, SyncBatchNorm), which could interleave
+differently on different ranks; use ``overlap=False`` there.
 """
 
 # No "from __future__ import annotations": DDP compares the hook's annotations
