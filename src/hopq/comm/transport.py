@@ -303,7 +303,8 @@ class DistTransport(Transport):
     def staging(self, device: torch.device) -> torch.device | None:
         """Where messages of ``device`` tensors are staged to (None: posted as
         they are), from the backend that carries that device type: Gloo takes
-        host memory, NCCL CUDA memory (the current device)."""
+        host memory, NCCL CUDA memory (the group's device, else the current
+        one)."""
         if device.type == "cpu" and STAGE_ALL:
             return device
         if device.type not in self._stage_to:
@@ -313,14 +314,9 @@ class DistTransport(Transport):
                 carrier = self.backend
             to: torch.device | None = None
             if carrier == "nccl" and device.type != "cuda":
-                bound = getattr(
-                    self.group, "bound_device_id", None
-                )  # init_process_group(device_id=)
-                to = (
-                    bound
-                    if bound is not None
-                    else torch.device("cuda", torch.cuda.current_device())
-                )
+                # the group's device (init_process_group(device_id=)), else the current one
+                bound = getattr(self.group, "bound_device_id", None)
+                to = bound or torch.device("cuda", torch.cuda.current_device())
             elif carrier != "nccl" and device.type != "cpu":
                 to = torch.device("cpu")
             self._stage_to[device.type] = to
