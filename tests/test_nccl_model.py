@@ -44,21 +44,40 @@ class _NcclLike(InProcessTransport):
             yield
             return
         self._open = []
+        self._held: list[_Held] = []
         try:
             yield
         finally:
             group, self._open = self._open, None
             if group:
                 self.groups.append(group)
+            for h in self._held:  # posted now: they may be waited on
+                h.posted = True
 
     def post(self, sends, recvs, where=None):  # type: ignore[no-untyped-def]
         ops = [("S", self.rank, p, int(t.numel())) for p, t in sends]
         ops += [("R", p, self.rank, int(t.numel())) for p, t in recvs]
-        if self._open is not None:
-            self._open += ops
-        elif ops:
-            self.groups.append(ops)
-        return super().post(sends, recvs, where)
+        s, r = super().post(sends, recvs, where)
+        if self._open is None:
+            if ops:
+                self.groups.append(ops)
+            return s, r
+        self._open += ops
+        s, r = [_Held(h) for h in s], [_Held(h) for h in r]
+        self._held += s + r
+        return s, r
+
+
+class _Held:
+    """A handle of an open group: waiting on it before the group is posted is
+    an error (on NCCL it would wait forever), as DistTransport raises."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.posted = inner, False
+
+    def wait(self, deadline, where) -> None:  # type: ignore[no-untyped-def]
+        assert self.posted, f"waited on before its group was posted, in {where.describe()}"
+        self.inner.wait(deadline, where)
 
 
 def replay(groups: list[list[list[Op]]]) -> tuple[bool, list[str]]:
