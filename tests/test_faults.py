@@ -249,7 +249,7 @@ def test_batched_posts_and_staged_messages():
     )  # fmt: skip
     t = tr.DistTransport.__new__(tr.DistTransport)
     t._dist, t._group, t._global, t.rank = fake, lambda: object(), [0, 1, 2], 0
-    t.prepost, t.backend, t.staged_messages = False, "nccl", 0
+    t.prepost, t.backend, t.staged_messages, t._batching = False, "nccl", 0, None
     t._stage_to = {"cpu": torch.device("cpu")}  # stage CPU messages (to the CPU: a copy)
     out = [torch.zeros(3, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8)]
     sent = torch.ones(4, dtype=torch.uint8)
@@ -261,3 +261,12 @@ def test_batched_posts_and_staged_messages():
     assert works[0].waits == 3
     assert all(bool((o == 7).all()) for o in out)  # copied from the staged buffers
     assert bool((sent == 1).all())  # a send's copy, not the tensor itself, was posted
+    # posts inside a batch go out as one group when it closes; waiting earlier is a bug
+    with t.batch():
+        s1, _ = t.post([(1, sent)], [])
+        _, r1 = t.post([], [(2, out[0])])
+        assert len(works) == 1
+        with pytest.raises(RuntimeError, match="before its batch was posted"):
+            s1[0].wait(Deadline(5.0), Where("a call", 0, 0))
+    assert len(works) == 2
+    r1[0].wait(Deadline(5.0), Where("a call", 0, 0))

@@ -70,6 +70,7 @@ def test_padding_for_exact_size_transports():
     assert [p.numel() for p in parts] == framing.expect(1, big.numel())
 
 
+@pytest.mark.filterwarnings("ignore:.*padded to their bound")
 def test_engine_pads_where_the_transport_needs_exact_sizes(monkeypatch):
     """A transport without short messages (NCCL) gets bound-sized bodies, and the
     engine counts the padded bytes it really sent; the bits do not change."""
