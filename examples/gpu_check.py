@@ -35,7 +35,8 @@ from hopq.codecs import available_codecs, codec_info, get_codec
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
+    """The bits of a float tensor, to compare with ``torch.equal`` (NaN too)."""
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
 def check_codecs(n: int, world: int, lines: list[str]) -> bool:
@@ -146,12 +147,12 @@ def check_variants(n: int, world: int, lines: list[str], dev: str = "cuda") -> b
             try:
                 g = _variant(name, case, xs_dev)
                 c = _variant(name, case, xs_cpu)
-                agree = case == "reduce-scatter" or all(torch.equal(g[0], y) for y in g[1:])
+                agree = case == "reduce-scatter" or all(
+                    torch.equal(_bits(g[0]), _bits(y)) for y in g[1:]
+                )
                 diff = sum(
-                    int((a.cpu().view(-1).view(torch.int16 if a.element_size() == 2 else torch.int32)
-                         != b.view(-1).view(torch.int16 if b.element_size() == 2 else torch.int32)).sum())
-                    for a, b in zip(g, c, strict=True)
-                )  # fmt: skip
+                    int((_bits(a.cpu()) != _bits(b)).sum()) for a, b in zip(g, c, strict=True)
+                )
                 good = agree and diff == 0
                 ok &= good
                 row.append(

@@ -206,6 +206,14 @@ def test_the_default_timeout_follows_the_backend():
     group = types.SimpleNamespace(_get_backend=lambda device: opts)
     assert fake("nccl", group).timeout_s == pytest.approx(540.0)
     assert fake("gloo", group).timeout_s == 600.0
+    # on NCCL a caller's timeout beyond that would let the watchdog end the
+    # process first: capped, once with a warning
+    nccl = fake("nccl", group)
+    with pytest.warns(RuntimeWarning, match="longer than this NCCL group allows"):
+        assert nccl.call_timeout(3600) == pytest.approx(540.0)
+    assert nccl.call_timeout(100) == 100
+    assert nccl.call_timeout(None) == pytest.approx(540.0)
+    assert fake("gloo", group).call_timeout(3600) == 3600
     blind = fake("gloo", object())  # no _get_backend
     with pytest.warns(RuntimeWarning, match="could not read the process group's timeout"):
         assert blind.timeout_s == tr.FALLBACK_TIMEOUT_S

@@ -218,18 +218,3 @@ def test_transport_reads_nccl_and_mixed_groups():
     assert tr._carrier(mixed, "cpu:gloo,cuda:nccl") == want
     assert tr._carrier(mixed, "undefined") == want
     assert tr._carrier(mixed, "nccl") == "nccl"
-
-
-def test_a_timeout_beyond_the_nccl_watchdog_is_capped():
-    """On NCCL a caller's timeout longer than the group allows hopq (90% of its
-    own) would let the watchdog end the process first: it is capped, once
-    with a warning."""
-
-    class Group(_NcclLike):
-        backend = "nccl"
-        timeout_s = 540.0  # type: ignore[assignment]
-
-    t = Group(_Hub(1), 0)
-    engine._PADDED.discard("timeout")
-    with pytest.warns(RuntimeWarning, match="longer than this NCCL group allows"):
-        engine.run(get_codec("bf16"), torch.ones(8), get_schedule("ring", 1), t, timeout=3600)

@@ -500,10 +500,10 @@ def missing_optimizer(codec: Codec[Any], optimizer: Any, where: str) -> str | No
     it through ``where`` without ``optimizer``, or None: a codec whose
     compression depends on an optimizer's state (GComp's truncation), given
     none and no thresholds by hand, truncates no mantissa bits."""
-    if optimizer is not None or not hasattr(codec, "set_thresholds"):
-        return None
-    if optimizer_unused(codec) is not None or getattr(codec, "thresholds", None):
-        return None
+    if optimizer is not None or optimizer_unused(codec) is not None:
+        return None  # given, or one would not be used (no thresholds, fixed_level)
+    if getattr(codec, "thresholds", None):
+        return None  # thresholds set by hand
     return (
         f"{where}: codec {codec.name!r} without optimizer= truncates no mantissa bits "
         "(lossless but for zeros, so its payload stays near fp32's on gradients with few "

@@ -60,7 +60,6 @@ from hopq.comm.framing import Deadline, Where
 from hopq.comm.topology import Phase, Schedule, Transfer, shard_layout
 from hopq.comm.transport import (
     DIRECT_EXCHANGE_MAX,
-    NCCL_TIMEOUT_SHARE,
     TAIL_BYTES,
     Handle,
     Transport,
@@ -700,21 +699,7 @@ def run(
     op_name = ReduceOp(op).value if premul is None else f"premul_sum({premul!r})"
     call = transport.next_call()
     label = what or f"{kind}({codec.name}, {schedule.topology}, key={key})"
-    if timeout is None:
-        timeout = transport.timeout_s
-    elif getattr(transport, "backend", None) == "nccl" and timeout > transport.timeout_s:
-        if "timeout" not in _PADDED:  # once
-            _PADDED.add("timeout")
-            warnings.warn(
-                f"timeout={timeout:g} s is longer than this NCCL group allows hopq "
-                f"({transport.timeout_s:g} s, {NCCL_TIMEOUT_SHARE:.0%} of its own timeout): "
-                "NCCL's watchdog would end the process before hopq could raise; "
-                "hopq waits that long instead",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        timeout = transport.timeout_s
-    deadline = Deadline(timeout)
+    deadline = Deadline(transport.call_timeout(timeout))
     info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
     if microshards is not None and not (isinstance(microshards, int) and microshards >= 1):
         raise ValueError(f"microshards must be a positive int or None, got {microshards!r}")
@@ -831,8 +816,7 @@ def run(
     return y, info
 
 
-#: Codecs already warned that their payloads travel padded (NCCL), and
-#: "timeout" once a caller's timeout was capped to the NCCL group's.
+#: Codecs already warned that their payloads travel padded (NCCL).
 _PADDED: set[str] = set()
 
 

@@ -109,6 +109,11 @@ class Transport(ABC):
         """Seconds a call may take when the caller gives no timeout."""
         return FALLBACK_TIMEOUT_S
 
+    def call_timeout(self, timeout: float | None) -> float:
+        """The seconds a call may take: the caller's ``timeout``, else
+        :attr:`timeout_s`."""
+        return self.timeout_s if timeout is None else timeout
+
     def reserve(self, nbytes: int, device: torch.device) -> None:
         """Announce that the coming call receives ``nbytes`` in all; the receive
         arena is sized here and reused across calls (fresh multi-megabyte buffers
@@ -300,6 +305,24 @@ class DistTransport(Transport):
             )
         return FALLBACK_TIMEOUT_S
 
+    def call_timeout(self, timeout: float | None) -> float:
+        """On NCCL a caller's timeout beyond :attr:`timeout_s` is capped to it
+        (NCCL's watchdog would end the process before hopq could raise), with a
+        warning once."""
+        if timeout is None or self.backend != "nccl" or timeout <= self.timeout_s:
+            return super().call_timeout(timeout)
+        if not getattr(self, "_warned_cap", False):
+            self._warned_cap = True
+            warnings.warn(
+                f"timeout={timeout:g} s is longer than this NCCL group allows hopq "
+                f"({self.timeout_s:g} s, {NCCL_TIMEOUT_SHARE:.0%} of its own timeout): "
+                "NCCL's watchdog would end the process before hopq could raise; "
+                "hopq waits that long instead",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return self.timeout_s
+
     def staging(self, device: torch.device) -> torch.device | None:
         """Where messages of ``device`` tensors are staged to (None: posted as
         they are), from the backend that carries that device type: Gloo takes
@@ -322,18 +345,18 @@ class DistTransport(Transport):
             self._stage_to[device.type] = to
         return self._stage_to[device.type]
 
-    def _staged(self, kind: str, t: torch.Tensor) -> tuple[torch.Tensor, _DistHandle]:
+    def _staged(self, kind: str, peer: int, t: torch.Tensor) -> tuple[torch.Tensor, _DistHandle]:
         """The tensor to post for ``t`` and a handle (its work still None)
         holding what the staging keeps."""
         to = self.staging(t.device)
         if to is None:
-            return t, _DistHandle(None, 0, kind, self.rank)
+            return t, _DistHandle(None, peer, kind, self.rank)
         self.staged_messages += 1
         if kind == "send":
             posted = t.to(to, copy=True)
-            return posted, _DistHandle(None, 0, kind, self.rank, posted)
+            return posted, _DistHandle(None, peer, kind, self.rank, posted)
         posted = torch.empty(t.shape, dtype=t.dtype, device=to)
-        return posted, _DistHandle(None, 0, kind, self.rank, posted, t)
+        return posted, _DistHandle(None, peer, kind, self.rank, posted, t)
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -374,8 +397,7 @@ class DistTransport(Transport):
         ops: list[tuple[str, int, torch.Tensor, _DistHandle]] = []
         for kind, items in (("send", sends), ("recv", recvs)):
             for p, t in items:
-                posted, h = self._staged(kind, t)
-                h.peer = p
+                posted, h = self._staged(kind, p, t)
                 ops.append((kind, p, posted, h))
         if not self.prepost:  # NCCL: every post, or every open batch, one group
             if self._batching is not None:
