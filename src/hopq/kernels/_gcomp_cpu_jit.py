@@ -6,35 +6,35 @@ that stay in L1: a first loop, which LLVM vectorizes, turns each value into
 three records ``bits << 6 | width`` (its exponent's code from the table, its
 2-bit level, its sign and kept mantissa bits; widths 0 for a pruned zero); the
 levels of each 16 values are joined into one record of at most 32 bits, by
-pairs in four vectorized rounds. A second loop appends the exponent and
-mantissa records to their streams, and the level records (one per 16 values)
-to theirs. A writer is a 64-bit
-accumulator and the stream's total bit count ``P``: after each append it
-stores, without a branch, the last complete 32-bit word (the one ending at bit
-``32 * (P >> 5)``, which the accumulator still holds) at word ``P >> 5`` of a
-buffer whose word 0 is scratch, so the loop keeps no word index and no
-per-stream remainder.
+pairs in four vectorized rounds, and the exponent and mantissa records of each
+two values into one 64-bit record (at most 36 and 48 bits). A second loop
+appends the joined records to their streams, so it runs once per two values. A
+writer is a 64-bit accumulator and the stream's total bit count ``P``: after
+each append it stores, without a branch, the 8 bytes from the first unfinished
+one (an unaligned big-endian store; at most 7 bits were pending, so up to 57
+bits fit), so the loop keeps no byte index and no per-stream remainder.
 
 The decoder reads exponents from a 64-bit bit buffer refilled 32 bits at a
-time from big-endian words, so the loop's serial chain is lookup -> shift, and
-it looks up two codes at once where both fit in the next 12 bits (a pair
-table), so the chain runs about once per two values; the one-code table packs
-``symbol << 8 | length`` and one compare sends the escape and the codes the
-table does not know to a rare branch. The levels are first
+time from big-endian words (without a branch), so the loop's serial chain is
+lookup -> shift, and it looks up two codes at once where both fit in the next
+12 bits (a pair table), so the chain runs about once per two values; the
+one-code table packs ``symbol << 8 | length`` and one compare sends the escape
+and the codes the table does not know to a rare branch. The levels are first
 unpacked one per byte, and a mantissa field is peeked at its bit position with
-two loads and a funnel shift. Reads past a stream's end stay inside the
-scratch buffers (each sized for a chunk's worst case), and the counts are
-checked once at the end of the chunk against the header. Accumulating
-decoders add each value to the local one in the decoder's loop (no decoded
-buffer, no second pass). The fused hop works chunk by chunk while the chunk is
-in cache: decode into the local values, then encode the sum."""
+one unaligned big-endian 64-bit load and a shift. Reads past a stream's end
+stay inside the scratch buffers (each sized for a chunk's worst case), and the
+counts are checked once at the end of the chunk against the header.
+Accumulating decoders add each value to the local one in the decoder's loop (no
+decoded buffer, no second pass). The fused hop works chunk by chunk while the
+chunk is in cache: decode into the local values, then encode the sum."""
 
 # mypy: ignore-errors
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir as _ir
 from numba import njit, types
-from numba.extending import overload
+from numba.extending import intrinsic, overload
 
 _O = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
 
@@ -54,6 +54,42 @@ _KEEP = np.array([0, 0, 0, 0, 24, 18, 12, 6], np.uint64)
 _MASK = np.array([0, 0, 0, 0, 0x7FFFFF, 0x7FFFC0, 0x7FF000, 0x7C0000], np.uint64)
 
 
+@intrinsic
+def _load_be64(typingctx, arr, idx):
+    """The 8 bytes of a C-contiguous uint8 array from index idx as a big-endian
+    uint64: one unaligned load and a byte swap (numba has no unaligned loads)."""
+    sig = types.uint64(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        a, i = args
+        ary = context.make_array(signature.args[0])(context, builder, a)
+        ptr = builder.gep(ary.data, [i])
+        p64 = builder.bitcast(ptr, _ir.IntType(64).as_pointer())
+        v = builder.load(p64, align=1)
+        fn = builder.module.declare_intrinsic("llvm.bswap", [_ir.IntType(64)])
+        return builder.call(fn, [v])
+
+    return sig, codegen
+
+
+@intrinsic
+def _store_be64(typingctx, arr, idx, val):
+    """Store val big-endian into the 8 bytes of a C-contiguous uint8 array from
+    index idx (unaligned)."""
+    sig = types.void(arr, idx, val)
+
+    def codegen(context, builder, signature, args):
+        a, i, v = args
+        ary = context.make_array(signature.args[0])(context, builder, a)
+        ptr = builder.gep(ary.data, [i])
+        p64 = builder.bitcast(ptr, _ir.IntType(64).as_pointer())
+        fn = builder.module.declare_intrinsic("llvm.bswap", [_ir.IntType(64)])
+        builder.store(builder.call(fn, [v]), p64, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(**_O)
 def _put32(out, pos, v):
     out[pos] = v & 0xFF
@@ -70,13 +106,6 @@ def _bswap32(v):
         | ((v >> _U32(8)) & _U32(0xFF00))
         | (v >> _U32(24))
     )
-
-
-@njit(inline="always", **_O)
-def _bswap64(v):
-    lo = _U64(_bswap32(_U32(v & _U64(0xFFFFFFFF))))
-    hi = _U64(_bswap32(_U32(v >> _U64(32))))
-    return (lo << _U64(32)) | hi
 
 
 @njit(**_O)
@@ -152,34 +181,54 @@ def _records(xu, xf, thr, has_thr, fixed, etab, s, m, lvs, re, rl, rm, tb, tw):
 
 
 @njit(**_O)
-def _append(re, rl, rw, rm, m, ew, lw, mw, st):
-    """Loop 2: append m values' records to the three streams (the levels as
-    one record per 16 values: bits rl, widths rw). st: [acc, P] of each writer
-    (exponents, levels, mantissas), updated."""
+def _join2(re, rm, m, pe, pm):
+    """Join the records of values 2j and 2j + 1 of each stream into one u64
+    record (bits << 6 | width; widths up to 36 and 48 bits)."""
+    if m & 1:
+        re[m] = _U32(0)
+        rm[m] = _U32(0)
+    for j in range((m + 1) >> 1):
+        k = _U64(2 * j)
+        a = _U64(re[k])
+        b = _U64(re[k + _U64(1)])
+        wb = b & _U64(63)
+        pe[j] = ((((a >> _U64(6)) << wb) | (b >> _U64(6))) << _U64(6)) | ((a & _U64(63)) + wb)
+        a = _U64(rm[k])
+        b = _U64(rm[k + _U64(1)])
+        wb = b & _U64(63)
+        pm[j] = ((((a >> _U64(6)) << wb) | (b >> _U64(6))) << _U64(6)) | ((a & _U64(63)) + wb)
+
+
+@njit(inline="always", **_O)
+def _put_bits(buf, acc, p, r):
+    """Append record r (bits << 6 | width, width <= 56) to a byte stream whose
+    writer holds acc (its last p & 7 bits pending) and p bits; stores the 8
+    bytes from the first unfinished one. Returns (acc, p)."""
+    w = r & _U64(63)
+    acc = (acc << w) | (r >> _U64(6))
+    b0 = p >> _U64(3)
+    p += w
+    pend = p - (b0 << _U64(3))
+    _store_be64(buf, b0, (acc << (_U64(63) - pend)) << _U64(1))
+    return acc, p
+
+
+@njit(**_O)
+def _append(pe, rl, rw, pm, m, ew, lw, mw, st):
+    """Loop 2: append m values' records (joined by pairs: pe, pm) to the three
+    byte streams (the levels as one record per 16 values: bits rl, widths
+    rw). st: [acc, P] of each writer (exponents, levels, mantissas), updated."""
     ea = st[0]
     ep = st[1]
     la = st[2]
     lp = st[3]
     ma = st[4]
     mp = st[5]
-    m31 = _U64(31)
-    m63 = _U64(63)
-    for i in range(m):
-        r = _U64(re[i])
-        w = r & m63
-        ea = (ea << w) | (r >> _U64(6))
-        ep += w
-        ew[ep >> _U64(5)] = _bswap32(_U32((ea >> (ep & m31)) & _U64(0xFFFFFFFF)))
-        r = _U64(rm[i])
-        w = r & m63
-        ma = (ma << w) | (r >> _U64(6))
-        mp += w
-        mw[mp >> _U64(5)] = _bswap32(_U32((ma >> (mp & m31)) & _U64(0xFFFFFFFF)))
+    for j in range((m + 1) >> 1):
+        ea, ep = _put_bits(ew, ea, ep, pe[j])
+        ma, mp = _put_bits(mw, ma, mp, pm[j])
     for j in range((m + 15) >> 4):  # levels: one record per 16 values
-        w = _U64(rw[j])
-        la = (la << w) | _U64(rl[j])
-        lp += w
-        lw[lp >> _U64(5)] = _bswap32(_U32((la >> (lp & m31)) & _U64(0xFFFFFFFF)))
+        la, lp = _put_bits(lw, la, lp, (_U64(rl[j]) << _U64(6)) | _U64(rw[j]))
     st[0] = ea
     st[1] = ep
     st[2] = la
@@ -190,13 +239,9 @@ def _append(re, rl, rw, rm, m, ew, lw, mw, st):
 
 @njit(**_O)
 def _flush(wbuf, acc, nbits, out, pos):
-    """Write the stream's last partial word and copy its bytes (word 1 on of
-    wbuf) into out at pos; returns the byte count."""
-    r = nbits & 31
-    if r > 0:
-        wbuf[(nbits >> 5) + 1] = _bswap32(_U32((acc << _U64(32 - r)) & _U64(0xFFFFFFFF)))
+    """Copy the stream's bytes into out at pos; returns the byte count."""
     nb = (nbits + 7) >> 3
-    _copy(out, pos, wbuf.view(np.uint8), 4, nb)
+    _copy(out, pos, wbuf, 0, nb)
     return nb
 
 
@@ -205,16 +250,18 @@ def _enc_scratch(C, n_theta):
     """(exponent, level, mantissa word buffers, level scratch, three record
     buffers, two pairing buffers, writer state) for chunks of at most C values."""
     return (
-        np.empty((C * (n_theta + 8)) // 32 + 4, np.uint32),
-        np.empty((2 * C) // 32 + 4, np.uint32),
-        np.empty((24 * C) // 32 + 4, np.uint32),
+        np.empty((C * (n_theta + 8)) // 8 + 16, np.uint8),
+        np.empty((2 * C) // 8 + 16, np.uint8),
+        np.empty((24 * C) // 8 + 16, np.uint8),
         np.empty(SUB, np.uint32),
+        np.empty(SUB + 1, np.uint32),
         np.empty(SUB, np.uint32),
-        np.empty(SUB, np.uint32),
-        np.empty(SUB, np.uint32),
+        np.empty(SUB + 1, np.uint32),
         np.empty(SUB // 2, np.uint32),
         np.empty(SUB // 2, np.uint32),
         np.zeros(6, np.uint64),
+        np.empty(SUB // 2 + 1, np.uint64),
+        np.empty(SUB // 2 + 1, np.uint64),
     )
 
 
@@ -222,12 +269,13 @@ def _enc_scratch(C, n_theta):
 def _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, scr, out, pos):
     """Encode values s..e of xu (uint32 bits; xf the same memory as float32) as
     one chunk at out[pos:]; returns (bytes, nnz, exponent bits, mantissa bits)."""
-    ew, lw, mw, lvs, re, rl, rm, tb, tw, st = scr
+    ew, lw, mw, lvs, re, rl, rm, tb, tw, st, pe, pm = scr
     st[:] = 0
     for b in range(s, e, SUB):
         m = min(SUB, e - b)
         _records(xu, xf, thr, has_thr, fixed, etab, b, m, lvs, re, rl, rm, tb, tw)
-        _append(re, rl, lvs, rm, m, ew, lw, mw, st)
+        _join2(re, rm, m, pe, pm)
+        _append(pe, rl, lvs, pm, m, ew, lw, mw, st)
     eb = int(st[1])
     lb = int(st[3])
     mb = int(st[5])
@@ -288,7 +336,7 @@ def _dec_scratch(C, n_theta):
     return (
         np.empty((C * (n_theta + 8)) // 32 + 8, np.uint32),
         np.zeros(C + 8, np.uint8),  # zeros: a corrupt count reads levels 0-3 only
-        np.empty((3 * C) // 8 + 8, np.uint64),
+        np.empty(3 * C + 32, np.uint8),
     )
 
 
@@ -313,13 +361,9 @@ def _load_streams(p, off, ebytes, lbytes, mbytes, E, L, M):
         L[d + _U64(2)] = (v >> 2) & 3
         L[d + _U64(3)] = v & 3
     L[4 * lbytes : 4 * lbytes + 8] = 0
-    nm = (mbytes + 7) >> 3
-    m8 = M.view(np.uint8)
     mo = lo + _U64(lbytes)
-    _copy(m8, 0, p, mo, mbytes)
-    m8[mbytes : 8 * nm + 16] = 0
-    for j in range(nm + 2):
-        M[j] = _bswap64(M[j])
+    _copy(M, 0, p, mo, mbytes)
+    M[mbytes : mbytes + 16] = 0
 
 
 @njit(inline="always", **_O)
@@ -329,9 +373,7 @@ def _value(M, L, li, mbit, sym):
     ``mbit`` of M; with the level and mantissa positions after it."""
     nz = _U64(sym != _U64(0))
     lx = _U64(L[li]) + (nz << _U64(2))
-    q = mbit >> _U64(6)
-    o = mbit & _U64(63)
-    hi = (M[q] << o) | ((M[q + _U64(1)] >> _U64(1)) >> (_U64(63) - o))
+    hi = _load_be64(M, mbit >> _U64(3)) << (mbit & _U64(7))
     u = hi >> _U64(32)
     v = _U32((u & (nz << _U64(31))) | ((u >> _U64(8)) & _MASK[lx]) | (sym << _U64(23)))
     return v, li + nz, mbit + _KEEP[lx]
@@ -416,16 +458,17 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
         ln = (ent >> _U64(16)) & _U64(0xFF)
         bb <<= ln
         cnt -= ln
-        if cnt < _U64(32):
-            bb |= _U64(E[fi]) << (_U64(32) - cnt)
-            cnt += _U64(32)
-            fi += _U64(1)
+        need = _U64(cnt < _U64(32))
+        bb |= (_U64(E[fi]) << ((_U64(32) - cnt) & _U64(63))) & (_U64(0) - need)
+        cnt += need << _U64(5)
+        fi += need
         two = (ent >> _U64(24)) & _U64(1)
         v1, li1, mb1 = _value(M, L, li, mbit, ent & _U64(0xFF))
         v2, li2, mb2 = _value(M, L, li1, mb1, (ent >> _U64(8)) & _U64(0xFF))
         _put(dst, i, two, v1, v2)
-        li = li1 + (li2 - li1) * two
-        mbit = mb1 + (mb2 - mb1) * two
+        tm = _U64(0) - two
+        li = li1 + ((li2 - li1) & tm)
+        mbit = mb1 + ((mb2 - mb1) & tm)
         i += _U64(1) + two
     if _U64(32) * fi - cnt != _U64(eb):
         return -1
