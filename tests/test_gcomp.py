@@ -146,6 +146,42 @@ def test_kernel_equals_reference_on_chunks_of_several_sub_blocks():
         assert torch.equal(local.view(torch.int32), want_sum.view(torch.int32))
 
 
+def test_kernels_equal_reference_on_random_shapes_and_bit_patterns():
+    """Random lengths, chunk sizes, escape thresholds and inputs (wide magnitudes,
+    half zeros, arbitrary float32 bit patterns with NaN and Inf): encode,
+    decode and the fused hop give the reference's bits. The encoder's writer
+    appends two values' records at once (up to 48 bits), so long codes and
+    untruncated mantissas side by side are the case to hit."""
+    pytest.importorskip("numba")
+    from hopq.kernels import gcomp_cpu
+
+    g = torch.Generator().manual_seed(5)
+    for case in range(24):
+        n = int(torch.randint(1, 6000, (1,), generator=g))
+        chunk = int(torch.randint(1, 5000, (1,), generator=g))
+        nt = int(torch.randint(4, 17, (1,), generator=g))
+        x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 6)
+        if case % 3 == 1:
+            x[torch.rand(n, generator=g) < 0.5] = 0
+        if case % 3 == 2:
+            bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64)
+            x = bits.to(torch.int32).view(torch.float32).clone()
+        t = build_table(ref.histogram(torch.randn(64, generator=g)), nt)  # escapes galore
+        w = x.flip(0).clone()
+        thr = torch.rand(n, generator=g) * x.abs().nan_to_num(0, 0, 0) * 2**19
+        for th, fixed in ((None, -1), (thr, -1), (None, case % 4)):
+            p = ref.encode(w, th, fixed, t, chunk)
+            assert torch.equal(gcomp_cpu.encode(w, th, fixed, t, chunk), p), (case, fixed)
+            y = ref.decode(p, n, t, chunk)
+            z = torch.empty(n)
+            gcomp_cpu.decode(p, n, t, chunk, z, False)
+            assert torch.equal(z.view(torch.int32), y.view(torch.int32)), (case, fixed)
+            local = x.clone()
+            got = gcomp_cpu.hop(p, local, th, fixed, t, chunk)
+            assert torch.equal(local.view(torch.int32), (x + y).view(torch.int32)), case
+            assert torch.equal(got, ref.encode(x + y, th, fixed, t, chunk)), (case, fixed)
+
+
 def test_table_rebuilt_every_k_calls_per_key_and_ids_checked():
     codec = GComp(rebuild_every=3)
     xs = [[_grad(3000, seed=10 * s + r) * (10.0**s) for r in range(2)] for s in range(7)]
