@@ -238,8 +238,9 @@ def _append(pe, rl, rw, pm, m, ew, lw, mw, st):
 
 
 @njit(**_O)
-def _flush(wbuf, acc, nbits, out, pos):
-    """Copy the stream's bytes into out at pos; returns the byte count."""
+def _flush(wbuf, nbits, out, pos):
+    """Copy the stream's bytes (its writer stored the last partial byte too)
+    into out at pos; returns the byte count."""
     nb = (nbits + 7) >> 3
     _copy(out, pos, wbuf, 0, nb)
     return nb
@@ -247,8 +248,11 @@ def _flush(wbuf, acc, nbits, out, pos):
 
 @njit(**_O)
 def _enc_scratch(C, n_theta):
-    """(exponent, level, mantissa word buffers, level scratch, three record
-    buffers, two pairing buffers, writer state) for chunks of at most C values."""
+    """(exponent, level, mantissa byte buffers with 16 bytes of slack for the
+    writers' 8-byte stores, level scratch, three record buffers (one value
+    longer: a lone last value pairs with an empty record), two pairing buffers,
+    writer state, the two joined-record buffers) for chunks of at most C
+    values."""
     return (
         np.empty((C * (n_theta + 8)) // 8 + 16, np.uint8),
         np.empty((2 * C) // 8 + 16, np.uint8),
@@ -280,9 +284,9 @@ def _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, scr, out, pos):
     lb = int(st[3])
     mb = int(st[5])
     p = pos
-    p += _flush(ew, st[0], eb, out, p)
-    p += _flush(lw, st[2], lb, out, p)
-    p += _flush(mw, st[4], mb, out, p)
+    p += _flush(ew, eb, out, p)
+    p += _flush(lw, lb, out, p)
+    p += _flush(mw, mb, out, p)
     return p - pos, lb >> 1, eb, mb
 
 
@@ -331,8 +335,9 @@ def encode_block(xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head):
 
 @njit(**_O)
 def _dec_scratch(C, n_theta):
-    """(exponent words, levels one per byte, mantissa words) for chunks of at
-    most C values."""
+    """(exponent words, levels one per byte, mantissa bytes with room for an
+    8-byte load past any position a chunk can reach) for chunks of at most C
+    values."""
     return (
         np.empty((C * (n_theta + 8)) // 32 + 8, np.uint32),
         np.zeros(C + 8, np.uint8),  # zeros: a corrupt count reads levels 0-3 only
@@ -343,8 +348,8 @@ def _dec_scratch(C, n_theta):
 @njit(**_O)
 def _load_streams(p, off, ebytes, lbytes, mbytes, E, L, M):
     """The chunk's streams in decoder form: exponents as big-endian 32-bit
-    words, levels one per byte, mantissas as big-endian 64-bit words; zero
-    padded."""
+    words, levels one per byte, mantissas as they came (big-endian bytes,
+    peeked by :func:`_load_be64`); zero padded."""
     ne = (ebytes + 3) >> 2
     e8 = E.view(np.uint8)
     _copy(e8, 0, p, off, ebytes)
