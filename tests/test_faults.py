@@ -197,7 +197,8 @@ def test_the_default_timeout_follows_the_backend():
 
     def fake(backend, group):
         t = tr.DistTransport.__new__(tr.DistTransport)
-        t.backend, t._warned_timeout, t._group = backend, False, lambda: group
+        t.backend, t._warned_timeout, t._warned_cap = backend, False, False
+        t._group = lambda: group
         return t
 
     opts = types.SimpleNamespace(

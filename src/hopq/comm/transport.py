@@ -187,6 +187,15 @@ class _DistHandle(Handle):
         self.staged = self.dest = None
 
 
+def _device_backend(group: torch.distributed.ProcessGroup, device_type: str) -> str | None:
+    """The name of the backend that carries ``device_type`` tensors on
+    ``group``, or None where the group cannot say."""
+    try:
+        return str(group._get_backend(torch.device(device_type)).name()).lower()
+    except Exception:  # noqa: BLE001 - no backend for that device type, or no such API
+        return None
+
+
 def _carrier(group: torch.distributed.ProcessGroup, name: str) -> str:
     """The backend hopq's messages take on ``group``: its name, or for a group
     of several backends (``init_process_group()`` without one: "undefined", or
@@ -195,10 +204,9 @@ def _carrier(group: torch.distributed.ProcessGroup, name: str) -> str:
     if name in ("gloo", "nccl"):
         return name
     for dev in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
-        try:
-            return str(group._get_backend(torch.device(dev)).name()).lower()
-        except Exception:  # noqa: BLE001 - no backend for that device type
-            continue
+        carrier = _device_backend(group, dev)
+        if carrier is not None:
+            return carrier
     return name
 
 
@@ -259,6 +267,7 @@ class DistTransport(Transport):
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self.backend = _carrier(self.group, str(dist.get_backend(self.group)).lower())
         self._warned_timeout = False
+        self._warned_cap = False
         self.prepost = self.backend != "nccl"
         self.short_messages = self.backend != "nccl"
         #: Messages staged into the memory their backend takes (see the module's
@@ -311,7 +320,7 @@ class DistTransport(Transport):
         warning once."""
         if timeout is None or self.backend != "nccl" or timeout <= self.timeout_s:
             return super().call_timeout(timeout)
-        if not getattr(self, "_warned_cap", False):
+        if not self._warned_cap:
             self._warned_cap = True
             warnings.warn(
                 f"timeout={timeout:g} s is longer than this NCCL group allows hopq "
@@ -331,10 +340,8 @@ class DistTransport(Transport):
         if device.type == "cpu" and STAGE_ALL:
             return device
         if device.type not in self._stage_to:
-            try:  # a group may carry each device type on another backend
-                carrier = str(self.group._get_backend(device).name()).lower()
-            except Exception:
-                carrier = self.backend
+            # a group may carry each device type on another backend
+            carrier = _device_backend(self.group, device.type) or self.backend
             to: torch.device | None = None
             if carrier == "nccl" and device.type != "cuda":
                 # the group's device (init_process_group(device_id=)), else the current one
