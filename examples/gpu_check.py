@@ -10,7 +10,8 @@
    calls with keys, bf16 inputs) on CUDA against the same calls on the CPU;
 3. several Gloo ranks on the one GPU (real processes, CUDA tensors): torch's
    own send/recv of a CUDA tensor, ``hopq.all_reduce`` against the simulator,
-   DDP with hopq's hook;
+   DDP with hopq's hook, and FSDP2 with hopq's reduce-scatter (its first call
+   replayed by the simulator on the CPU);
 4. the DDP hook on a single-rank NCCL group with CUDA parameters: the
    overlapped hook (its side stream and the future with devices) against
    ``overlap=False`` bit for bit, and kernel selection under ``backend="auto"``.
@@ -293,6 +294,146 @@ def check_gloo(world: int, d: int, lines: list[str], dev: str = "cuda") -> bool:
     return ok
 
 
+FSDP_CODECS = ["fp32", "bf16", "dynamiq", "thc", "mxfp8", "equarx", "gcomp"]
+
+
+FSDP_WIDTHS = (256, 520, 300, 10)  # not multiples of 4: FSDP pads
+
+
+def _fsdp_model(dev: str) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for a, b in zip(FSDP_WIDTHS, FSDP_WIDTHS[1:], strict=False):
+        layers += [torch.nn.Linear(a, b), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers[:-1]).to(dev)
+
+
+def _gloo_fsdp(rank: int, n: int, names: list[str], dev: str) -> dict[str, object]:
+    """FSDP2 (``fully_shard`` per Linear, a ``dev`` device mesh over the Gloo group)
+    with hopq's reduce-scatter (or native, name "native"), AdamW, 3 steps (GComp
+    with ``optimizer=``): each rank's first reduce-scatter (key, input, output,
+    op), its parameter shards, the calls per step and the losses, or the error.
+    The shards leave as local tensors: ``full_tensor()`` of a CUDA DTensor over
+    Gloo crashed the process (a segmentation fault in torch's functional
+    all-gather, H200 lease of 2026-11-26)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    first: list[object] = []
+
+    class Capturing(hopq.FSDPReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):  # type: ignore[no-untyped-def]
+            inp = input_tensor.detach().cpu().clone()
+            res = super().__call__(output_tensor, input_tensor, group, op, async_op)
+            if not first:
+                from hopq.comm.collectives import parse_op
+
+                first.append((self.key, inp, output_tensor.detach().cpu().clone(), parse_op(op)))
+            return res
+
+    out: dict[str, object] = {}
+    for name in names:
+        first.clear()
+        try:
+            model = _fsdp_model(dev)
+            mesh = init_device_mesh(dev, (n,))
+            for m in model:
+                if isinstance(m, torch.nn.Linear):
+                    fully_shard(m, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            comm = None
+            if name != "native":
+                takes = hasattr(get_codec(name), "set_thresholds")
+                extra = {"optimizer": opt, "thresholds_every": 1} if takes else {}
+                comm = Capturing(name, "ring", seed=7, **extra)
+                comm.install(model)
+            gen = torch.Generator().manual_seed(100 + rank)
+            losses, calls = [], []
+            for _ in range(3):
+                x = torch.randn(32, FSDP_WIDTHS[0], generator=gen).to(dev)
+                y = torch.randn(32, FSDP_WIDTHS[-1], generator=gen).to(dev)
+                loss = (model(x) - y).square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if comm is not None:
+                    calls.append(comm.pop_step().buckets)
+            shards = {k: v.to_local().detach().cpu().clone() for k, v in model.state_dict().items()}
+            out[name] = {"first": first[0] if first else None, "shards": shards,
+                         "losses": losses, "calls": calls}  # fmt: skip
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {str(e)[:160]}"
+    return out
+
+
+def check_fsdp(world: int, lines: list[str], dev: str = "cuda") -> bool:
+    """FSDP2 on several Gloo ranks of the one GPU: hopq's reduce-scatter with CUDA
+    shards over a real transport, the first call replayed by the simulator on the
+    CPU bit for bit, and the trained parameters' distance to native FSDP's (run
+    in its own processes: a crash there is torch's and is reported, not fatal)."""
+    from hopq.cluster.launch import run_workers, spawn
+
+    ok = True
+    names = [c for c in FSDP_CODECS if "cuda" in codec_info(c).devices]
+    res = run_workers(world, _gloo_fsdp, names, dev, timeout=600)
+    nat = spawn(world, _gloo_fsdp, ["native"], dev, timeout=300, clean_exit=False)
+    native = None
+    if all(o.error is None and isinstance(o.result["native"], dict) for o in nat):  # type: ignore[index]
+        native = [o.result["native"] for o in nat]  # type: ignore[index]
+        why = "ran"
+    else:
+        bad = next(o for o in nat if o.error is not None or isinstance(o.result["native"], str))  # type: ignore[index]
+        why = (bad.error or "").strip().splitlines()[-1:] or [bad.result["native"]]  # type: ignore[index]
+        why = f"rank {bad.rank} (exit {bad.exitcode}): {why[0][:160]}"
+    init = dict(_fsdp_model("cpu").state_dict())
+
+    def full(per_rank: list[dict]) -> dict[str, torch.Tensor]:
+        return {k: torch.cat([r["shards"][k] for r in per_rank]) for k in per_rank[0]["shards"]}
+
+    lines += [
+        f"## FSDP2 on {world} Gloo ranks of the one GPU ({dev} device mesh, AdamW, 3 steps)",
+        "",
+        f"Native FSDP2 on the same group: {why}.",
+        "",
+        "| codec | first reduce-scatter = simulator's on the CPU | reduce-scatters per step "
+        "| losses (rank 0) | distance to native's parameters / native's update |",
+        "|---|---|---|---|---:|",
+    ]
+    for name in names:
+        got = [r[name] for r in res]
+        if any(isinstance(g, str) for g in got):
+            ok = False
+            lines.append(f"| {name} | **{next(g for g in got if isinstance(g, str))}** | | | |")
+            print(lines[-1], flush=True)
+            continue
+        key, _, _, (red, premul) = got[0]["first"]
+        op = red.value if premul is None else dist.ReduceOp.PREMUL_SUM(premul)
+        sim = hopq.simulate_reduce_scatter(
+            [g["first"][1] for g in got], get_codec(name), "ring", seed=7, op=op, key=key
+        )
+        eq = all(
+            torch.equal(_bits(s), _bits(g["first"][2]))
+            for s, g in zip(sim.outputs, got, strict=True)
+        )
+        ok &= eq and min(got[0]["calls"]) > 0
+        dist_ = "—"
+        if native is not None:
+            mine, theirs = full(got), full(native)
+            num = sum(float((mine[k].double() - theirs[k].double()).square().sum()) for k in mine)
+            den = sum(float((theirs[k].double() - init[k].double()).square().sum()) for k in mine)
+            dist_ = f"{(num / den) ** 0.5:.2e}"
+        losses = ", ".join(f"{v:.4f}" for v in got[0]["losses"])
+        lines.append(
+            f"| {name} | {'same bits' if eq else '**differs**'} | {got[0]['calls']} | {losses} "
+            f"| {dist_} |"
+        )
+        print(lines[-1], flush=True)
+    lines.append("")
+    return ok
+
+
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -417,7 +558,8 @@ def main() -> int:
     p.add_argument(
         "--profile", metavar="CODEC", help="only profile one simulate call of CODEC on CUDA"
     )
-    p.add_argument("--only-gloo", action="store_true", help="only the Gloo ranks' section")
+    p.add_argument("--only-gloo", action="store_true", help="only the Gloo ranks' sections")
+    p.add_argument("--only-fsdp", action="store_true", help="only the FSDP2 section")
     p.add_argument(
         "--cpu-dry-run",
         action="store_true",
@@ -428,6 +570,7 @@ def main() -> int:
         lines: list[str] = []
         ok = check_variants(args.n // 4, args.world, lines, dev="cpu")
         ok &= check_gloo(args.world, args.n // 16, lines, dev="cpu")
+        ok &= check_fsdp(args.world, lines, dev="cpu")
         return 0 if ok else 1
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -442,14 +585,21 @@ def main() -> int:
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
         "",
     ]
+    if args.only_fsdp:
+        ok = check_fsdp(args.world, lines)
+        (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0 if ok else 1
     if args.only_gloo:
         ok = check_gloo(args.world, args.n // 16, lines)
+        ok &= check_fsdp(args.world, lines)
         out = Path(args.out) / "gpu_check.md"
         out.write_text("\n".join(lines) + "\n")
         return 0 if ok else 1
     ok = check_codecs(args.n, args.world, lines)
     ok &= check_variants(args.n // 4, args.world, lines)
     ok &= check_gloo(args.world, args.n // 16, lines)
+    ok &= check_fsdp(args.world, lines)
     if not args.skip_hook:
         ok &= check_hook(lines)
     out = Path(args.out) / "gpu_check.md"
