@@ -461,6 +461,14 @@ def _train(codec: str, overlap: bool, steps: int = 5) -> tuple[list[torch.Tensor
         opt.step()
     torch.cuda.synchronize()
     info = {"calls": len(state.pop_stats())}
+    if overlap:  # the thread's group: on NCCL one of its own (HookState's own_group)
+        from hopq.integrations.ddp import thread_group
+
+        grp = thread_group(state)
+        info["group"] = (
+            "DDP's" if grp is None or grp is dist.group.WORLD else f"own ({dist.get_backend(grp)})"
+        )
+    state.close()
     return [p.detach().clone() for p in model.parameters()], info
 
 
@@ -504,8 +512,9 @@ def check_hook(lines: list[str]) -> bool:
     lines += [
         "## The DDP hook on a single-rank NCCL group (CUDA parameters)",
         "",
-        "| codec | overlapped == synchronous (bits) | hook calls | kernels under auto |",
-        "|---|---|---:|---|",
+        "| codec | overlapped == synchronous (bits) | hook calls | kernels under auto "
+        "| the thread's group |",
+        "|---|---|---:|---|---|",
     ]
     try:
         for codec in [c for c in available_codecs() if "cuda" in codec_info(c).devices]:
@@ -518,10 +527,11 @@ def check_hook(lines: list[str]) -> bool:
                 mod = kern(torch.device("cuda")) if callable(kern) else None
                 kname = mod.__name__.rsplit(".", 1)[-1] if mod is not None else "reference"
                 ok &= same and ia["calls"] > 0
-                row = [codec, "yes" if same else "**NO**", str(ia["calls"]), kname]
+                ok &= ia["group"].startswith("own")
+                row = [codec, "yes" if same else "**NO**", str(ia["calls"]), kname, ia["group"]]
             except Exception as e:
                 ok = False
-                row = [codec, f"**error**: {type(e).__name__}: {str(e)[:160]}", "", ""]
+                row = [codec, f"**error**: {type(e).__name__}: {str(e)[:160]}", "", "", ""]
             lines.append("| " + " | ".join(row) + " |")
             print(lines[-1], flush=True)
     finally:
@@ -560,6 +570,7 @@ def main() -> int:
     )
     p.add_argument("--only-gloo", action="store_true", help="only the Gloo ranks' sections")
     p.add_argument("--only-fsdp", action="store_true", help="only the FSDP2 section")
+    p.add_argument("--only-hook", action="store_true", help="only the NCCL hook section")
     p.add_argument(
         "--cpu-dry-run",
         action="store_true",
@@ -585,6 +596,11 @@ def main() -> int:
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
         "",
     ]
+    if args.only_hook:
+        ok = check_hook(lines)
+        (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return 0 if ok else 1
     if args.only_fsdp:
         ok = check_fsdp(args.world, lines)
         (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")

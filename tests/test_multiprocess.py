@@ -11,6 +11,7 @@ from tests.workers import (
     KEYED,
     SIZES,
     ddp_failure,
+    ddp_own_group,
     ddp_train,
     grid,
     keyed_input,
@@ -158,6 +159,21 @@ def test_overlapped_hook_equals_synchronous_hook():
             assert torch.equal(over[r][c], sync[r][c]), c
             assert over[r][f"{c}/order"] == sync[r][f"{c}/order"], c
             assert len(over[r][f"{c}/order"]) > 1
+
+
+def test_hook_thread_on_its_own_group():
+    """With DDP's own collectives in the backward pass (unused parameters), the
+    thread gives the same bits on a group of its own (NCCL's default, forced
+    here on Gloo), on the DDP group (Gloo's default) and with no thread."""
+    res = run_ranks(2, ddp_own_group, 3)
+    for r in range(2):
+        for mode in ("shared", "auto", "own"):
+            assert torch.equal(res[r][mode], res[r]["sync"]), mode
+            assert res[r][f"{mode}/calls"] == res[r]["sync/calls"] > 3
+        assert res[r]["shared/group"] is None and res[r]["auto/group"] is None  # Gloo: shared
+        assert res[r]["own/group"] == (False, [0, 1])  # a new group of the same ranks
+        assert res[r]["own/err"] > 0  # the exact reference ran on it too
+    assert torch.equal(res[0]["own"], res[1]["own"])
 
 
 def test_overlapped_hook_errors_reach_backward():

@@ -195,6 +195,55 @@ def ddp_train(
     return out
 
 
+class WithUnused(TinyNet):
+    """TinyNet with a layer that takes no gradient: DDP with
+    ``find_unused_parameters=True`` then runs collectives of its own in the
+    backward pass, beside the hook's traffic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(64, 64)
+
+
+def ddp_own_group(rank: int, n: int, steps: int) -> dict[str, Any]:
+    """The hook's thread on a group of its own, on the DDP group, and no thread,
+    with DDP's own collectives in the backward pass: parameters and which group
+    the thread talked on."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hopq.integrations.ddp import thread_group
+
+    out: dict[str, Any] = {}
+    for mode, kw in (
+        ("sync", {"overlap": False}),
+        ("shared", {"own_group": False}),
+        ("auto", {}),
+        ("own", {"own_group": True}),
+    ):
+        torch.manual_seed(0)
+        model = WithUnused()
+        ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+        state = hopq.HookState(codec="dynamiq", **kw)
+        state.measure_error = mode == "own"  # the exact all-reduce goes there too
+        ddp.register_comm_hook(state, hopq.ddp_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x = torch.randn(32, 16, generator=g)
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            opt.step()
+        out[mode] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        grp = thread_group(state) if state.overlap else None
+        out[f"{mode}/group"] = (
+            None if grp is None else (grp is dist.group.WORLD, dist.get_process_group_ranks(grp))
+        )
+        out[f"{mode}/calls"] = len(state.pop_stats())
+        out[f"{mode}/err"] = state.err_sq
+        state.close()
+    return out
+
+
 def ddp_failure(rank: int, n: int) -> dict[str, Any]:
     """The overlapped hook with a codec that breaks its size contract on rank 0:
     the error reaches backward() on every rank, nothing hangs."""

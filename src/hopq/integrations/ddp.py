@@ -11,10 +11,14 @@ gradients, and the future carries that stream's completion to DDP.
 ``HookState(overlap=False)`` runs each bucket inside the hook instead; both
 paths give the same bits.
 
-Unverified on multi-GPU NCCL: the overlapped hook's thread shares the group's
-NCCL communicator with collectives DDP issues during the backward pass
-(``find_unused_parameters=True``, SyncBatchNorm), which could interleave
-differently on different ranks; use ``overlap=False`` there.
+On NCCL the thread talks on a process group of its own (``own_group``), made
+with the DDP group's ranks, backend and timeout at the first bucket: NCCL runs
+a communicator's operations in the order each rank issues them, and DDP issues
+collectives of its own on its group during the backward pass (the unused
+parameters' map with ``find_unused_parameters=True``, SyncBatchNorm), so on a
+shared communicator the thread's messages and DDP's collectives could be
+ordered differently on different ranks and hang. Gloo matches point-to-point
+messages by tag, apart from collectives, so there the thread shares the group.
 """
 
 # No "from __future__ import annotations": DDP compares the hook's annotations
@@ -59,7 +63,11 @@ class HookState(CallRecords):
     codec instance lives here for the whole training, so adaptive codecs keep
     their state and the round counter (part of the RNG key) advances.
     ``overlap`` (default True): run the buckets on a communication thread while
-    the backward pass goes on (see the module's docstring).
+    the backward pass goes on (see the module's docstring). ``own_group``: the
+    thread talks on a process group of its own, made at the first bucket with
+    the group's ranks, backend and timeout (every rank of the group makes it
+    there, in the same order): None (default) where the group's backend is
+    NCCL, True or False to choose.
     """
 
     def __init__(
@@ -72,6 +80,7 @@ class HookState(CallRecords):
         timeout: float | None = None,
         gather_codec: "str | Codec[Any] | None" = None,
         overlap: bool = True,
+        own_group: bool | None = None,
         optimizer: "torch.optim.Optimizer | None" = None,
         **codec_config: Any,
     ) -> None:
@@ -97,6 +106,12 @@ class HookState(CallRecords):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.overlap = overlap
+        if own_group is not None and not isinstance(own_group, bool):
+            raise TypeError(f"own_group must be None or a bool, got {own_group!r}")
+        self.own_group = own_group
+        #: The communication thread's group once made (weakly, like the
+        #: transports: destroy_process_group frees it), or False: the group's own.
+        self._thread_group: Any = None
         #: Stats of every bucket since the last pop (the most recent
         #: MAX_KEPT_CALLS when nobody pops them), and their sum for the step.
         self._init_records()
@@ -219,7 +234,7 @@ class HookState(CallRecords):
 
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
-        d["_lock"] = d["_pool"] = d["_stream"] = None
+        d["_lock"] = d["_pool"] = d["_stream"] = d["_thread_group"] = None
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
@@ -230,20 +245,58 @@ class HookState(CallRecords):
             _watch(self)
 
 
-def _reduce(state: HookState, buf: torch.Tensor, index: int) -> None:
-    """One bucket's all-reduce (and, when asked, its exact reference)."""
+def thread_group(state: HookState) -> "dist.ProcessGroup | None":
+    """The group the communication thread talks on: ``state.process_group``
+    (None: the default group) or one of its own, made here at the first call
+    with the group's ranks, backend and timeout (see the module's docstring).
+    Called in the hook, where every rank of the group comes in the same order."""
+    if state._thread_group is None:
+        group = state.process_group if state.process_group is not None else dist.group.WORLD
+        if group is None:
+            raise RuntimeError("torch.distributed has no default process group")
+        backend = str(dist.get_backend(group))
+        own = state.own_group if state.own_group is not None else "nccl" in backend.lower()
+        if not own:
+            state._thread_group = False
+        else:
+            kw: dict[str, Any] = {}
+            try:  # the group's own timeout (a private attribute; torch's default without it)
+                dev = torch.device("cuda" if "nccl" in backend.lower() else "cpu")
+                kw["timeout"] = group._get_backend(dev).options._timeout
+            except Exception:  # noqa: BLE001 - a torch version without it
+                pass
+            made = dist.new_group(
+                dist.get_process_group_ranks(group),
+                backend=backend,
+                use_local_synchronization=True,
+                **kw,
+            )
+            state._thread_group = weakref.ref(made)
+    if state._thread_group is False:
+        return state.process_group
+    made = state._thread_group()
+    if made is None:
+        raise RuntimeError(
+            "the hook's own process group was destroyed (destroy_process_group); "
+            "build a new HookState for a new group"
+        )
+    return made
+
+
+def _reduce(state: HookState, buf: torch.Tensor, index: int, group: Any) -> None:
+    """One bucket's all-reduce over ``group`` (and, when asked, its exact reference)."""
     exact = None
     if state.measure_error:
         t0 = time.perf_counter()
         exact = buf.detach().to(torch.float64)
-        dist.all_reduce(exact, group=state.process_group)
-        exact /= dist.get_world_size(state.process_group)
+        dist.all_reduce(exact, group=group)
+        exact /= dist.get_world_size(group)
         with state._lock:
             state.exact_seconds += time.perf_counter() - t0
     # the bucket index names the bucket from step to step (DynamiQ shares the
     # step's bit budget across buckets by it)
     info = all_reduce(
-        buf, state.codec, state.topology, "avg", state.process_group, state.seed, index,
+        buf, state.codec, state.topology, "avg", group, state.seed, index,
         timeout=state.timeout, gather_codec=state.gather_codec,
     )  # fmt: skip
     err = ref = 0.0
@@ -262,11 +315,12 @@ def _run(
     index: int,
     fut: "torch.futures.Future[torch.Tensor]",
     ready: Any,
+    group: Any,
 ) -> None:
     """On the communication thread: reduce, then complete (or fail) the future."""
     try:
         if ready is None:
-            _reduce(state, buf, index)
+            _reduce(state, buf, index, group)
             fut.set_result(buf)
             return
         if state._stream is None:
@@ -275,7 +329,7 @@ def _run(
         stream.wait_event(ready)  # the bucket's gradients are written
         with torch.cuda.stream(stream):
             buf.record_stream(stream)
-            _reduce(state, buf, index)
+            _reduce(state, buf, index, group)
             fut.set_result(buf)  # the future records this stream's work
     except BaseException as e:  # noqa: BLE001 - every failure reaches the training step
         fut.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
@@ -304,14 +358,15 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         devices=[buf.device] if buf.is_cuda else None
     )
     if not state.overlap:
-        _reduce(state, buf, bucket.index())
+        _reduce(state, buf, bucket.index(), state.process_group)
         fut.set_result(buf)
         return fut
+    group = thread_group(state)
     ready = None
     if buf.is_cuda:
         ready = torch.cuda.Event()
         ready.record()  # on the stream that wrote the bucket
-    state._executor().submit(_run, state, buf, bucket.index(), fut, ready)
+    state._executor().submit(_run, state, buf, bucket.index(), fut, ready, group)
     # DDP reads the future's value in C++, where an exception set from Python
     # would arrive as "Unable to cast ... to Tensor"; a callback that raises
     # marks the chained future as failed with the error's own words
