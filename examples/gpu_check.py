@@ -297,7 +297,7 @@ def check_gloo(world: int, d: int, lines: list[str], dev: str = "cuda") -> bool:
 FSDP_CODECS = ["fp32", "bf16", "dynamiq", "thc", "mxfp8", "equarx", "gcomp"]
 
 
-FSDP_WIDTHS = (256, 520, 300, 10)  # not multiples of 4: FSDP pads
+FSDP_WIDTHS = (256, 518, 301, 10)  # rows 518, 301, 10: not multiples of 4, FSDP pads
 
 
 def _fsdp_model(dev: str) -> torch.nn.Sequential:
@@ -379,14 +379,24 @@ def check_fsdp(world: int, lines: list[str], dev: str = "cuda") -> bool:
     names = [c for c in FSDP_CODECS if "cuda" in codec_info(c).devices]
     res = run_workers(world, _gloo_fsdp, names, dev, timeout=600)
     nat = spawn(world, _gloo_fsdp, ["native"], dev, timeout=300, clean_exit=False)
-    native = None
-    if all(o.error is None and isinstance(o.result["native"], dict) for o in nat):  # type: ignore[index]
-        native = [o.result["native"] for o in nat]  # type: ignore[index]
-        why = "ran"
-    else:
-        bad = next(o for o in nat if o.error is not None or isinstance(o.result["native"], str))  # type: ignore[index]
-        why = (bad.error or "").strip().splitlines()[-1:] or [bad.result["native"]]  # type: ignore[index]
-        why = f"rank {bad.rank} (exit {bad.exitcode}): {why[0][:160]}"
+
+    def failure(o: object) -> str | None:
+        """Why a native rank has no result (it raised, crashed or hung), or None."""
+        got = o.result.get("native") if isinstance(o.result, dict) else None  # type: ignore[attr-defined]
+        if isinstance(got, dict):
+            return None
+        if isinstance(got, str):
+            return got
+        last = (o.error or "").strip().splitlines()[-1:]  # type: ignore[attr-defined]
+        return last[0] if last else f"no result (exit code {o.exitcode})"  # type: ignore[attr-defined]
+
+    bad = [(o, failure(o)) for o in nat if failure(o) is not None]
+    native = None if bad else [o.result["native"] for o in nat]
+    why = (
+        "ran"
+        if not bad
+        else f"rank {bad[0][0].rank} (exit {bad[0][0].exitcode}): {bad[0][1][:160]}"
+    )
     init = dict(_fsdp_model("cpu").state_dict())
 
     def full(per_rank: list[dict]) -> dict[str, torch.Tensor]:
@@ -465,8 +475,10 @@ def _train(codec: str, overlap: bool, steps: int = 5) -> tuple[list[torch.Tensor
         from hopq.integrations.ddp import thread_group
 
         grp = thread_group(state)
-        info["group"] = (
-            "DDP's" if grp is None or grp is dist.group.WORLD else f"own ({dist.get_backend(grp)})"
+        info["group"] = (  # one rank sends nothing: the group is made, not used
+            "DDP's"
+            if grp is None or grp is dist.group.WORLD
+            else f"own, made ({dist.get_backend(grp)})"
         )
     state.close()
     return [p.detach().clone() for p in model.parameters()], info

@@ -167,12 +167,16 @@ def test_hook_thread_on_its_own_group():
     here on Gloo), on the DDP group (Gloo's default) and with no thread."""
     res = run_ranks(2, ddp_own_group, 3)
     for r in range(2):
-        for mode in ("shared", "auto", "own"):
+        for mode in ("shared", "auto", "own", "given"):
             assert torch.equal(res[r][mode], res[r]["sync"]), mode
             assert res[r][f"{mode}/calls"] == res[r]["sync/calls"] > 3
         assert res[r]["shared/group"] is None and res[r]["auto/group"] is None  # Gloo: shared
         assert res[r]["own/group"] == (False, [0, 1])  # a new group of the same ranks
+        assert res[r]["given/given"] and not res[r]["own/given"]
         assert res[r]["own/err"] > 0  # the exact reference ran on it too
+        assert "global ranks [1, 0] in that order" in res[r]["errors"][0]
+        assert res[r]["pickled"] is True
+    assert "holds global ranks [0] only" in res[0]["errors"][1]
     assert torch.equal(res[0]["own"], res[1]["own"])
 
 

@@ -209,16 +209,20 @@ def ddp_own_group(rank: int, n: int, steps: int) -> dict[str, Any]:
     """The hook's thread on a group of its own, on the DDP group, and no thread,
     with DDP's own collectives in the backward pass: parameters and which group
     the thread talked on."""
+    import pickle
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hopq.integrations.ddp import thread_group
 
     out: dict[str, Any] = {}
+    given = dist.new_group()  # every rank makes it, as torch asks
     for mode, kw in (
         ("sync", {"overlap": False}),
         ("shared", {"own_group": False}),
         ("auto", {}),
         ("own", {"own_group": True}),
+        ("given", {"own_group": given}),
     ):
         torch.manual_seed(0)
         model = WithUnused()
@@ -240,7 +244,23 @@ def ddp_own_group(rank: int, n: int, steps: int) -> dict[str, Any]:
         )
         out[f"{mode}/calls"] = len(state.pop_stats())
         out[f"{mode}/err"] = state.err_sq
+        out[f"{mode}/given"] = grp is given
         state.close()
+    # refusals: a thread's group of other ranks, or own_group=True on a subgroup
+    backwards = dist.new_group([1, 0], sort_ranks=False)
+    sub = dist.new_group([0])
+    errors = []
+    for kw in ({"own_group": backwards}, {"process_group": sub, "own_group": True}):
+        if "process_group" in kw and rank != 0:
+            continue
+        try:
+            thread_group(hopq.HookState(codec="bf16", **kw))
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    # a pickled state's copy makes its own group (a group does not travel)
+    out["pickled"] = pickle.loads(pickle.dumps(hopq.HookState(own_group=given))).own_group
     return out
 
 

@@ -11,14 +11,16 @@ gradients, and the future carries that stream's completion to DDP.
 ``HookState(overlap=False)`` runs each bucket inside the hook instead; both
 paths give the same bits.
 
-On NCCL the thread talks on a process group of its own (``own_group``), made
-with the DDP group's ranks, backend and timeout at the first bucket: NCCL runs
-a communicator's operations in the order each rank issues them, and DDP issues
-collectives of its own on its group during the backward pass (the unused
-parameters' map with ``find_unused_parameters=True``, SyncBatchNorm), so on a
-shared communicator the thread's messages and DDP's collectives could be
-ordered differently on different ranks and hang. Gloo matches point-to-point
-messages by tag, apart from collectives, so there the thread shares the group.
+On NCCL the thread talks on a process group of its own (``own_group``): NCCL
+runs a communicator's operations in the order each rank issues them, and DDP
+issues collectives of its own on its group during the backward pass (the
+unused parameters' map with ``find_unused_parameters=True``, SyncBatchNorm),
+from the autograd thread, while the hopq thread issues its messages; on one
+communicator the two could be ordered differently on different ranks and hang.
+hopq makes the group at the first bucket, on every rank (a plain ``new_group`` of every rank:
+the program must not make other groups from another thread at that moment).
+Gloo matches point-to-point messages by tag, apart from collectives, so there
+the thread shares the group.
 """
 
 # No "from __future__ import annotations": DDP compares the hook's annotations
@@ -42,6 +44,7 @@ from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
 from hopq.comm.topology import get_schedule
+from hopq.comm.transport import _device_backend
 from hopq.errors import HookNotEngagedWarning
 from hopq.integrations.records import MAX_KEPT_CALLS, CallRecords, StepMetrics
 from hopq.options import check_int, check_timeout
@@ -63,11 +66,13 @@ class HookState(CallRecords):
     codec instance lives here for the whole training, so adaptive codecs keep
     their state and the round counter (part of the RNG key) advances.
     ``overlap`` (default True): run the buckets on a communication thread while
-    the backward pass goes on (see the module's docstring). ``own_group``: the
-    thread talks on a process group of its own, made at the first bucket with
-    the group's ranks, backend and timeout (every rank of the group makes it
-    there, in the same order): None (default) where the group's backend is
-    NCCL, True or False to choose.
+    the backward pass goes on (see the module's docstring). ``own_group``:
+    whether the thread talks on a process group of its own. None (default):
+    where NCCL carries the buckets and the DDP group holds every rank; True or
+    False to choose. hopq makes that group at the first bucket, with every
+    rank, the group's backends and timeout. For a DDP group of some ranks only,
+    pass a second group of the same ranks, in the same order, made by every
+    rank with ``dist.new_group`` as torch asks.
     """
 
     def __init__(
@@ -80,7 +85,7 @@ class HookState(CallRecords):
         timeout: float | None = None,
         gather_codec: "str | Codec[Any] | None" = None,
         overlap: bool = True,
-        own_group: bool | None = None,
+        own_group: "bool | dist.ProcessGroup | None" = None,
         optimizer: "torch.optim.Optimizer | None" = None,
         **codec_config: Any,
     ) -> None:
@@ -106,11 +111,11 @@ class HookState(CallRecords):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.overlap = overlap
-        if own_group is not None and not isinstance(own_group, bool):
-            raise TypeError(f"own_group must be None or a bool, got {own_group!r}")
+        if not isinstance(own_group, (bool, type(None), dist.ProcessGroup)):
+            raise TypeError(f"own_group must be None, a bool or a process group, got {own_group!r}")
         self.own_group = own_group
-        #: The communication thread's group once made (weakly, like the
-        #: transports: destroy_process_group frees it), or False: the group's own.
+        #: The communication thread's group once decided (weakly, like the
+        #: transports: destroy_process_group frees it), or False: the DDP group.
         self._thread_group: Any = None
         #: Stats of every bucket since the last pop (the most recent
         #: MAX_KEPT_CALLS when nobody pops them), and their sum for the step.
@@ -235,52 +240,70 @@ class HookState(CallRecords):
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_lock"] = d["_pool"] = d["_stream"] = d["_thread_group"] = None
+        if not isinstance(d.get("own_group"), (bool, type(None))):
+            d["own_group"] = True  # a process group does not travel; the copy makes its own
         return d
 
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
+        self.__dict__.setdefault("own_group", None)  # a state pickled before own_group
         self._lock = threading.Lock()
         self._world = None  # a copy sent to another process: its own group
         if not self._engaged:
             _watch(self)
 
 
-def thread_group(state: HookState) -> "dist.ProcessGroup | None":
+def thread_group(
+    state: HookState, device: torch.device | None = None
+) -> "dist.ProcessGroup | None":
     """The group the communication thread talks on: ``state.process_group``
-    (None: the default group) or one of its own, made here at the first call
-    with the group's ranks, backend and timeout (see the module's docstring).
-    Called in the hook, where every rank of the group comes in the same order."""
-    if state._thread_group is None:
-        group = state.process_group if state.process_group is not None else dist.group.WORLD
-        if group is None:
-            raise RuntimeError("torch.distributed has no default process group")
-        backend = str(dist.get_backend(group))
-        own = state.own_group if state.own_group is not None else "nccl" in backend.lower()
-        if not own:
-            state._thread_group = False
-        else:
-            kw: dict[str, Any] = {}
-            try:  # the group's own timeout (a private attribute; torch's default without it)
-                dev = torch.device("cuda" if "nccl" in backend.lower() else "cpu")
-                kw["timeout"] = group._get_backend(dev).options._timeout
-            except Exception:  # noqa: BLE001 - a torch version without it
-                pass
-            made = dist.new_group(
-                dist.get_process_group_ranks(group),
-                backend=backend,
-                use_local_synchronization=True,
-                **kw,
-            )
-            state._thread_group = weakref.ref(made)
+    (None: the default group), the group given as ``own_group``, or one made
+    here at the first call (see the module's docstring). ``device``: the
+    buckets' device (which backend carries them decides the default)."""
     if state._thread_group is False:
         return state.process_group
-    made = state._thread_group()
-    if made is None:
-        raise RuntimeError(
-            "the hook's own process group was destroyed (destroy_process_group); "
-            "build a new HookState for a new group"
+    alive = state._thread_group() if state._thread_group is not None else None
+    if alive is not None:
+        return alive
+    # the first call, or the group made before was destroyed: (re)decide
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("torch.distributed has no default process group")
+    mine = [dist.get_global_rank(group, r) for r in range(dist.get_world_size(group))]
+    own = state.own_group
+    if isinstance(own, dist.ProcessGroup):
+        theirs = [dist.get_global_rank(own, r) for r in range(dist.get_world_size(own))]
+        if theirs != mine:
+            raise ValueError(
+                f"HookState(own_group=...) holds global ranks {theirs} in that order, the DDP "
+                f"group {mine}: the thread's group needs the same ranks in the same order"
+            )
+        state._thread_group = weakref.ref(own)
+        return own
+    whole = mine == list(range(dist.get_world_size()))
+    if own is None:  # by default only where NCCL carries the buckets (module docstring)
+        dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        own = whole and _device_backend(group, dev.type) == "nccl"
+    if not own:
+        state._thread_group = False
+        return state.process_group
+    if not whole:
+        raise ValueError(
+            f"HookState(own_group=True) makes a group of every rank, but the DDP group holds "
+            f"global ranks {mine} only: make a second group of those ranks (every rank "
+            "calling dist.new_group, as torch asks) and pass it as own_group="
         )
-    return made
+    kw: dict[str, Any] = {}
+    try:  # the group's own timeout (a private attribute; torch's default without it)
+        nccl = _device_backend(group, "cuda") == "nccl"
+        kw["timeout"] = group._get_backend(torch.device("cuda" if nccl else "cpu")).options._timeout
+    except Exception:  # noqa: BLE001 - a torch version without it
+        pass
+    # every rank is a member and comes here at its first bucket: a plain
+    # new_group, named by torch's counter like every group the program made
+    made_group = dist.new_group(backend=dist.get_backend_config(group), **kw)
+    state._thread_group = weakref.ref(made_group)
+    return made_group
 
 
 def _reduce(state: HookState, buf: torch.Tensor, index: int, group: Any) -> None:
@@ -361,7 +384,7 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         _reduce(state, buf, bucket.index(), state.process_group)
         fut.set_result(buf)
         return fut
-    group = thread_group(state)
+    group = thread_group(state, buf.device)
     ready = None
     if buf.is_cuda:
         ready = torch.cuda.Event()
