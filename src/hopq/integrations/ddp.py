@@ -289,9 +289,9 @@ def thread_group(
         return state.process_group
     if not whole:
         raise ValueError(
-            f"HookState(own_group=True) makes a group of every rank, but the DDP group holds "
-            f"global ranks {mine} only: make a second group of those ranks (every rank "
-            "calling dist.new_group, as torch asks) and pass it as own_group="
+            f"HookState(own_group=True) makes a group of every rank in order, but the DDP "
+            f"group holds global ranks {mine}: make a second group of those ranks in that "
+            "order (every rank calling dist.new_group, as torch asks) and pass it as own_group="
         )
     kw: dict[str, Any] = {}
     try:  # the group's own timeout (a private attribute; torch's default without it)
