@@ -350,7 +350,9 @@ def _run(
             state._stream = torch.cuda.Stream(device=buf.device)
         stream = state._stream
         stream.wait_event(ready)  # the bucket's gradients are written
-        with torch.cuda.stream(stream):
+        # the thread's current device is the bucket's (a new thread starts on
+        # cuda:0): messages staged to "the current device" go where NCCL wants them
+        with torch.cuda.device(buf.device), torch.cuda.stream(stream):
             buf.record_stream(stream)
             _reduce(state, buf, index, group)
             fut.set_result(buf)  # the future records this stream's work
