@@ -21,7 +21,7 @@ lookup -> shift, and it looks up two codes at once where both fit in the next
 one-code table packs ``symbol << 8 | length`` and one compare sends the escape
 and the codes the table does not know to a rare branch. The levels are first
 unpacked one per byte, and a mantissa field is peeked at its bit position with
-one unaligned big-endian 64-bit load and a shift. Reads past a stream's end
+one unaligned big-endian 32-bit load and a shift. Reads past a stream's end
 stay inside the scratch buffers (each sized for a chunk's worst case), and the
 counts are checked once at the end of the chunk against the header.
 Accumulating decoders add each value to the local one in the decoder's loop (no
@@ -55,18 +55,18 @@ _MASK = np.array([0, 0, 0, 0, 0x7FFFFF, 0x7FFFC0, 0x7FF000, 0x7C0000], np.uint64
 
 
 @intrinsic
-def _load_be64(typingctx, arr, idx):
-    """The 8 bytes of a C-contiguous uint8 array from index idx as a big-endian
-    uint64: one unaligned load and a byte swap (numba has no unaligned loads)."""
-    sig = types.uint64(arr, idx)
+def _load_be32(typingctx, arr, idx):
+    """The 4 bytes of a C-contiguous uint8 array from index idx as a big-endian
+    uint32: one unaligned load and a byte swap (numba has no unaligned loads)."""
+    sig = types.uint32(arr, idx)
 
     def codegen(context, builder, signature, args):
         a, i = args
         ary = context.make_array(signature.args[0])(context, builder, a)
         ptr = builder.gep(ary.data, [i])
-        p64 = builder.bitcast(ptr, _ir.IntType(64).as_pointer())
-        v = builder.load(p64, align=1)
-        fn = builder.module.declare_intrinsic("llvm.bswap", [_ir.IntType(64)])
+        p32 = builder.bitcast(ptr, _ir.IntType(32).as_pointer())
+        v = builder.load(p32, align=1)
+        fn = builder.module.declare_intrinsic("llvm.bswap", [_ir.IntType(32)])
         return builder.call(fn, [v])
 
     return sig, codegen
@@ -349,7 +349,7 @@ def _dec_scratch(C, n_theta):
 def _load_streams(p, off, ebytes, lbytes, mbytes, E, L, M):
     """The chunk's streams in decoder form: exponents as big-endian 32-bit
     words, levels one per byte, mantissas as they came (big-endian bytes,
-    peeked by :func:`_load_be64`); zero padded."""
+    peeked by :func:`_load_be32`); zero padded."""
     ne = (ebytes + 3) >> 2
     e8 = E.view(np.uint8)
     _copy(e8, 0, p, off, ebytes)
@@ -378,8 +378,8 @@ def _value(M, L, li, mbit, sym):
     ``mbit`` of M; with the level and mantissa positions after it."""
     nz = _U64(sym != _U64(0))
     lx = _U64(L[li]) + (nz << _U64(2))
-    hi = _load_be64(M, mbit >> _U64(3)) << (mbit & _U64(7))
-    u = hi >> _U64(32)
+    # the field's at most 24 bits start within the first byte: 4 bytes hold them
+    u = _U64(_U32(_load_be32(M, mbit >> _U64(3)) << _U32(mbit & _U64(7))))
     v = _U32((u & (nz << _U64(31))) | ((u >> _U64(8)) & _MASK[lx]) | (sym << _U64(23)))
     return v, li + nz, mbit + _KEEP[lx]
 
@@ -446,9 +446,14 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     mbit = _U64(0)
     i = _U64(0)
     nv = _U64(vals)
-    while i < nv:
-        # the chunk's last value takes its own code only
-        ent = _U64(plut[bb >> psh]) if i + _U64(1) < nv else _U64(_PAIR_RARE)
+    lim = nv - _U64(nv > _U64(0))  # the chunk's last value takes its own code only
+    while True:
+        if i < lim:
+            ent = _U64(plut[bb >> psh])
+        elif i < nv:
+            ent = _U64(_PAIR_RARE)
+        else:
+            break
         if ent >= _U64(_PAIR_RARE):
             e1 = _U64(lut[bb >> sh])
             if e1 >= _U64(_RARE):
@@ -471,9 +476,8 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
         v1, li1, mb1 = _value(M, L, li, mbit, ent & _U64(0xFF))
         v2, li2, mb2 = _value(M, L, li1, mb1, (ent >> _U64(8)) & _U64(0xFF))
         _put(dst, i, two, v1, v2)
-        tm = _U64(0) - two
-        li = li1 + ((li2 - li1) & tm)
-        mbit = mb1 + ((mb2 - mb1) & tm)
+        li = li2 if two else li1
+        mbit = mb2 if two else mb1
         i += _U64(1) + two
     if _U64(32) * fi - cnt != _U64(eb):
         return -1
