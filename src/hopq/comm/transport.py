@@ -187,13 +187,22 @@ class _DistHandle(Handle):
         self.staged = self.dest = None
 
 
-def _device_backend(group: torch.distributed.ProcessGroup, device_type: str) -> str | None:
+def device_backend(group: torch.distributed.ProcessGroup, device_type: str) -> str | None:
     """The name of the backend that carries ``device_type`` tensors on
     ``group``, or None where the group cannot say."""
     try:
         return str(group._get_backend(torch.device(device_type)).name()).lower()
     except Exception:  # noqa: BLE001 - no backend for that device type, or no such API
         return None
+
+
+def group_timeout(group: torch.distributed.ProcessGroup, via: str) -> datetime.timedelta:
+    """The process group's own timeout (the ``timeout=`` it was created with),
+    read from the options of its backend that carries hopq's messages
+    (``via``: "nccl", or another for the CPU's), a private attribute: raises
+    where torch does not expose it."""
+    dev = torch.device("cuda" if via == "nccl" else "cpu")
+    return group._get_backend(dev).options._timeout
 
 
 def _carrier(group: torch.distributed.ProcessGroup, name: str) -> str:
@@ -204,10 +213,15 @@ def _carrier(group: torch.distributed.ProcessGroup, name: str) -> str:
     if name in ("gloo", "nccl"):
         return name
     for dev in ("cuda", "cpu") if torch.cuda.is_available() else ("cpu",):
-        carrier = _device_backend(group, dev)
-        if carrier is not None:
-            return carrier
+        via = device_backend(group, dev)
+        if via is not None:
+            return via
     return name
+
+
+def carrier(group: torch.distributed.ProcessGroup) -> str:
+    """The backend hopq's messages take on ``group`` (see :func:`_carrier`)."""
+    return _carrier(group, str(torch.distributed.get_backend(group)).lower())
 
 
 class _Works:
@@ -265,7 +279,7 @@ class DistTransport(Transport):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
-        self.backend = _carrier(self.group, str(dist.get_backend(self.group)).lower())
+        self.backend = carrier(self.group)
         self._warned_timeout = False
         self._warned_cap = False
         self.prepost = self.backend != "nccl"
@@ -296,8 +310,7 @@ class DistTransport(Transport):
         warning (once) and :data:`FALLBACK_TIMEOUT_S`."""
         nccl = self.backend == "nccl"
         try:
-            backend = self.group._get_backend(torch.device("cuda" if nccl else "cpu"))
-            t = float(backend.options._timeout.total_seconds())
+            t = float(group_timeout(self.group, self.backend).total_seconds())
         except Exception as e:  # a torch version without it
             t, why = 0.0, f"{type(e).__name__}: {e}"
         else:
@@ -341,13 +354,13 @@ class DistTransport(Transport):
             return device
         if device.type not in self._stage_to:
             # a group may carry each device type on another backend
-            carrier = _device_backend(self.group, device.type) or self.backend
+            via = device_backend(self.group, device.type) or self.backend
             to: torch.device | None = None
-            if carrier == "nccl" and device.type != "cuda":
+            if via == "nccl" and device.type != "cuda":
                 # the group's device (init_process_group(device_id=)), else the current one
                 bound = getattr(self.group, "bound_device_id", None)
                 to = bound or torch.device("cuda", torch.cuda.current_device())
-            elif carrier != "nccl" and device.type != "cpu":
+            elif via != "nccl" and device.type != "cpu":
                 to = torch.device("cpu")
             self._stage_to[device.type] = to
         return self._stage_to[device.type]

@@ -26,6 +26,7 @@ the thread shares the group.
 # No "from __future__ import annotations": DDP compares the hook's annotations
 # with dist.GradBucket and Future[Tensor] as objects.
 import atexit
+import contextlib
 import io
 import threading
 import time
@@ -44,7 +45,7 @@ from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
 from hopq.comm.topology import get_schedule
-from hopq.comm.transport import _device_backend
+from hopq.comm.transport import carrier, device_backend, group_timeout
 from hopq.errors import HookNotEngagedWarning
 from hopq.integrations.records import MAX_KEPT_CALLS, CallRecords, StepMetrics
 from hopq.options import check_int, check_timeout
@@ -283,7 +284,7 @@ def thread_group(
     whole = mine == list(range(dist.get_world_size()))
     if own is None:  # by default only where NCCL carries the buckets (module docstring)
         dev = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        own = whole and _device_backend(group, dev.type) == "nccl"
+        own = whole and device_backend(group, dev.type) == "nccl"
     if not own:
         state._thread_group = False
         return state.process_group
@@ -294,11 +295,10 @@ def thread_group(
             "order (every rank calling dist.new_group, as torch asks) and pass it as own_group="
         )
     kw: dict[str, Any] = {}
-    try:  # the group's own timeout (a private attribute; torch's default without it)
-        nccl = _device_backend(group, "cuda") == "nccl"
-        kw["timeout"] = group._get_backend(torch.device("cuda" if nccl else "cpu")).options._timeout
-    except Exception:  # noqa: BLE001 - a torch version without it
-        pass
+    # the group's own timeout, as hopq's transport reads it (torch's default where
+    # this torch does not expose it)
+    with contextlib.suppress(Exception):
+        kw["timeout"] = group_timeout(group, carrier(group))
     # every rank is a member and comes here at its first bucket: a plain
     # new_group, named by torch's counter like every group the program made
     made_group = dist.new_group(backend=dist.get_backend_config(group), **kw)
