@@ -244,6 +244,10 @@ def test_bad_configurations_fail_at_construction():
         hopq.simulate(_inputs(2, 8), "bf16", gather_codec="dynamiq")
     with pytest.raises(TypeError, match="process_group="):
         hopq.HookState(codec="dynamiq", group=None)
+    with pytest.raises(TypeError, match="own_group must be"):
+        hopq.HookState(own_group="yes")
+    with pytest.raises(ValueError, match="with overlap=False"):  # it would do nothing
+        hopq.HookState(overlap=False, own_group=True)
 
 
 @pytest.mark.parametrize("codec", CODECS)

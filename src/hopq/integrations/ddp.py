@@ -114,6 +114,11 @@ class HookState(CallRecords):
         self.overlap = overlap
         if not isinstance(own_group, (bool, type(None), dist.ProcessGroup)):
             raise TypeError(f"own_group must be None, a bool or a process group, got {own_group!r}")
+        if not overlap and own_group not in (None, False):
+            raise ValueError(
+                "own_group is the overlapped hook's thread's group; with overlap=False the "
+                "hook runs each bucket itself, on the DDP group"
+            )
         self.own_group = own_group
         #: The communication thread's group once decided (weakly, like the
         #: transports: destroy_process_group frees it), or False: the DDP group.
