@@ -81,7 +81,7 @@ def test_help_names_choices_and_defaults(capsys):
     from hopq.comm.topology import TOPOLOGIES
 
     out = "".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
-    assert "{gpt,minilm}" in out and "{" + ",".join(TOPOLOGIES) + "}" in out
+    assert "{gpt,minilm,minilm-cls}" in out and "{" + ",".join(TOPOLOGIES) + "}" in out
     assert "dynamiq" in out and "(default:auto)" in out
     assert "--codec-option" in out
 

@@ -1,8 +1,10 @@
 """A tiny `hopq train`: report and plots written, numbers consistent."""
 
+import importlib.util
 import json
 
 import pytest
+import torch
 
 from hopq.train import job as train
 
@@ -217,3 +219,33 @@ def test_torchrun_says_which_options_it_ignores():
         assert flag in note
     assert "--comm-share" not in note and "ignored under torchrun" in note
     assert "--no-network ignored" in ignored_under_torchrun(TrainOptions(network=False))
+
+
+def test_minilm_classifier_workload_has_the_papers_sparse_embedding_gradient():
+    """minilm-cls: docstrings labelled by their stdlib module, train and held-out
+    apart; the word embeddings' gradient is non-zero exactly on the batch's tokens
+    (what GComp's zero pruning removes, as on the paper's BERT fine-tuning)."""
+    pytest.importorskip("transformers")
+    from hopq.train import workloads
+
+    if importlib.util.find_spec(workloads.MINILM_PACKAGE) is None:
+        pytest.skip("the bench extra's MiniLM package is not installed")
+    data = workloads.docstring_classes(seq_len=64, classes=4)
+    assert len(data.classes) == 4 and data.classes == sorted(data.classes)
+    assert data.train.shape[1] == data.eval.shape[1] == 64
+    assert set(data.train_labels.tolist()) == set(data.eval_labels.tolist()) == set(range(4))
+    assert len(data.eval) * 15 < len(data.train) < len(data.eval) * 25
+    assert (data.train[:, 0] != data.pad_id).all()  # [CLS], never padding
+
+    w = workloads.make("minilm-cls", seed=0, context=64)
+    ids, labels = w.batch(seed=0, rank=1, step=2, size=3)
+    assert torch.equal(ids, w.batch(seed=0, rank=1, step=2, size=3)[0])
+    loss = w.loss(w.model, (ids, labels))
+    assert torch.isfinite(loss) and 1.0 < loss.item() < 5.0  # about ln 16 untrained
+    loss.backward()
+    emb = w.model.bert.embeddings.word_embeddings.weight.grad
+    used = torch.zeros(emb.shape[0], dtype=torch.bool)
+    used[ids[ids != data.pad_id].unique()] = True
+    assert (emb[used].abs().sum(1) > 0).all() and (emb[~used] == 0).all()
+    assert (workloads.flat_grad(w.model) == 0).float().mean() > 0.45
+    assert len(w.held_out(2, 4)) == 2

@@ -39,6 +39,7 @@ from hopq.numerics.rng import hash32
 from hopq.options import check_int, check_scoped, option
 from hopq.reporting import Progress, machine, markdown_table
 from hopq.sim import simulate
+from hopq.train.workloads import WORKLOADS
 
 PARTS = ("variance", "kernels", "quality", "costmodel")
 #: Table 4's contenders: (label, codec name, its options); None: no compression.
@@ -66,7 +67,7 @@ class GQSGDOptions:
     coords: int = option(1 << 24, "coordinates of the kernels part's timing")
     repeats: int = option(5, "the kernels part's timed repeats (the best is kept)")
     quality_workloads: tuple[str, ...] = option(
-        ("gpt",), "workloads of the quality table", choices=("gpt", "minilm")
+        ("gpt",), "workloads of the quality table", choices=tuple(WORKLOADS)
     )
     quality_seeds: int = option(3, "seeds (weights, data, codec) of the quality table")
     quality_steps: int = option(60, "training steps of the quality table")
@@ -87,9 +88,9 @@ class GQSGDOptions:
         bad = set(self.parts) - set(PARTS)
         if bad:
             raise ValueError(f"unknown parts {sorted(bad)}; choose from {PARTS}")
-        bad = set(self.quality_workloads) - {"gpt", "minilm"}
+        bad = set(self.quality_workloads) - set(WORKLOADS)
         if bad:
-            raise ValueError(f"unknown workloads {sorted(bad)}; choose from gpt, minilm")
+            raise ValueError(f"unknown workloads {sorted(bad)}; choose from {sorted(WORKLOADS)}")
         bad = set(self.quality_codecs) - set(QUALITY_KEYS)
         if bad:
             raise ValueError(f"unknown quality codecs {sorted(bad)}; choose from {QUALITY_KEYS}")

@@ -75,7 +75,7 @@ class VnmseOptions:
         if any(n < 1 for n in (*self.worlds, *self.sweep_worlds)):
             raise ValueError("world sizes must be >= 1")
         check_scoped(
-            self, {"minilm_warmup": ("minilm",), "gpt_warmup": ("gpt",)}, self.workloads,
+            self, {"minilm_warmup": ("minilm", "minilm-cls"), "gpt_warmup": ("gpt",)}, self.workloads,
             "--workloads",
         )  # fmt: skip
         check_scoped(
@@ -186,7 +186,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
     for w in o.workloads:
         say(f"collecting {nmax} worker gradients for {w} ...")
         wl = workloads.make(w, o.seed)
-        if w == "minilm":  # inside the encoder layers, after the 11.7M word embeddings
+        if w.startswith("minilm"):  # inside the encoder layers, after the 11.7M word embeddings
             subsets[w] = slice(12_000_000, 12_000_000 + o.sweep_coords)
             warmup, warm_batch, warm_lr = o.minilm_warmup, o.batch, 5e-5
         else:  # the GPT has ~3.2M parameters: the middle of it

