@@ -417,10 +417,15 @@ def test_bench_gcomp_tiny(tmp_path):
     text = run(o, log=lambda _s: None)
     assert "## Kernels" in text and "fused hop" in text
     assert "| torch fp16 cast |" in text and "of its speed" in text  # what users have
+    assert "## Kernels on the real gradients" in text  # sizes and kernels: both gradients
+    lines = [" ".join(line.split()) for line in text.splitlines()]
+    for run_ in ("gpt / adamw", "gpt / sgd"):
+        for mode in ("thresholds", "none", "torch fp16 cast"):
+            assert any(line.startswith(f"| {run_} | {mode} |") for line in lines), (run_, mode)
     assert "## Loss deviation" in text and (tmp_path / "loss.png").exists()
     assert "|      gpt |       sgd |" in text and "|      gpt |     adamw |" in text
     assert (tmp_path / "size.png").exists()
-    ss, _ = train_sizes(o, "gpt", "adamw", lambda _s: None)
+    ss = train_sizes(o, "gpt", "adamw", lambda _s: None).steps
     assert len(ss) == 3
     for s in ss:
         assert 0 < s.size <= s.lossless < 1.1

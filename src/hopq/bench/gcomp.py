@@ -218,6 +218,24 @@ def kernel_rows(n: int, repeats: int, seed: int = 0) -> list[list[Any]]:
         return rows
 
 
+def real_kernel_rows(label: str, sr: SizeRun, repeats: int) -> list[list[Any]]:
+    """The kernels on a sizes run's last averaged gradient: with its optimizer's
+    thresholds, without truncation, and torch's fp16 cast on the same values."""
+    x = sr.last_grad
+    zeros = f"{float((x == 0).float().mean()):.1%}"
+    rows: list[list[Any]] = []
+    with one_thread():
+        modes = [("thresholds", sr.last_thresholds)] if sr.last_thresholds is not None else []
+        for mode, th in [*modes, ("none", None)]:
+            size, speeds = _kernel_speeds(x, -1, th, repeats)
+            rows.append([label, mode, zeros, f"{size:.3f}", *(f"{v / 1e6:.0f}" for v in speeds)])
+        rows.append(
+            [label, "torch fp16 cast", zeros, "0.500"]
+            + [f"{v / 1e6:.0f}" for v in _fp16_speeds(x, repeats)]
+        )
+    return rows
+
+
 def bias_rows(n: int, world: int, seed: int = 0) -> list[list[Any]]:
     """Part bias (see the module's docstring): one row per topology."""
     import hopq
@@ -320,9 +338,18 @@ def _encode_sizes(
     return total, eb, lb, mb
 
 
+@dataclass
+class SizeRun:
+    steps: list[StepSizes]
+    description: str
+    #: the last step's averaged gradient and the optimizer's thresholds for it
+    last_grad: torch.Tensor
+    last_thresholds: torch.Tensor | None
+
+
 def train_sizes(
     o: GCompBenchOptions, workload: str, optimizer: str, say: Callable[[str], None]
-) -> tuple[list[StepSizes], str]:
+) -> SizeRun:
     from hopq.train import workloads
 
     kw = {"dim": o.gpt_dim, "layers": o.gpt_layers} if workload == "gpt" else {}
@@ -381,7 +408,7 @@ def train_sizes(
         f"{wl.description}; {n:,} coordinates, {what}, {o.workers} workers x {o.batch} "
         f"sequences averaged per step"
     )
-    return out, desc
+    return SizeRun(out, desc, g, thr)
 
 
 # -- loss deviation (section 7.6) ------------------------------------------------
@@ -526,11 +553,17 @@ def run(o: GCompBenchOptions, log: Callable[[str], None] | None = None) -> str:
     if "sizes" in o.parts:
         runs: dict[tuple[str, str], list[StepSizes]] = {}
         descs = []
+        real: list[list[Any]] = []
         for w in o.workloads:
             for opt in o.optimizers:
                 say(f"training {w} with {opt} for {o.steps} steps ...")
-                runs[(w, opt)], desc = train_sizes(o, w, opt, say)
-                descs.append(f"- **{w} / {opt}**: {desc}")
+                sr = train_sizes(o, w, opt, say)
+                runs[(w, opt)] = sr.steps
+                descs.append(f"- **{w} / {opt}**: {sr.description}")
+                if "kernels" in o.parts:
+                    say(f"kernels on {w} / {opt}'s last gradient ...")
+                    real += real_kernel_rows(f"{w} / {opt}", sr, o.repeats)
+                del sr
         header = [
             "workload",
             "optimizer",
@@ -573,6 +606,29 @@ def run(o: GCompBenchOptions, log: Callable[[str], None] | None = None) -> str:
             path = plot_sizes(runs, Path(o.plot))
             if path is not None:
                 sections.append(f"Plot: `{path}`")
+        if real:
+            sections.append(
+                "## Kernels on the real gradients (one core; the last step's averaged "
+                f"gradient of each run above, whole; M coordinates/s, median of {o.repeats})\n\n"
+                "The same kernels and timing as the synthetic table, on what the sizes part "
+                "compresses: the run's last averaged gradient with its optimizer's thresholds "
+                "(as the DDP hook sets them) and without truncation; the fused hop decodes "
+                "that gradient's payload onto the gradient itself. 'torch fp16 cast' is timed "
+                "on the same gradient.\n\n"
+                + markdown_table(
+                    [
+                        "gradient",
+                        "truncation",
+                        "zeros",
+                        "size / fp32",
+                        "encode",
+                        "decode",
+                        "decode+acc",
+                        "fused hop",
+                    ],
+                    real,
+                )
+            )
     if "loss" in o.parts:
         text, curves = loss_section(o, say)
         sections.append(text)

@@ -311,8 +311,24 @@ def thread_group(
     return made_group
 
 
-def _reduce(state: HookState, buf: torch.Tensor, index: int, group: Any) -> None:
-    """One bucket's all-reduce over ``group`` (and, when asked, its exact reference)."""
+def _reduce(
+    state: HookState,
+    buf: torch.Tensor,
+    index: int,
+    group: Any,
+    params: list[torch.Tensor] | None = None,
+) -> None:
+    """One bucket's all-reduce over ``group`` (and, when asked, its exact
+    reference); with ``params``, the optimizer's thresholds for them first,
+    counted as codec work."""
+    t_thr = 0.0
+    if params is not None and state.optimizer is not None:
+        from hopq.codecs.gcomp.optim import thresholds
+
+        t0 = time.perf_counter()
+        thr = thresholds(state.optimizer, params)
+        state.codec.set_thresholds(thr.to(buf.device), index)  # type: ignore[attr-defined]
+        t_thr = time.perf_counter() - t0
     exact = None
     if state.measure_error:
         t0 = time.perf_counter()
@@ -327,6 +343,7 @@ def _reduce(state: HookState, buf: torch.Tensor, index: int, group: Any) -> None
         buf, state.codec, state.topology, "avg", group, state.seed, index,
         timeout=state.timeout, gather_codec=state.gather_codec,
     )  # fmt: skip
+    info.seconds += t_thr  # codec work: seconds - comm_seconds
     err = ref = 0.0
     if exact is not None:
         err = float((buf.to(torch.float64) - exact).square().sum())
@@ -344,11 +361,12 @@ def _run(
     fut: "torch.futures.Future[torch.Tensor]",
     ready: Any,
     group: Any,
+    params: list[torch.Tensor] | None = None,
 ) -> None:
     """On the communication thread: reduce, then complete (or fail) the future."""
     try:
         if ready is None:
-            _reduce(state, buf, index, group)
+            _reduce(state, buf, index, group, params)
             fut.set_result(buf)
             return
         if state._stream is None:
@@ -359,7 +377,7 @@ def _run(
         # cuda:0): messages staged to "the current device" go where NCCL wants them
         with torch.cuda.device(buf.device), torch.cuda.stream(stream):
             buf.record_stream(stream)
-            _reduce(state, buf, index, group)
+            _reduce(state, buf, index, group, params)
             fut.set_result(buf)  # the future records this stream's work
     except BaseException as e:  # noqa: BLE001 - every failure reaches the training step
         fut.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the value
@@ -379,16 +397,15 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         if why:
             warnings.warn(why, UserWarning, stacklevel=2)
     state._engaged = True
-    if state.optimizer is not None:  # before the bucket is queued: the state is current
-        from hopq.codecs.gcomp.optim import thresholds
-
-        thr = thresholds(state.optimizer, list(bucket.parameters()))
-        state.codec.set_thresholds(thr.to(buf.device), bucket.index())  # type: ignore[attr-defined]
+    # the optimizer's thresholds are computed with the bucket's reduction (on the
+    # thread, as codec work): its state and the parameters do not change before
+    # the backward pass ends, which waits for every bucket's future
+    params = list(bucket.parameters()) if state.optimizer is not None else None
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buf.device] if buf.is_cuda else None
     )
     if not state.overlap:
-        _reduce(state, buf, bucket.index(), state.process_group)
+        _reduce(state, buf, bucket.index(), state.process_group, params)
         fut.set_result(buf)
         return fut
     group = thread_group(state, buf.device)
@@ -396,7 +413,7 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     if buf.is_cuda:
         ready = torch.cuda.Event()
         ready.record()  # on the stream that wrote the bucket
-    state._executor().submit(_run, state, buf, bucket.index(), fut, ready, group)
+    state._executor().submit(_run, state, buf, bucket.index(), fut, ready, group, params)
     # DDP reads the future's value in C++, where an exception set from Python
     # would arrive as "Unable to cast ... to Tensor"; a callback that raises
     # marks the chained future as failed with the error's own words
