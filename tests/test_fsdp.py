@@ -226,6 +226,10 @@ def test_refusals_and_views(monkeypatch):
     # how often thresholds are refreshed means nothing without an optimizer
     with pytest.raises(ValueError, match="pass optimizer= too"):
         hopq.FSDPReduceScatter("gcomp", thresholds_every=5)
+    # an optimizer without a truncation rule: refused when built, not at the first call
+    adagrad = torch.optim.Adagrad([torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="no truncation rule for Adagrad"):
+        hopq.FSDPReduceScatter("gcomp", optimizer=adagrad)
     with pytest.raises(ValueError, match="seed"):
         hopq.HookState("bf16", seed=1 << 70)
     with pytest.raises(ValueError, match="seed"):

@@ -292,6 +292,9 @@ def test_optimizer_thresholds_follow_table_2():
         assert torch.allclose(delta.abs(), A / g.abs(), rtol=1e-4), type(opt).__name__
     with pytest.raises(ValueError, match="no truncation rule"):
         thresholds(torch.optim.Adagrad([p]), [p])
+    # the hooks refuse it when built, not at their first bucket (on the hook's thread)
+    with pytest.raises(ValueError, match="no truncation rule for Adagrad"):
+        hopq.HookState(codec="gcomp", optimizer=torch.optim.Adagrad([p]))
 
 
 def _step(opt, p, g):

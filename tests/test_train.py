@@ -249,3 +249,23 @@ def test_minilm_classifier_workload_has_the_papers_sparse_embedding_gradient():
     assert (emb[used].abs().sum(1) > 0).all() and (emb[~used] == 0).all()
     assert (workloads.flat_grad(w.model) == 0).float().mean() > 0.45
     assert len(w.held_out(2, 4)) == 2
+
+
+def test_contenders_draw_the_same_dropout_masks():
+    """MiniLM has dropout and the contenders share one generator, taking their
+    steps in turn: each step reseeds it, so on one rank (where torch's DDP and
+    hopq's fp32 both leave the gradient as it is) the two train bit-identically."""
+    pytest.importorskip("transformers")
+    from hopq.cluster.launch import run_workers
+    from hopq.train import workloads
+
+    if importlib.util.find_spec(workloads.MINILM_PACKAGE) is None:
+        pytest.skip("the bench extra's MiniLM package is not installed")
+    o = train.TrainOptions(
+        workload="minilm-cls", codecs=("torch:ddp", "fp32"), world_size=1, steps=3,
+        probe_every=2, eval_every=3, vnmse_every=0, context=16, batch_size=2, network=False,
+    )  # fmt: skip
+    ddp, fp32 = run_workers(1, train.worker, o, ["torch:ddp", "fp32"])[0]
+    assert [s.loss for s in ddp.steps] == [s.loss for s in fp32.steps]
+    assert ddp.evals[-1][1] == fp32.evals[-1][1]
+    assert len({s.loss for s in ddp.steps}) == 3  # it trains

@@ -85,7 +85,9 @@ SEGMENT = 1 << 24
 class GCompBenchOptions:
     parts: tuple[str, ...] = option(PARTS, "what to measure", choices=PARTS)
     workloads: tuple[str, ...] = option(
-        ("gpt", "minilm"), "workloads whose gradients are compressed", choices=tuple(WORKLOADS)
+        ("gpt", "minilm", "minilm-cls"),
+        "workloads whose gradients are compressed",
+        choices=tuple(WORKLOADS),
     )
     optimizers: tuple[str, ...] = option(OPTIMIZERS, "optimizers", choices=OPTIMIZERS)
     steps: int = option(200, "training steps per workload and optimizer")

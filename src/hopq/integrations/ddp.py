@@ -100,6 +100,9 @@ class HookState(CallRecords):
         #: optimizer-aware truncation); None: no thresholds.
         if optimizer is not None:
             check_takes_optimizer(self.codec)
+            from hopq.codecs.gcomp.optim import check_rule
+
+            check_rule(optimizer)  # not at the first bucket, on the thread
         self.optimizer = optimizer
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology

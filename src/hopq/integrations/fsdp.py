@@ -145,6 +145,9 @@ class FSDPReduceScatter(_ReduceScatterBase):
         c = get_codec(codec, **codec_config)
         if optimizer is not None:
             check_takes_optimizer(c)
+            from hopq.codecs.gcomp.optim import check_rule
+
+            check_rule(optimizer)
         elif thresholds_every != THRESHOLDS_EVERY:
             raise ValueError(
                 "thresholds_every sets how often the optimizer's thresholds are refreshed: "

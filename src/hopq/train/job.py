@@ -6,7 +6,8 @@ N Gloo worker processes (default 4), launched here or by ``torchrun``, train one
 workload with every *contender* (a hopq codec, or one of torch's own options:
 ``torch:ddp``, ``torch:fp16``, ``torch:powersgd``, see
 :mod:`hopq.train.contenders`), each with its own replica from the same initial
-weights, the same data order and seeds:
+weights, the same data order and seeds, and the same dropout masks at every
+step (MiniLM's; the global generator is reseeded before each contender's step):
 
 * ``gpt`` (default, quick): a byte-level GPT trained from scratch on the
   standard library's sources;
@@ -268,12 +269,22 @@ def _probe(lane: _Lane, b: Any) -> float:
     return float(t)
 
 
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The global generator's seed for a rank's training step: the same for
+    every contender, so that their dropout masks are the same."""
+    # offset from the data's generator seed (Workload.batch), so the two differ
+    return (seed * 1_000_003 + step * 1009 + rank + (1 << 40)) & ((1 << 63) - 1)
+
+
 def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) -> None:
     probe_s = _probe(lane, b) if probe else float("nan")
     if probe:
         lane.fwd_bwd_s = probe_s
     measure = o.vnmse_every > 0 and step % o.vnmse_every == 0
     lane.sync.begin(measure)
+    # every contender draws the same dropout masks at this step on this rank
+    # (MiniLM's dropout; the contenders share one generator and run in turn)
+    torch.manual_seed(step_seed(o.seed, step, dist.get_rank()))
     dist.barrier()
     t0 = time.perf_counter()
     loss = lane.w.loss(lane.ddp, b)

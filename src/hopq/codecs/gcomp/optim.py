@@ -109,10 +109,17 @@ def _one(
         if not decoupled:
             out.add_(th, alpha=-lam)
         return
-    raise ValueError(
-        f"gcomp: no truncation rule for {type(opt).__name__} (SGD, momentum, Nesterov, "
-        "Adam and AdamW have one)"
-    )
+    check_rule(opt)
 
 
-__all__ = ["thresholds"]
+def check_rule(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError unless Table 2 has a truncation rule for ``optimizer``
+    (so that a hook refuses it at construction, not at its first bucket)."""
+    if not isinstance(optimizer, torch.optim.SGD | torch.optim.Adam | torch.optim.AdamW):
+        raise ValueError(
+            f"gcomp: no truncation rule for {type(optimizer).__name__} (SGD, momentum, "
+            "Nesterov, Adam and AdamW have one)"
+        )
+
+
+__all__ = ["check_rule", "thresholds"]
