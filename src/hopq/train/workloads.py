@@ -131,16 +131,23 @@ def mask_tokens(
     return ids, labels
 
 
+def _offline_transformers() -> None:
+    """transformers without the hub, and quiet: the new head's "newly initialized"
+    notice and the "Loading weights" bars would come once per worker and codec."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
 def minilm_mlm(seed: int = 0) -> nn.Module:
     """all-MiniLM-L6-v2 with a masked-LM head whose decoder is tied to the word
     embeddings (the head's transform layer is new, initialised from ``seed``)."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    _offline_transformers()
     from transformers import BertForMaskedLM
-    from transformers.utils import logging
 
-    logging.set_verbosity_error()  # the new head's "newly initialized" notice
-    logging.disable_progress_bar()  # "Loading weights" bars, once per worker and codec
     torch.manual_seed(seed)
     model = BertForMaskedLM.from_pretrained(str(minilm_dir()), tie_word_embeddings=True)
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
@@ -188,13 +195,9 @@ def docstring_classes(seq_len: int = 128, classes: int = 16, eval_every: int = 2
 def minilm_classifier(classes: int, seed: int = 0) -> nn.Module:
     """all-MiniLM-L6-v2 with a new sequence-classification head (initialised from
     ``seed``) on its pooled [CLS] output."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    _offline_transformers()
     from transformers import BertForSequenceClassification
-    from transformers.utils import logging
 
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
     torch.manual_seed(seed)
     return BertForSequenceClassification.from_pretrained(str(minilm_dir()), num_labels=classes)
 
