@@ -421,6 +421,7 @@ def test_bench_gcomp_tiny(tmp_path):
     assert "## Kernels" in text and "fused hop" in text
     assert "| torch fp16 cast |" in text and "of its speed" in text  # what users have
     assert "## Kernels on the real gradients" in text  # sizes and kernels: both gradients
+    assert "the optimizer's thresholds took" in text and "s per step on one core" in text
     lines = [" ".join(line.split()) for line in text.splitlines()]
     for run_ in ("gpt / adamw", "gpt / sgd"):
         for mode in ("thresholds", "none", "torch fp16 cast"):

@@ -59,7 +59,7 @@ from hopq.options import changed_options, option
 from hopq.reporting import Progress
 from hopq.train.contenders import Sync, contender_choices, is_torch, resolve_contenders
 from hopq.train.report import CodecRun, StepRecord, report
-from hopq.train.workloads import WORKLOADS, Workload
+from hopq.train.workloads import WORKLOADS, Workload, step_seed
 
 #: The contender the link is calibrated against: torch's fp16 hook, what a
 #: PyTorch user who compresses at all already has.
@@ -269,13 +269,6 @@ def _probe(lane: _Lane, b: Any) -> float:
     return float(t)
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The global generator's seed for a rank's training step: the same for
-    every contender, so that their dropout masks are the same."""
-    # offset from the data's generator seed (Workload.batch), so the two differ
-    return (seed * 1_000_003 + step * 1009 + rank + (1 << 40)) & ((1 << 63) - 1)
-
-
 def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) -> None:
     probe_s = _probe(lane, b) if probe else float("nan")
     if probe:
@@ -284,7 +277,8 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     lane.sync.begin(measure)
     # every contender draws the same dropout masks at this step on this rank
     # (MiniLM's dropout; the contenders share one generator and run in turn)
-    torch.manual_seed(step_seed(o.seed, step, dist.get_rank()))
+    # (offset from the micro-batch's seed, so that masks and data draw apart)
+    torch.manual_seed(step_seed(o.seed, step, dist.get_rank()) + (1 << 40))
     dist.barrier()
     t0 = time.perf_counter()
     loss = lane.w.loss(lane.ddp, b)

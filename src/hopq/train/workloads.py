@@ -224,9 +224,14 @@ class Workload:
     def batch(self, seed: int, rank: int, step: int, size: int) -> Batch:
         """Rank ``rank``'s micro-batch of step ``step``: a pure function of the
         arguments, so every contender of a run sees the same data order."""
-        return self.sample(
-            torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank), size
-        )
+        return self.sample(torch.Generator().manual_seed(step_seed(seed, step, rank)), size)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A seed for rank ``rank``'s step ``step`` of a run seeded ``seed``: the
+    micro-batch's generator's (:meth:`Workload.batch`); the training job offsets
+    it for the dropout masks."""
+    return seed * 1_000_003 + step * 1009 + rank
 
 
 def gpt(seed: int = 0, dim: int = 256, layers: int = 4, context: int = 128) -> Workload:

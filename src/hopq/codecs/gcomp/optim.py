@@ -31,12 +31,11 @@ def thresholds(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> 
 
     Computed in float32 (float64 for float64 parameters), in place in the output
     with the scalar factors folded: a few passes over memory per coordinate, so
-    that MiniLM's 22.7M coordinates cost 0.14 s per step on one core rather than
-    the 0.93 s of a float64 evaluation with temporaries. The result is float32
-    either way. Where A's two terms nearly cancel, float32 moves it by up to
-    1e-2 relative (elsewhere not at all: the median difference is 0); on
-    MiniLM's gradients over 4 steps of AdamW and of SGD with momentum, no
-    coordinate decoded differently from the float64 evaluation's thresholds."""
+    that MiniLM's 22.7M coordinates cost 0.14 s per step on one core with AdamW
+    (``hopq bench gcomp --parts sizes`` reports it) rather than the 0.93 s of a
+    float64 evaluation with temporaries. The result is float32 either way.
+    Where A's two terms nearly cancel, float32 moves it by up to 1e-2 relative
+    (elsewhere not at all: the median difference is 0)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     locals_ = [_local(p.detach()) for p in params]
     if not locals_:
