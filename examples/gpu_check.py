@@ -14,7 +14,9 @@
    replayed by the simulator on the CPU);
 4. the DDP hook on a single-rank NCCL group with CUDA parameters: the
    overlapped hook (its side stream and the future with devices) against
-   ``overlap=False`` bit for bit, and kernel selection under ``backend="auto"``.
+   ``overlap=False`` bit for bit, and kernel selection under ``backend="auto"``;
+5. GComp's truncation thresholds from an optimizer's CUDA state against the
+   same state on the CPU (SGD, momentum, Nesterov, Adam, AdamW).
 
 Two NCCL ranks cannot share one GPU: the multi-rank NCCL transport stays
 unverified by this script (Gloo ranks can, and do). Writes ``gpu_check.md`` under ``--out``.
@@ -23,6 +25,7 @@ unverified by this script (Gloo ranks can, and do). Writes ``gpu_check.md`` unde
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -552,6 +555,55 @@ def check_hook(lines: list[str]) -> bool:
     return ok
 
 
+_OPTIMIZERS = {
+    "SGD, weight decay": lambda ps: torch.optim.SGD(ps, lr=0.05, weight_decay=1e-2),
+    "SGD, momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, dampening=0.1),
+    "Nesterov": lambda ps: torch.optim.SGD(
+        ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3
+    ),
+    "Adam, weight decay": lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=1e-2),
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=1e-2),
+}
+
+
+def check_thresholds(lines: list[str], dev: str = "cuda") -> bool:
+    """GComp's thresholds |A| from an optimizer's state on ``dev`` against the
+    same parameters and state moved to the CPU (bits, and the share that differ)."""
+    from hopq.codecs.gcomp.optim import thresholds
+
+    lines += [
+        "## GComp's thresholds from the optimizer's state: " + dev + " against the CPU",
+        "",
+        "| optimizer | coordinates | differing | largest relative difference |",
+        "|---|---:|---:|---:|",
+    ]
+    ok = True
+    for name, make in _OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(512, 1000), torch.nn.Linear(1000, 333), torch.nn.Linear(333, 7)
+        ).to(dev)
+        opt = make(list(model.parameters()))
+        gen = torch.Generator(device=dev).manual_seed(2)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.randn(32, 512, device=dev, generator=gen)).square().mean().backward()
+            opt.step()
+        cpu = copy.deepcopy(model).cpu()
+        ocpu = make(list(cpu.parameters()))
+        ocpu.load_state_dict(opt.state_dict())  # the state follows the CPU parameters
+        a = thresholds(opt, list(model.parameters())).cpu()
+        b = thresholds(ocpu, list(cpu.parameters()))
+        diff = ~torch.eq(_bits(a), _bits(b))
+        rel = ((a - b).abs() / b.abs().clamp_min(1e-30))[diff]
+        worst = f"{rel.max().item():.2e}" if rel.numel() else "0"
+        ok &= bool(torch.isfinite(a).all())
+        lines.append(f"| {name} | {a.numel():,} | {int(diff.sum()):,} | {worst} |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    return ok
+
+
 def profile(name: str, n: int, world: int) -> None:
     """Where one ``hopq.simulate`` call of ``name`` spends its time on CUDA (the
     Python side: kernel launches and host synchronizations show up here)."""
@@ -594,6 +646,8 @@ def main() -> int:
         ok = check_variants(args.n // 4, args.world, lines, dev="cpu")
         ok &= check_gloo(args.world, args.n // 16, lines, dev="cpu")
         ok &= check_fsdp(args.world, lines, dev="cpu")
+        ok &= check_thresholds(lines, dev="cpu")
+        print("\n".join(lines))
         return 0 if ok else 1
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -625,6 +679,7 @@ def main() -> int:
         out.write_text("\n".join(lines) + "\n")
         return 0 if ok else 1
     ok = check_codecs(args.n, args.world, lines)
+    ok &= check_thresholds(lines)
     ok &= check_variants(args.n // 4, args.world, lines)
     ok &= check_gloo(args.world, args.n // 16, lines)
     ok &= check_fsdp(args.world, lines)
