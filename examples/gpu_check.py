@@ -636,6 +636,9 @@ def main() -> int:
     p.add_argument("--only-fsdp", action="store_true", help="only the FSDP2 section")
     p.add_argument("--only-hook", action="store_true", help="only the NCCL hook section")
     p.add_argument(
+        "--only-thresholds", action="store_true", help="only GComp's thresholds on CUDA vs CPU"
+    )
+    p.add_argument(
         "--cpu-dry-run",
         action="store_true",
         help="run the engine-paths table with the CPU standing in for CUDA (checks the script)",
@@ -662,6 +665,10 @@ def main() -> int:
         f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}",
         "",
     ]
+    if args.only_thresholds:
+        ok = check_thresholds(lines)
+        (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")
+        return 0 if ok else 1
     if args.only_hook:
         ok = check_hook(lines)
         (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")

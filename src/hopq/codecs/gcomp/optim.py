@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from hopq.numerics.sqrt import sqrt_
+
 
 def thresholds(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> torch.Tensor:
     """|A| for ``params`` (flattened and concatenated in that order, float32).
@@ -97,7 +99,7 @@ def _one(
         # (1 - beta1^t)(sqrt(v^) + eps), v^ = beta2 v / (1 - beta2^t); v = 0 before the first step
         if "exp_avg_sq" in st:
             torch.mul(flat("exp_avg_sq"), b2 / (1 - b2**t), out=out)
-            out.sqrt_().add_(eps)
+            sqrt_(out).add_(eps)  # correctly rounded: a GPU gives the same bits
         else:
             out.fill_(eps)
         decoupled = isinstance(opt, torch.optim.AdamW) or bool(g.get("decoupled_weight_decay"))
