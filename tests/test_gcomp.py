@@ -182,6 +182,36 @@ def test_kernels_equal_reference_on_random_shapes_and_bit_patterns():
             assert torch.equal(got, ref.encode(x + y, th, fixed, t, chunk)), (case, fixed)
 
 
+def test_accumulating_kernels_keep_signed_zeros_and_nan_bits():
+    """The accumulating decoder and the hop store a pair's second sum without
+    branching on whether its code was there (adding -0.0 instead): locals of
+    -0.0 and signalling NaNs beside decoded -0.0, with codes too long to pair,
+    give the reference's bits."""
+    pytest.importorskip("numba")
+    from hopq.kernels import gcomp_cpu
+
+    g = torch.Generator().manual_seed(9)
+    n = 4099
+    snan = torch.tensor([0x7F800001, -0x7EDCBB], dtype=torch.int32).view(torch.float32)
+    local = torch.full((n,), -0.0)
+    local[::7] = snan[0]
+    local[3::11] = snan[1]
+    local[1::5] = 0.0
+    w = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 8)
+    w[torch.rand(n, generator=g) < 0.4] = -0.0
+    for nt in (4, 10):
+        t = build_table(ref.histogram(torch.randn(16, generator=g)), nt)  # long codes
+        p = ref.encode(w, None, -1, t, 1000)
+        want = local + ref.decode(p, n, t, 1000)
+        z = local.clone()
+        gcomp_cpu.decode(p, n, t, 1000, z, True)
+        assert torch.equal(z.view(torch.int32), want.view(torch.int32)), nt
+        h = local.clone()
+        got = gcomp_cpu.hop(p, h, None, -1, t, 1000)
+        assert torch.equal(h.view(torch.int32), want.view(torch.int32)), nt
+        assert torch.equal(got, ref.encode(want, None, -1, t, 1000)), nt
+
+
 def test_table_rebuilt_every_k_calls_per_key_and_ids_checked():
     codec = GComp(rebuild_every=3)
     xs = [[_grad(3000, seed=10 * s + r) * (10.0**s) for r in range(2)] for s in range(7)]

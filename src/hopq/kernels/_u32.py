@@ -41,6 +41,13 @@ def _binary(op, ty=types.uint32):
 mul32 = _binary(lambda b, x, y: b.mul(x, y))  # (x * y) mod 2^32
 add32 = _binary(lambda b, x, y: b.add(x, y))  # (x + y) mod 2^32
 xor32 = _binary(lambda b, x, y: b.xor(x, y))
+sub32 = _binary(lambda b, x, y: b.sub(x, y))  # (x - y) mod 2^32
+and32 = _binary(lambda b, x, y: b.and_(x, y))
+or32 = _binary(lambda b, x, y: b.or_(x, y))
+shl32 = _binary(lambda b, x, k: b.shl(x, k))  # (x << k) mod 2^32, k < 32
+# comparisons as 0 or 1 in a uint32
+ltu32 = _binary(lambda b, x, y: b.zext(b.icmp_unsigned("<", x, y), x.type))
+neu32 = _binary(lambda b, x, y: b.zext(b.icmp_unsigned("!=", x, y), x.type))
 lshr32 = _binary(lambda b, x, k: b.lshr(x, k))  # x >> k, k < 32
 xorshift32 = _binary(lambda b, x, k: b.xor(x, b.lshr(x, k)))  # x ^ (x >> k)
 # int32 + and - (numba widens int32 arithmetic to int64, which halves the lanes
