@@ -185,8 +185,8 @@ def test_kernels_equal_reference_on_random_shapes_and_bit_patterns():
 def test_accumulating_kernels_keep_signed_zeros_and_nan_bits():
     """The accumulating decoder and the hop store a pair's second sum without
     branching on whether its code was there (adding -0.0 instead): locals of
-    -0.0 and signalling NaNs beside decoded -0.0, with codes too long to pair,
-    give the reference's bits."""
+    -0.0, +0.0 and signalling NaNs, zeros among the sent values (which travel
+    as zeros) and codes too long to pair give the reference's bits."""
     pytest.importorskip("numba")
     from hopq.kernels import gcomp_cpu
 

@@ -437,7 +437,8 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     otherwise; with no second code its symbol is 0, which advances neither).
     Escapes and unknown codes take the one-value ``lut`` path. Accumulating, a
     pair's two sums are stored without a branch on whether the second code
-    was there (see :func:`_put`); only the chunk's last value stores alone."""
+    was there, and the chunk's last value through the same store (see
+    :func:`_put`)."""
     E, L, M = scr
     off = heads[c, 0]
     vals = heads[c, 2]

@@ -7,10 +7,12 @@ root rounded to float32), while torch's CUDA ``sqrt`` (H200) matched IEEE's on
 every one. GComp's thresholds take a square root of Adam's second moment, so
 the same optimizer state gave different thresholds on a GPU and on a CPU.
 Here the CPU's float32 root comes from numpy's (the hardware's square root
-instruction) when numpy is installed, and otherwise from the float64 root
-rounded to float32, which is the correctly rounded float32 root: the exact root
-of a float32 lies at least 2^-51 (relative) from a float32 rounding boundary,
-farther than a float64 root's error. Other dtypes and devices use torch's.
+instruction) when numpy is installed, and otherwise from torch's float64 root
+rounded to float32. That is the correctly rounded float32 root whenever the
+float64 root is within 2^-51 (relative) of the exact one, as one accurate to a
+float64 ulp (2^-52) is: the exact root of a float32 lies at least that far from
+a float32 rounding boundary. ``tests/test_numerics.py`` checks both routes
+against Python's root. Other dtypes and devices use torch's.
 """
 
 from __future__ import annotations
