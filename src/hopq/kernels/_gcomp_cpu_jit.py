@@ -19,8 +19,9 @@ bits fit), so the loop keeps no byte index and no per-stream remainder.
 
 The decoder reads exponents from a 64-bit bit buffer refilled 32 bits at a
 time from big-endian words (without a branch), so the loop's serial chain is
-lookup -> shift, and it looks up two codes at once where both fit in the next
-12 bits (a pair table), so the chain runs about once per two values; the
+lookup -> shift, and it looks up to three codes at once where they fit in the
+next 12 bits (a multi-code table), so the chain runs once per two or three
+values; the
 one-code table packs ``symbol << 8 | length`` and one compare sends the escape
 and the codes the table does not know to a rare branch. The levels are first
 unpacked one per byte, and a mantissa field is peeked at its bit position with
@@ -51,7 +52,7 @@ SUB = 2048
 #: Lookup-table entries at or above this (symbol >= 256) are the escape or a
 #: code the table does not know (symbol 257).
 _RARE = 256 << 8
-#: Pair-table entries at or above this: the first code is not in the table.
+#: Multi-code table entries at or above this: the first code is not in the table.
 _PAIR_RARE = 0xFFFFFFFF
 #: By level + 4 * (value != 0): the kept sign + mantissa bits, and the mask of
 #: the kept mantissa bits (all 0 for a pruned zero).
@@ -389,33 +390,36 @@ def _value(M, L, li, mbit, sym):
     return v, li + nz, mbit + _KEEP[lx]
 
 
-def _put(dst, i, nxt, two, v1, v2):
-    """Store a decoded pair at dst[i] and dst[i + nxt] (nxt 1, or 0 for the
-    chunk's last value, which takes one code): v1, and v2 when ``two``; by
-    dst's type their float32 bits (uint32) or added to the local values in
-    place (float32). Without a second value dst[i + nxt] is written all the
-    same, so the loop does not branch on ``two``: with a placeholder that the
-    next pair or the store of v1 overwrites (bits), or with its own value
+def _put(dst, i, n, k, v1, v2, v3):
+    """Store up to three decoded values at dst[i], dst[i + n], dst[i + 2n] (n 1,
+    or 0 for the chunk's last two values, which take one code each): v1, v2
+    when k >= 1, v3 when k = 2; by dst's type their float32 bits (uint32) or
+    added to the local values in place (float32). Values that are not there
+    are written all the same, so the loop does not branch on ``k``: with a
+    placeholder that a later store overwrites (bits), or with the local value
     plus -0.0, which is that value (sums; an sNaN comes out quietened, as the
-    next value's addition leaves it anyway). The second store comes first, so
-    that with nxt = 0 the first one wins."""
+    next value's addition leaves it anyway). The stores run last to first, so
+    that with n = 0 the first one wins."""
 
 
 @overload(_put, inline="always")
-def _put_by_type(dst, i, nxt, two, v1, v2):
+def _put_by_type(dst, i, n, k, v1, v2, v3):
     if isinstance(dst.dtype, types.Float):
 
-        def put_sum(dst, i, nxt, two, v1, v2):
-            # local + decoded (the reference's order), both read before either store
+        def put_sum(dst, i, n, k, v1, v2, v3):
+            # local + decoded (the reference's order), all read before any store
             a1 = dst[i]
-            a2 = dst[i + nxt]
-            dst[i + nxt] = a2 + _U32(v2 | ((two ^ _U32(1)) << _U32(31))).view(np.float32)
+            a2 = dst[i + n]
+            a3 = dst[i + n + n]
+            dst[i + n + n] = a3 + _U32(v3 | (_U32(k < _U64(2)) << _U32(31))).view(np.float32)
+            dst[i + n] = a2 + _U32(v2 | (_U32(k < _U64(1)) << _U32(31))).view(np.float32)
             dst[i] = a1 + _U32(v1).view(np.float32)
 
         return put_sum
 
-    def put_bits(dst, i, nxt, two, v1, v2):
-        dst[i + nxt] = v2
+    def put_bits(dst, i, n, k, v1, v2, v3):
+        dst[i + n + n] = v3
+        dst[i + n] = v2
         dst[i] = v1
 
     return put_bits
@@ -428,17 +432,17 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     the decoder's loop, where it hides behind the exponent chain). Returns 0, or -1 bad exponent stream, -2
     escaped short code, -3 non-zero count, -4 mantissa length.
 
-    Exponents are decoded two at a time where both codes fit in the next ``pw``
-    bits (the pair table ``plut``: first symbol, second symbol << 8, both codes'
-    length << 16, 1 << 24 when the second is there; ``_PAIR_RARE`` where the
-    first code is not in ``lut``), so the loop's serial chain, lookup -> shift, runs
-    about once per two values. The second value is always computed and kept only
-    when its code was there (its level and mantissa positions advance by 0
-    otherwise; with no second code its symbol is 0, which advances neither).
-    Escapes and unknown codes take the one-value ``lut`` path. Accumulating, a
-    pair's two sums are stored without a branch on whether the second code
-    was there, and the chunk's last value through the same store (see
-    :func:`_put`)."""
+    Exponents are decoded up to three at a time where their codes fit in the
+    next ``pw`` bits (the table ``plut`` of :func:`hopq.kernels.gcomp_cpu._pair_table`:
+    the symbols in bytes 0-2, their lengths' sum << 24, the count of codes
+    after the first << 29; ``_PAIR_RARE`` where the first code is not in
+    ``lut``), so the loop's serial chain, lookup -> shift, runs once per two or
+    three values (three pay on gradients with many zeros, whose code is
+    short). All three values are always computed: an absent code's symbol is
+    0, whose level and mantissa positions advance by 0. Escapes and unknown
+    codes take the one-value ``lut`` path, and so do the chunk's last two
+    values. The values are stored without a branch on how many codes there
+    were (see :func:`_put`)."""
     E, L, M = scr
     off = heads[c, 0]
     vals = heads[c, 2]
@@ -459,7 +463,9 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     mbit = _U64(0)
     i = _U64(0)
     nv = _U64(vals)
-    lim = nv - _U64(nv > _U64(0))  # the chunk's last value takes its own code only
+    # the chunk's last two values take one code each (the table's three would
+    # run past the chunk)
+    lim = nv - _U64(2) if nv > _U64(2) else _U64(0)
     while True:
         if i < lim:
             ent = _U64(plut[bb >> psh])
@@ -477,20 +483,21 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
                     return -2
             else:
                 s1 = e1 >> _U64(8)
-            ent = s1 | ((e1 & _U64(0xFF)) << _U64(16))
-        ln = (ent >> _U64(16)) & _U64(0xFF)
+            ent = s1 | ((e1 & _U64(0xFF)) << _U64(24))
+        ln = (ent >> _U64(24)) & _U64(31)
         bb <<= ln
         cnt -= ln
         need = _U64(cnt < _U64(32))
         bb |= (_U64(E[fi]) << ((_U64(32) - cnt) & _U64(63))) & (_U64(0) - need)
         cnt += need << _U64(5)
         fi += need
-        two = (ent >> _U64(24)) & _U64(1)
+        k = (ent >> _U64(29)) & _U64(3)
+        # an absent code's symbol is 0, which advances neither li nor mbit
         v1, li, mbit = _value(M, L, li, mbit, ent & _U64(0xFF))
-        # sym2 is 0 when the second code is not there: li and mbit stay
         v2, li, mbit = _value(M, L, li, mbit, (ent >> _U64(8)) & _U64(0xFF))
-        _put(dst, i, _U64(i < lim), _U32(two), v1, v2)
-        i += _U64(1) + two
+        v3, li, mbit = _value(M, L, li, mbit, (ent >> _U64(16)) & _U64(0xFF))
+        _put(dst, i, _U64(i < lim), k, v1, v2, v3)
+        i += _U64(1) + k
     if _U64(32) * fi - cnt != _U64(eb):
         return -1
     if li != _U64(nnz):

@@ -37,15 +37,15 @@ def _jit() -> Any:
     return _gcomp_cpu_jit
 
 
-#: Bits the decoder's pair table reads at once (at least n_theta).
+#: Bits the decoder's code table reads at once (at least n_theta).
 PAIR_BITS = 12
 
 
 @lru_cache(maxsize=64)
 def _np_table(table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """(each exponent's code << 6 | length; the lookup table, symbol << 8 |
-    length, symbol 257 where no code reaches; the native code lengths; the pair
-    table of :func:`_pair_table` and the bits it reads)."""
+    length, symbol 257 where no code reaches; the native code lengths; the
+    multi-code table of :func:`_pair_table` and the bits it reads)."""
     lut = (table.lut_sym << 8) | table.lut_len
     lut[table.lut_len == 0] = 257 << 8
     lut_np = lut.numpy().astype(np.uint32)
@@ -60,21 +60,29 @@ def _np_table(table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
 
 def _pair_table(lut: np.ndarray, n_theta: int) -> np.ndarray:
     """For every value of the next w = max(PAIR_BITS, n_theta) bits of the
-    exponent stream: the first code's symbol, the second's << 8, both lengths'
-    sum << 16 and 1 << 24 when the second code lies within the w bits too (a
-    prefix code: a code no longer than the bits known is the true next one); all
-    ones where the first code is an escape or unknown (the decoder's one-code
-    path). Symbols 256 and 257 never pair."""
+    exponent stream, the codes that lie wholly within them, up to three (a
+    prefix code: a code no longer than the bits known is the true next one):
+    the first symbol, the second << 8, the third << 16 (0 where absent), their
+    lengths' sum << 24 (at most 16: five bits) and the count of codes after the
+    first << 29; all ones where the first code is an escape or unknown (the
+    decoder's one-code path). Symbols 256 and 257 never follow a first one."""
     w = max(PAIR_BITS, n_theta)
+    mask = (1 << w) - 1
     idx = np.arange(1 << w, dtype=np.int64)
     e1 = lut[idx >> (w - n_theta)].astype(np.int64)
-    l1 = e1 & 0xFF
-    rest = (idx << l1) & ((1 << w) - 1)  # the bits after the first code, zero filled
-    e2 = lut[rest >> (w - n_theta)].astype(np.int64)
-    l2 = e2 & 0xFF
-    two = (e2 < (256 << 8)) & (l2 <= w - l1)
-    ent = (e1 >> 8) | np.where(two, ((e2 >> 8) << 8) | (1 << 24), 0)
-    ent |= (l1 + np.where(two, l2, 0)) << 16
+    used = e1 & 0xFF
+    ent = e1 >> 8
+    more = np.zeros_like(idx)
+    ok = np.ones(idx.shape, bool)  # every code so far is in the table
+    for k in (1, 2):
+        rest = (idx << used) & mask  # the bits after the codes so far, zero filled
+        e = lut[rest >> (w - n_theta)].astype(np.int64)
+        ln = e & 0xFF
+        ok &= (e < (256 << 8)) & (ln <= w - used)
+        ent |= np.where(ok, (e >> 8) << (8 * k), 0)
+        used += np.where(ok, ln, 0)
+        more += ok
+    ent |= (used << 24) | (more << 29)
     ent[e1 >= (256 << 8)] = 0xFFFFFFFF
     return ent.astype(np.uint32)
 
