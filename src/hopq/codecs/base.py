@@ -488,11 +488,16 @@ def optimizer_unused(codec: Codec[Any]) -> str | None:
     return getattr(codec, "optimizer_unused", None) or None
 
 
-def check_takes_optimizer(codec: Codec[Any]) -> None:
-    """Raise ValueError unless an optimizer handed to ``codec`` is used."""
+def check_takes_optimizer(codec: Codec[Any], optimizer: Any) -> None:
+    """Raise ValueError unless ``optimizer``, handed to ``codec``, is used, and
+    (the codec's ``check_optimizer``) is one the codec has a rule for: a hook
+    refuses it when built, not at its first bucket."""
     why = optimizer_unused(codec)
     if why:
         raise ValueError(why)
+    check = getattr(codec, "check_optimizer", None)
+    if check is not None:
+        check(optimizer)
 
 
 def missing_optimizer(codec: Codec[Any], optimizer: Any, where: str) -> str | None:

@@ -99,10 +99,7 @@ class HookState(CallRecords):
         #: before each bucket (codecs with ``set_thresholds``: GComp's
         #: optimizer-aware truncation); None: no thresholds.
         if optimizer is not None:
-            check_takes_optimizer(self.codec)
-            from hopq.codecs.gcomp.optim import check_rule
-
-            check_rule(optimizer)  # not at the first bucket, on the thread
+            check_takes_optimizer(self.codec, optimizer)
         self.optimizer = optimizer
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology

@@ -144,10 +144,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         c = get_codec(codec, **codec_config)
         if optimizer is not None:
-            check_takes_optimizer(c)
-            from hopq.codecs.gcomp.optim import check_rule
-
-            check_rule(optimizer)
+            check_takes_optimizer(c, optimizer)
         elif thresholds_every != THRESHOLDS_EVERY:
             raise ValueError(
                 "thresholds_every sets how often the optimizer's thresholds are refreshed: "

@@ -53,7 +53,7 @@ SUB = 2048
 #: code the table does not know (symbol 257).
 _RARE = 256 << 8
 #: Multi-code table entries at or above this: the first code is not in the table.
-_PAIR_RARE = 0xFFFFFFFF
+_MULTI_RARE = 0xFFFFFFFF
 #: By level + 4 * (value != 0): the kept sign + mantissa bits, and the mask of
 #: the kept mantissa bits (all 0 for a pruned zero).
 _KEEP = np.array([0, 0, 0, 0, 24, 18, 12, 6], np.uint64)
@@ -433,9 +433,9 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     escaped short code, -3 non-zero count, -4 mantissa length.
 
     Exponents are decoded up to three at a time where their codes fit in the
-    next ``pw`` bits (the table ``plut`` of :func:`hopq.kernels.gcomp_cpu._pair_table`:
+    next ``pw`` bits (the table ``plut`` of :func:`hopq.kernels.gcomp_cpu._multi_table`:
     the symbols in bytes 0-2, their lengths' sum << 24, the count of codes
-    after the first << 29; ``_PAIR_RARE`` where the first code is not in
+    after the first << 29; ``_MULTI_RARE`` where the first code is not in
     ``lut``), so the loop's serial chain, lookup -> shift, runs once per two or
     three values (three pay on gradients with many zeros, whose code is
     short). All three values are always computed: an absent code's symbol is
@@ -470,10 +470,10 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
         if i < lim:
             ent = _U64(plut[bb >> psh])
         elif i < nv:
-            ent = _U64(_PAIR_RARE)
+            ent = _U64(_MULTI_RARE)
         else:
             break
-        if ent >= _U64(_PAIR_RARE):
+        if ent >= _U64(_MULTI_RARE):
             e1 = _U64(lut[bb >> sh])
             if e1 >= _U64(_RARE):
                 if e1 >> _U64(8) != _U64(256):

@@ -38,14 +38,14 @@ def _jit() -> Any:
 
 
 #: Bits the decoder's code table reads at once (at least n_theta).
-PAIR_BITS = 12
+TABLE_BITS = 12
 
 
 @lru_cache(maxsize=64)
 def _np_table(table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
     """(each exponent's code << 6 | length; the lookup table, symbol << 8 |
     length, symbol 257 where no code reaches; the native code lengths; the
-    multi-code table of :func:`_pair_table` and the bits it reads)."""
+    multi-code table of :func:`_multi_table` and the bits it reads)."""
     lut = (table.lut_sym << 8) | table.lut_len
     lut[table.lut_len == 0] = 257 << 8
     lut_np = lut.numpy().astype(np.uint32)
@@ -53,20 +53,20 @@ def _np_table(table: Table) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndar
         ((table.enc_code << 6) | table.enc_len).numpy().astype(np.uint32),
         lut_np,
         table.lengths.numpy().astype(np.int64),
-        _pair_table(lut_np, table.n_theta),
-        max(PAIR_BITS, table.n_theta),
+        _multi_table(lut_np, table.n_theta),
+        max(TABLE_BITS, table.n_theta),
     )
 
 
-def _pair_table(lut: np.ndarray, n_theta: int) -> np.ndarray:
-    """For every value of the next w = max(PAIR_BITS, n_theta) bits of the
+def _multi_table(lut: np.ndarray, n_theta: int) -> np.ndarray:
+    """For every value of the next w = max(TABLE_BITS, n_theta) bits of the
     exponent stream, the codes that lie wholly within them, up to three (a
     prefix code: a code no longer than the bits known is the true next one):
     the first symbol, the second << 8, the third << 16 (0 where absent), their
     lengths' sum << 24 (at most 16: five bits) and the count of codes after the
     first << 29; all ones where the first code is an escape or unknown (the
     decoder's one-code path). Symbols 256 and 257 never follow a first one."""
-    w = max(PAIR_BITS, n_theta)
+    w = max(TABLE_BITS, n_theta)
     mask = (1 << w) - 1
     idx = np.arange(1 << w, dtype=np.int64)
     e1 = lut[idx >> (w - n_theta)].astype(np.int64)

@@ -276,8 +276,8 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     measure = o.vnmse_every > 0 and step % o.vnmse_every == 0
     lane.sync.begin(measure)
     # every contender draws the same dropout masks at this step on this rank
-    # (MiniLM's dropout; the contenders share one generator and run in turn)
-    # (offset from the micro-batch's seed, so that masks and data draw apart)
+    # (MiniLM's dropout; the contenders share one generator and run in turn),
+    # from a seed offset from the micro-batch's so that masks and data draw apart
     torch.manual_seed(step_seed(o.seed, step, dist.get_rank()) + (1 << 40))
     dist.barrier()
     t0 = time.perf_counter()

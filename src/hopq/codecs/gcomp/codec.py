@@ -51,6 +51,7 @@ from hopq.codecs.base import (
 from hopq.codecs.gcomp import format as fmt
 from hopq.codecs.gcomp import reference as ref
 from hopq.codecs.gcomp.huffman import Table, build_table, table_from_lengths
+from hopq.codecs.gcomp.optim import check_rule
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
@@ -141,6 +142,11 @@ class GComp(Codec[GCompPlan]):
             "thresholds would not be used: pass no optimizer, or fixed_level=-1 for the "
             "optimizer-aware truncation"
         )
+
+    @staticmethod
+    def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+        """Raise ValueError unless Table 2 has a truncation rule for ``optimizer``."""
+        check_rule(optimizer)
 
     def set_thresholds(self, thr: torch.Tensor | None, key: int | None = None) -> None:
         """|A| per coordinate (delta = A / g, paper Table 2) of the gradient the
