@@ -111,7 +111,8 @@ def compute_drift(runs: list[CodecRun]) -> tuple[float, str]:
         f"**WARNING: the timings are unreliable.** The contenders' compute (forward and "
         f"backward without communication, the same work for all) differs by {drift:.0%}: "
         f"{hi} {med[hi]:.3f} s vs {lo} {med[lo]:.3f} s per step (bound {COMPUTE_DRIFT:.0%}). "
-        "The machine was busy with something else; rerun on a quiet machine."
+        "Something else loaded the machine, or its speed varied (a shared or virtual "
+        "host); rerun on a quiet machine, or repeat the run and compare."
     )
 
 
