@@ -148,6 +148,17 @@ def _timed(codec, probes, step_s=1.0):
     return CodecRun(codec, 10, steps, [(0.0, 1.0)])
 
 
+def test_a_last_bucket_holding_most_of_the_gradient_is_named():
+    from hopq.train.report import CodecRun, bucket_line
+
+    # the GPT with DDP's default buckets: 1 MiB, then 11.4 MiB at the backward's end
+    default = bucket_line([CodecRun("bf16", bucket_bytes=[1 << 20, 11_950_000])], 0.0)
+    assert "2 buckets" in default and "holds 92% of the gradient" in default
+    assert "--bucket-mb" in default
+    small = bucket_line([CodecRun("bf16", bucket_bytes=[2 << 20] * 6 + [400_000])], 2.0)
+    assert "7 buckets" in small and "last bucket" not in small
+
+
 def test_compute_drift_between_contenders_is_flagged():
     from hopq.train.report import compute_drift
 

@@ -61,10 +61,23 @@ def bucket_line(runs: list[CodecRun], cap_mb: float) -> str:
     if not sizes:
         return f"DDP's bucket cap: {cap}; DDP had not logged its rebuilt buckets."
     mb = ", ".join(f"{b / 2**20:.1f}" for b in sizes)
-    return (
+    line = (
         f"DDP's bucket cap: {cap}, so {len(sizes)} bucket{'s' * (len(sizes) != 1)}"
         f" per step, in reduction order (MiB): {mb}."
     )
+    last = sizes[-1] / sum(sizes)
+    if last > LAST_BUCKET_SHARE:
+        line += (
+            f" **The last bucket holds {last:.0%} of the gradient** and is ready only when "
+            "the backward pass ends, so its synchronization cannot hide behind compute, "
+            "whatever the hook; a smaller --bucket-mb splits it."
+        )
+    return line
+
+
+#: A last bucket above this share of the gradient leaves every hook little to
+#: overlap: the report says so.
+LAST_BUCKET_SHARE = 0.5
 
 
 def timed_steps(run: CodecRun) -> list[StepRecord]:
