@@ -149,6 +149,9 @@ def test_bench_allreduce_reports_bytes_and_codec_work():
         row = next(line for line in report.splitlines() if method in line)
         cells = [c.strip() for c in row.split("|")]
         assert cells[8] == "2 KiB"  # 1024 coordinates as bfloat16, once around a 2-rank ring
+    # torch's fp16 hook's all-reduce, timed beside hopq's bf16: the same bytes on the wire
+    row = next(line for line in report.splitlines() if "torch.distributed/fp16 " in line)
+    assert [c.strip() for c in row.split("|")][8] == "2 KiB"
     with pytest.raises(ValueError, match="microshards"):
         allreduce.Options(microshards=(0, -2))
     with pytest.raises(ValueError, match="microshards"):

@@ -1,5 +1,8 @@
 """``hopq bench allreduce``: nccl-tests style timings of hopq's all-reduce
-against ``torch.distributed.all_reduce`` measured in the same run.
+against ``torch.distributed.all_reduce`` measured in the same run: on the
+float32 tensor, and as torch's ``fp16_compress_hook`` does it (cast to float16
+divided by n, all-reduce, cast back into the float32 tensor), the same bytes
+on the wire as hopq's bf16.
 
 algbw = size / time, busbw = algbw x 2(n-1)/n (nccl-tests conventions), with
 size the bytes of the caller's float32 tensor. Each timing is the median over
@@ -28,6 +31,10 @@ from hopq.options import option
 from hopq.reporting import human_bytes, machine, markdown_table
 
 NATIVE = "torch.distributed"
+#: torch's fp16 hook's all-reduce of a bucket: what a PyTorch user who compresses
+#: at all already has.
+NATIVE_FP16 = "torch.distributed/fp16"
+NATIVES = (NATIVE, NATIVE_FP16)
 #: (method, size) -> seconds, ("step", 0) -> seconds, (method, size, "bytes" | "codec")
 Results = dict[tuple[Any, ...], float]
 
@@ -84,8 +91,8 @@ class Options:
             raise ValueError("--microshards: counts from 1 to 64, or 0 for the engine's choice")
 
     def methods(self) -> list[str]:
-        """``native`` and every codec/topology[/u<microshards>] to time."""
-        return [NATIVE] + [
+        """torch's two and every codec/topology[/u<microshards>] to time."""
+        return [NATIVE, NATIVE_FP16] + [
             f"{c}/{t}" + (f"/u{u}" if u else "")
             for c in self.resolved_codecs()
             for t in self.topologies
@@ -150,7 +157,7 @@ def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, boo
     from hopq.comm import engine
 
     out: dict[tuple[str, int, bool], float] = {}
-    methods = [m for m in o.methods() if m != NATIVE]  # with --microshards' depths
+    methods = [m for m in o.methods() if m not in NATIVES]  # with --microshards' depths
     codecs = {m: get_codec(m.split("/")[0]) for m in methods}
     for size in _sizes(o):
         x0 = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
@@ -183,7 +190,7 @@ def _agreement_report(o: Options) -> str:
     rows = []
     for size in _sizes(o):
         for m in o.methods():
-            if m != NATIVE:
+            if m not in NATIVES:
                 on, off = res[(m, size, True)], res[(m, size, False)]
                 rows.append(
                     [human_bytes(size), m, f"{off * 1e3:.2f}", f"{on * 1e3:.2f}",
@@ -198,6 +205,14 @@ def _agreement_report(o: Options) -> str:
     )
 
 
+def _fp16_hook_all_reduce(x: torch.Tensor, n: int) -> None:
+    """What torch's ``fp16_compress_hook`` does with a bucket ``x``: float16
+    divided by n, Gloo's all-reduce, back into ``x``."""
+    h = x.to(torch.float16).div_(n)
+    dist.all_reduce(h)
+    x.copy_(h)
+
+
 def _worker(rank: int, n: int, o: Options) -> Results:
     """Per (method, size): the median time; for hopq's methods also, as
     (method, size, "bytes") and (method, size, "codec"), the most bytes any rank
@@ -207,7 +222,7 @@ def _worker(rank: int, n: int, o: Options) -> Results:
     if n > 1:
         out[("step", 0)] = _step_latency(rank, n)
     methods = o.methods()
-    codecs = {m: get_codec(m.split("/")[0]) for m in methods if m != NATIVE}
+    codecs = {m: get_codec(m.split("/")[0]) for m in methods if m not in NATIVES}
     for size in _sizes(o):
         x0 = torch.randn(size // 4, generator=torch.Generator().manual_seed(rank))
         x = x0.clone()
@@ -218,7 +233,10 @@ def _worker(rank: int, n: int, o: Options) -> Results:
         for m in methods:
             runs: list[RunStats] = []
             fn: Callable[[], object] = functools.partial(dist.all_reduce, x)
-            if m != NATIVE:
+            if m == NATIVE_FP16:
+                fn = functools.partial(_fp16_hook_all_reduce, x, n)
+                out[(m, size, "bytes")] = 2 * (n - 1) / n * size / 2
+            elif m != NATIVE:
                 call = functools.partial(
                     all_reduce, x, codecs[m], m.split("/")[1], microshards=_microshards(m)
                 )
@@ -288,7 +306,7 @@ def run(o: Options) -> str:
         for m in methods:
             t = res[(m, size)]
             algbw = size / t / 1e9
-            bf16 = res.get(("bf16" + m[m.index("/") :], size)) if m != NATIVE else None
+            bf16 = res.get(("bf16" + m[m.index("/") :], size)) if m not in NATIVES else None
             # a ring's bytes for Gloo's own algorithm; hopq counts what it sent
             sent = res.get((m, size, "bytes"), 2 * (n - 1) / n * size)
             codec = res.get((m, size, "codec"))
@@ -341,8 +359,10 @@ def run(o: Options) -> str:
             rows,
         )
         + (
-            "\n\nsent / rank: the most payload and statistics bytes one rank sent in a call "
-            f"(for {NATIVE}, a ring's 2(n-1)/n of the tensor); codec work: the largest "
+            f"\n\n{NATIVE_FP16}: what torch's fp16_compress_hook does with a bucket (cast to "
+            "float16 divided by n, Gloo's all-reduce, cast back), timed whole. "
+            "sent / rank: the most payload and statistics bytes one rank sent in a call "
+            f"(for torch's, a ring's 2(n-1)/n of the tensor); codec work: the largest "
             "per-rank median of a call's seconds not spent waiting on the transport"
             + (
                 "; wire ideal: sent / rank at the link rate, the time a call takes if "

@@ -617,10 +617,10 @@ def exchange(
     return [got[q] for q in range(n)]
 
 
-#: Bytes that may ride after :func:`exchange_tails`'s block, per peer: the
-#: largest that keeps block, tail and header one message (Gloo: a second message
-#: costs ~100 us).
-TAIL_BYTES = framing.COALESCE_BYTES - 1024
+#: Bytes that may ride after :func:`exchange_tails`'s block, per peer (every
+#: rank's receives are posted that large, for every call, so it stays small;
+#: block, tail and header travel as one message, see framing.COALESCE_BYTES).
+TAIL_BYTES = (64 << 10) - 1024
 
 
 def tails_ride(transport: Transport) -> bool:
