@@ -54,6 +54,11 @@ class CodecRun:
     bucket_bytes: list[int] = field(default_factory=list)
 
 
+#: A last bucket above this share of the gradient leaves every hook little to
+#: overlap: the report says so.
+LAST_BUCKET_SHARE = 0.5
+
+
 def bucket_line(runs: list[CodecRun], cap_mb: float) -> str:
     """What DDP's buckets were: how many, and their sizes in reduction order."""
     cap = f"{cap_mb:g} MB" if cap_mb else "DDP's default (25 MB, the first bucket 1 MiB)"
@@ -73,11 +78,6 @@ def bucket_line(runs: list[CodecRun], cap_mb: float) -> str:
             "whatever the hook; a smaller --bucket-mb splits it."
         )
     return line
-
-
-#: A last bucket above this share of the gradient leaves every hook little to
-#: overlap: the report says so.
-LAST_BUCKET_SHARE = 0.5
 
 
 def timed_steps(run: CodecRun) -> list[StepRecord]:
