@@ -114,6 +114,27 @@ def test_no_warning_without_a_group():
     assert state._steps_unengaged == hopq_ddp.UNENGAGED_STEPS + 1
 
 
+def test_other_models_steps_do_not_make_a_hook_look_unengaged(monkeypatch):
+    """Steps are counted per optimizer: 14 models trained in turn in one process
+    (``hopq train``'s contenders), each stepping once before the last one's
+    first backward, leave a registered hook quiet; ten steps of one optimizer
+    without a call still warn."""
+    state = hopq.HookState(codec="bf16")
+    monkeypatch.setattr(state, "_world_size", lambda: 2)  # as on a group of 2 ranks
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(14)]
+    opts = [torch.optim.SGD([p], lr=0.1) for p in params]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hopq.HookNotEngagedWarning)
+        for _ in range(hopq_ddp.UNENGAGED_STEPS - 1):  # rounds in which its turn never came
+            for p, opt in zip(params, opts, strict=True):
+                p.grad = torch.ones(3)
+                opt.step()
+    assert state._steps_unengaged == hopq_ddp.UNENGAGED_STEPS - 1
+    with pytest.warns(hopq.HookNotEngagedWarning, match="after 10 steps of one optimizer"):
+        params[0].grad = torch.ones(3)
+        opts[0].step()
+
+
 # -- torch only: DDP example, loggers, the detector, DCP -------------------------------
 @pytest.fixture(scope="module")
 def torch_job(tmp_path_factory):
@@ -144,7 +165,7 @@ def test_not_engaged_warning(torch_job):
         assert len(res["unengaged"]) == 1, res["unengaged"]  # loud, once
         msg = res["unengaged"][0]
         assert "not engaged" in msg and "2 ranks" in msg and "register_comm_hook" in msg
-        assert f"{hopq_ddp.UNENGAGED_STEPS} optimizer steps" in msg
+        assert f"{hopq_ddp.UNENGAGED_STEPS} steps of one optimizer" in msg
         assert len(res["unengaged_metrics"]) == 1
         assert "step_metrics" in res["unengaged_metrics"][0]
         (msg,) = res["at_exit"]

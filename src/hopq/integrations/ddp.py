@@ -135,12 +135,14 @@ class HookState(CallRecords):
         self.exact_seconds = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
-        #: Whether the hook was ever called, and optimizer steps taken in this
-        #: process since this state was built while it was not (the evidence
-        #: that training went on without it: see ``_after_optimizer_step``).
+        #: Whether the hook was ever called, and the most steps one optimizer
+        #: took in this process since this state was built while it was not
+        #: (the evidence that training went on without it: see
+        #: ``_after_optimizer_step``), with each optimizer's count (by id).
         self._engaged = False
         self._optimizer_checked = False
         self._steps_unengaged = 0
+        self._unengaged_by_optimizer: dict[int, int] = {}
         self._world: int | None = None
         self._warned = False
         _watch(self)
@@ -255,6 +257,7 @@ class HookState(CallRecords):
         self.__dict__.setdefault("own_group", None)  # a state pickled before own_group
         self._lock = threading.Lock()
         self._world = None  # a copy sent to another process: its own group
+        self._unengaged_by_optimizer = {}  # optimizers' ids do not travel
         if not self._engaged:
             _watch(self)
 
@@ -444,13 +447,20 @@ def _unpack(blob: bytes) -> Any:
 # evidence that training went on without the hook is optimizer steps: every
 # torch optimizer runs the global step post-hook below. A state warns once, when
 # it was never called and its group has several ranks, after UNENGAGED_STEPS
-# optimizer steps in this process since it was built, when ``step_metrics()``
-# finds no bucket after an optimizer step, or at exit after any. A state built
-# without training (tests, a single process, a group of one) never warns.
+# steps of one optimizer in this process since it was built, when
+# ``step_metrics()`` finds no bucket after an optimizer step, or at exit after
+# any. A state built without training (tests, a single process, a group of one)
+# never warns.
+#
+# Steps are counted per optimizer, not in total: a process may train several
+# models in turn, each with its own optimizer and hook (``hopq train`` trains 14
+# contenders step by step, a GAN its generator and critic), and a model whose
+# turn comes late would otherwise see the others' steps before its own first
+# backward and warn although its hook is registered.
 
-#: Optimizer steps without a call after which a state warns. Not 1: a state may
-#: be built before other models train in the same process (a GAN's critic steps
-#: several times before the generator's first backward).
+#: Steps of one optimizer without a call after which a state warns. Not 1: a
+#: state may be built before other models train in the same process (a GAN's
+#: critic steps several times before the generator's first backward).
 UNENGAGED_STEPS = 10
 
 #: States not yet called nor warned about (weak: a dropped state is forgotten).
@@ -480,10 +490,12 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         if state._engaged or state._warned:
             _WATCHED.discard(state)
             continue
-        state._steps_unengaged += 1
+        counts = state._unengaged_by_optimizer
+        counts[id(optimizer)] = k = counts.get(id(optimizer), 0) + 1
+        state._steps_unengaged = max(state._steps_unengaged, k)
         state._world_size()  # remembered while the group exists
-        if state._steps_unengaged >= UNENGAGED_STEPS:
-            _check_engaged(state, f"after {state._steps_unengaged} optimizer steps")
+        if k >= UNENGAGED_STEPS:
+            _check_engaged(state, f"after {k} steps of one optimizer")
 
 
 def _at_exit() -> None:
