@@ -75,6 +75,10 @@ def test_numbers_are_consistent(tiny):
     dq = [s["vnmse"] for s in runs["dynamiq"]["steps"] if s["vnmse"] == s["vnmse"]]
     assert all(max(measured) < v < 0.5 for v in dq)
     assert len(runs["dynamiq"]["evals"]) == 3  # before training, after step 3 and 6
+    for r in runs.values():  # time to loss: the steps' times, the warm-up step left out
+        steps = [s["step_s"] for s in r["steps"]]
+        assert r["evals"][-1][0] == pytest.approx(sum(steps[1:]))
+        assert r["evals"][1][0] == pytest.approx(sum(steps[1:3]))
     for r in runs.values():  # --bucket-mb reached DDP: several buckets, all gradients
         sizes = r["bucket_bytes"]
         assert len(sizes) > 2 and sum(sizes) == 4 * d

@@ -292,7 +292,10 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     dist.all_reduce(t[:2], op=dist.ReduceOp.MAX)
     dist.all_reduce(t[2:])
     step_s, opt_s = float(t[0]), float(t[1])
-    lane.clock += step_s
+    if step > 0:  # the first step is warm-up (numba's JIT compilation: 21 s for
+        # DynamiQ on a machine without its cache), left out of time-to-loss as
+        # it is out of the step times
+        lane.clock += step_s
     compute = lane.fwd_bwd_s + opt_s
     lane.run.steps.append(
         StepRecord(

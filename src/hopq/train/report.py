@@ -359,7 +359,8 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             f"the contenders' median compute differs by {drift:.1%} (bound {COMPUTE_DRIFT:.0%}).",
             f"Exposed synchronization share of the step: {', '.join(share)}.",
             f"Targets are {base.codec}'s final evaluation loss x 1.00, 1.01, 1.05; times are"
-            f" training wall-clock relative to {base.codec}'s (evaluation time excluded).",
+            f" training wall-clock relative to {base.codec}'s (evaluation time and the first,"
+            " warm-up step excluded).",
             "Codec and comm work are the seconds hopq's hook spent on its thread (overlapping",
             "the backward pass); 'hidden' is the share of them that did not lengthen the step.",
             "",
