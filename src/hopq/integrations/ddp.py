@@ -135,17 +135,21 @@ class HookState(CallRecords):
         self.exact_seconds = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
-        #: Whether the hook was ever called, and the most steps one optimizer
-        #: took in this process since this state was built while it was not
-        #: (the evidence that training went on without it: see
-        #: ``_after_optimizer_step``), with each optimizer's count (by id).
+        #: Whether the hook was ever called, and each optimizer's steps (by id)
+        #: in this process since this state was built while it was not (the
+        #: evidence that training went on without it: see
+        #: ``_after_optimizer_step``).
         self._engaged = False
         self._optimizer_checked = False
-        self._steps_unengaged = 0
         self._unengaged_by_optimizer: dict[int, int] = {}
         self._world: int | None = None
         self._warned = False
         _watch(self)
+
+    @property
+    def _steps_unengaged(self) -> int:
+        """The most steps one optimizer took while this state was never called."""
+        return max(self._unengaged_by_optimizer.values(), default=0)
 
     # -- records ------------------------------------------------------------
     records_owner = "HookState"
@@ -492,7 +496,6 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
             continue
         counts = state._unengaged_by_optimizer
         counts[id(optimizer)] = k = counts.get(id(optimizer), 0) + 1
-        state._steps_unengaged = max(state._steps_unengaged, k)
         state._world_size()  # remembered while the group exists
         if k >= UNENGAGED_STEPS:
             _check_engaged(state, f"after {k} steps of one optimizer")

@@ -58,7 +58,7 @@ from hopq.comm.topology import TOPOLOGIES
 from hopq.options import changed_options, option
 from hopq.reporting import Progress
 from hopq.train.contenders import Sync, contender_choices, is_torch, resolve_contenders
-from hopq.train.report import CodecRun, StepRecord, report
+from hopq.train.report import WARMUP_STEPS, CodecRun, StepRecord, report
 from hopq.train.workloads import WORKLOADS, Workload, step_seed
 
 #: The contender the link is calibrated against: torch's fp16 hook, what a
@@ -292,9 +292,7 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     dist.all_reduce(t[:2], op=dist.ReduceOp.MAX)
     dist.all_reduce(t[2:])
     step_s, opt_s = float(t[0]), float(t[1])
-    if step > 0:  # the first step is warm-up (numba's JIT compilation: 21 s for
-        # DynamiQ on a machine without its cache), left out of time-to-loss as
-        # it is out of the step times
+    if step >= WARMUP_STEPS:  # warm-up is out of the times to a loss too
         lane.clock += step_s
     compute = lane.fwd_bwd_s + opt_s
     lane.run.steps.append(
