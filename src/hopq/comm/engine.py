@@ -129,6 +129,11 @@ class RunStats:
     #: Of those, seconds spent waiting on the transport (the agreement and the
     #: statistics exchange included); the rest is the codec's own work.
     comm_seconds: float = 0.0
+    #: CPU seconds of the calling thread over the whole call (``time.thread_time``):
+    #: the codec's kernels and hopq's own Python, not the transport's threads, and
+    #: not the time waited. On a machine whose cores are all busy computing, this is
+    #: what the call costs the compute however well it overlaps.
+    cpu_seconds: float = 0.0
     #: Microshards per schedule chunk.
     microshards: int = 1
     #: [start, end) ranges of the working vector whose final sum this rank owns
@@ -675,6 +680,7 @@ def run(
     anything else.
     """
     t_start = time.perf_counter()
+    cpu_start = time.thread_time()
     rank, n = transport.rank, transport.world_size
     if schedule.world_size != n:
         raise ValueError(f"schedule is for {schedule.world_size} ranks, the group has {n}")
@@ -813,6 +819,7 @@ def run(
     if gcodec is not codec:
         gcodec.end_round(gplan)
     info.seconds = time.perf_counter() - t_start
+    info.cpu_seconds = time.thread_time() - cpu_start
     return y, info
 
 

@@ -328,14 +328,14 @@ def _reduce(
     """One bucket's all-reduce over ``group`` (and, when asked, its exact
     reference); with ``params``, the optimizer's thresholds for them first,
     counted as codec work."""
-    t_thr = 0.0
+    t_thr = c_thr = 0.0
     if params is not None and state.optimizer is not None:
         from hopq.codecs.gcomp.optim import thresholds
 
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         thr = thresholds(state.optimizer, params)
         state.codec.set_thresholds(thr.to(buf.device), index)  # type: ignore[attr-defined]
-        t_thr = time.perf_counter() - t0
+        t_thr, c_thr = time.perf_counter() - t0, time.thread_time() - c0
     exact = None
     if state.measure_error:
         t0 = time.perf_counter()
@@ -351,6 +351,7 @@ def _reduce(
         timeout=state.timeout, gather_codec=state.gather_codec,
     )  # fmt: skip
     info.seconds += t_thr  # codec work: seconds - comm_seconds
+    info.cpu_seconds += c_thr
     err = ref = 0.0
     if exact is not None:
         err = float((buf.to(torch.float64) - exact).square().sum())

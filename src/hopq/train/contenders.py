@@ -206,18 +206,20 @@ class Sync:
         if self.counter is not None:
             self.counter.active = True
 
-    def end(self) -> tuple[float, float, float, float, float]:
+    def end(self) -> tuple[float, float, float, float, float, float]:
         """(bytes sent, codec seconds, communication seconds, vNMSE, seconds of
-        exact reference all-reduces) of the step just taken."""
+        exact reference all-reduces, the hook thread's CPU seconds) of the step
+        just taken."""
         ring = 2 * (self.n - 1) / self.n
         if self.state is not None:
             vnmse, exact_s = self.state.pop_error()
             calls = self.state.pop_stats()
             comm = sum(c.comm_seconds for c in calls)
             codec = sum(c.seconds - c.comm_seconds for c in calls)
-            return sum(c.bytes_sent for c in calls), codec, comm, vnmse, exact_s
+            cpu = sum(c.cpu_seconds for c in calls)
+            return sum(c.bytes_sent for c in calls), codec, comm, vnmse, exact_s, cpu
         nan = float("nan")
         if self.counter is not None:
             self.counter.active = False
-            return self.counter.pop() * ring, nan, nan, nan, 0.0
-        return self.numel * 4 * ring, nan, nan, nan, 0.0  # DDP's fp32 buckets
+            return self.counter.pop() * ring, nan, nan, nan, 0.0, nan
+        return self.numel * 4 * ring, nan, nan, nan, 0.0, nan  # DDP's fp32 buckets

@@ -287,7 +287,7 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     lane.opt.step()
     lane.opt.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
-    sent, codec_s, comm_s, vnmse, exact_s = lane.sync.end()
+    sent, codec_s, comm_s, vnmse, exact_s, cpu_s = lane.sync.end()
     t = torch.tensor([t2 - t0 - exact_s, t2 - t1, float(loss.detach())], dtype=torch.float64)
     dist.all_reduce(t[:2], op=dist.ReduceOp.MAX)
     dist.all_reduce(t[2:])
@@ -308,6 +308,7 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
             vnmse,
             exposed_s=max(0.0, step_s - compute),
             probe_s=probe_s,
+            cpu_s=cpu_s,
             measured_error=measure,
         )
     )

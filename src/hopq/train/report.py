@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +39,9 @@ class StepRecord:
     exposed_s: float = float("nan")
     #: This step's compute probe (NaN when none ran).
     probe_s: float = float("nan")
+    #: hopq's hook: CPU seconds of its thread in the step's calls (codec kernels and
+    #: hopq's Python; waiting not counted); NaN for torch's contenders.
+    cpu_s: float = float("nan")
     #: The step also ran an exact reference all-reduce (left out of timings).
     measured_error: bool = False
 
@@ -132,6 +136,40 @@ def compute_drift(runs: list[CodecRun]) -> tuple[float, str]:
         f"{hi} {med[hi]:.3f} s vs {lo} {med[lo]:.3f} s per step (bound {COMPUTE_DRIFT:.0%}). "
         "Something else loaded the machine, or its speed varied (a shared or virtual "
         "host); rerun on a quiet machine, or repeat the run and compare."
+    )
+
+
+def cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_floor(runs: list[CodecRun], workers: int, n_cores: int) -> str:
+    """When the workers' compute alone fills every core, the hook's CPU work cannot
+    hide behind it, however well it overlaps: each CPU second a worker's hook
+    spends adds about workers / cores seconds to the step. This line gives the
+    least exposed share that leaves each hopq contender (or "" when cores
+    are spare, or no hopq contender ran)."""
+    if workers < n_cores:
+        return ""
+    parts = []
+    for r in runs:
+        cpu = steady(r, "cpu_s")
+        if math.isnan(cpu):
+            continue
+        step = steady(r, "step_s")
+        floor = workers / n_cores * cpu / step
+        parts.append(f"{r.codec} {floor:.0%} (measured {steady(r, 'exposed_s') / step:.0%})")
+    if not parts:
+        return ""
+    return (
+        f"The {workers} workers' compute fills this machine's {n_cores} cores, so the hook's "
+        "CPU work cannot hide behind it: each CPU second a worker's hook spends adds about "
+        f"{workers / n_cores:g} s to the step, however well it overlaps. The least exposed "
+        f"share that leaves: {', '.join(parts)}."
     )
 
 
@@ -320,6 +358,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                 _f(steady(r, "exposed_s")),
                 _f(steady(r, "codec_s")),
                 _f(steady(r, "comm_s")),
+                _f(steady(r, "cpu_s")),
                 "n/a" if math.isnan(hidden) else f"{max(0.0, min(1.0, hidden)):.0%}",
                 f"{steady(r, 'bytes') / 1e6:.3f}",
                 f"{steady(r, 'bits_per_coord'):.2f}",
@@ -339,6 +378,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             "exposed sync (s)",
             "codec work (s)",
             "comm work (s)",
+            "hook CPU (s)",
             "hidden",
             "MB sent/rank/step",
             "bits/coord",
@@ -368,7 +408,9 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             f" training wall-clock relative to {base.codec}'s (evaluation time and the first,"
             " warm-up step excluded).",
             "Codec and comm work are the seconds hopq's hook spent on its thread (overlapping",
-            "the backward pass); 'hidden' is the share of them that did not lengthen the step.",
+            "the backward pass); 'hidden' is the share of them that did not lengthen the step;",
+            "'hook CPU' is the CPU time that thread used in them (waiting not counted).",
+            *([floor] if (floor := cpu_floor(runs, o.world_size, cores())) else []),
             "",
             table,
             "",
