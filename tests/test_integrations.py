@@ -39,8 +39,9 @@ def assert_codec_bits(m: dict, codec: str) -> None:
 # -- step_metrics ----------------------------------------------------------------
 def _stats(numel: int, sent: int, seconds: float = 0.01, comm: float = 0.004) -> RunStats:
     return RunStats(
-        rank=0, world_size=2, numel=numel, payload_bytes=sent, seconds=seconds, comm_seconds=comm
-    )
+        rank=0, world_size=2, numel=numel, payload_bytes=sent, seconds=seconds,
+        comm_seconds=comm, cpu_seconds=0.005,
+    )  # fmt: skip
 
 
 def test_step_metrics_is_a_flat_dict_weighted_by_size():
@@ -50,13 +51,14 @@ def test_step_metrics_is_a_flat_dict_weighted_by_size():
     m = state.step_metrics()
     assert set(m) == {
         "hopq/bits_per_coordinate", "hopq/bytes_sent", "hopq/codec_seconds",
-        "hopq/comm_seconds", "hopq/buckets", "hopq/numel",
+        "hopq/comm_seconds", "hopq/cpu_seconds", "hopq/buckets", "hopq/numel",
     }  # fmt: skip
     assert all(isinstance(v, float) for v in m.values())
     assert m["hopq/bits_per_coordinate"] == 8 * 3500 / 4000  # by size, not the mean of 16 and 4
     assert m["hopq/bytes_sent"] == 3500 and m["hopq/buckets"] == 2 and m["hopq/numel"] == 4000
     assert m["hopq/codec_seconds"] == pytest.approx(0.012)
     assert m["hopq/comm_seconds"] == pytest.approx(0.008)
+    assert m["hopq/cpu_seconds"] == pytest.approx(0.010)
     # popped: the next step starts empty; no bucket: NaN bits, not an error
     empty = state.step_metrics(prefix="")
     assert empty["buckets"] == 0 and math.isnan(empty["bits_per_coordinate"])

@@ -54,6 +54,10 @@ def test_numbers_are_consistent(tiny):
         assert s["bits_per_coord"] == pytest.approx(16.0)
         assert s["exposed_s"] == pytest.approx(max(0.0, s["step_s"] - s["compute_s"]))
         assert s["codec_s"] > 0 and s["comm_s"] > 0  # the hook's thread reported its work
+        assert 0 < s["cpu_s"] < s["codec_s"] + s["comm_s"]  # its CPU, waiting not counted
+    last = runs["bf16"]["bucket_bytes"][-1] // 4  # the last bucket's coordinates
+    for s in runs["bf16"]["steps"][1:]:  # after DDP rebuilt its buckets in step 0
+        assert s["last_bytes"] == pytest.approx(2 * (n - 1) / n * last * 2, rel=1e-9)
     for s in runs["torch:fp16"]["steps"]:  # counted from what torch's hook all-reduced
         assert s["bits_per_coord"] == pytest.approx(16.0)
     assert all(s["bits_per_coord"] == pytest.approx(32.0) for s in runs["torch:ddp"]["steps"])
@@ -161,6 +165,33 @@ def test_a_last_bucket_holding_most_of_the_gradient_is_named():
     assert "--bucket-mb" in default
     small = bucket_line([CodecRun("bf16", bucket_bytes=[2 << 20] * 6 + [400_000])], 2.0)
     assert "7 buckets" in small and "last bucket" not in small
+
+
+def test_the_least_exposed_share_is_bounded_by_the_last_bucket_and_the_cores():
+    from hopq.train.report import CodecRun, StepRecord, exposure_floor
+
+    def run(codec, cpu, last):
+        # 1.0 s steps, 0.6 s of compute, 10 MB sent, the last bucket 9 of 10 MiB
+        steps = [
+            StepRecord(i, 1.0, 1.0, 0.6, 0.1, 0.3, 10e6, 16.0, exposed_s=0.4, cpu_s=cpu,
+                       last_bytes=last)
+            for i in range(3)
+        ]  # fmt: skip
+        return CodecRun(codec, 10, steps, [(0.0, 1.0)], bucket_bytes=[1 << 20, 9 << 20])
+
+    nan = float("nan")
+    runs = [run("torch:fp16", nan, nan), run("dynamiq", 0.05, 2e6)]
+    # 100 Mbit/s: fp16's last bucket is 9 MB (90% of its bytes), 0.72 s on the
+    # wire; DynamiQ's 2 MB, 0.16 s, but 4 workers on 2 cores double its 0.05 s
+    # of CPU to 0.10 s: the wire bounds both
+    line = exposure_floor(runs, 4, 2, 100.0)
+    assert "torch:fp16 72% (measured 40%)" in line and "dynamiq 16% (measured 40%)" in line
+    assert "fills the 2 cores" in line
+    # a slow codec on a faster link: its CPU bounds it
+    line = exposure_floor([run("dynamiq", 0.2, 2e6)], 4, 2, 1000.0)
+    assert "dynamiq 40%" in line
+    # spare cores and no link rate (no emulated network): nothing bounds it
+    assert exposure_floor(runs, 4, 16, 0.0) == ""
 
 
 def test_compute_drift_between_contenders_is_flagged():

@@ -37,13 +37,17 @@ class StepMetrics:
     #: (``HookState.measure_error``; 0 when not measured).
     err_sq: float = 0.0
     ref_sq: float = 0.0
+    #: CPU seconds the communication thread (or the hook) used on the calls
+    #: (``RunStats.cpu_seconds``: waiting is not counted). Where every core is
+    #: busy computing, this is what the calls take from the compute.
+    cpu_seconds: float = 0.0
 
     @classmethod
     def of(cls, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> StepMetrics:
         """One call's record (``steps`` 0: it is part of a step)."""
         return cls(
             0, 1, info.numel, info.bytes_sent, info.seconds, info.comm_seconds,
-            info.coords_moved, err_sq, ref_sq,
+            info.coords_moved, err_sq, ref_sq, info.cpu_seconds,
         )  # fmt: skip
 
     @property
@@ -75,12 +79,13 @@ class StepMetrics:
             self.coords_moved + other.coords_moved,
             self.err_sq + other.err_sq,
             self.ref_sq + other.ref_sq,
+            self.cpu_seconds + other.cpu_seconds,
         )
 
     def as_dict(self, prefix: str = "hopq/") -> dict[str, float]:
         """Flat scalars, per step (means over ``steps``): ``bits_per_coordinate``
         (from the bytes, weighted by call size), ``bytes_sent``,
-        ``codec_seconds``, ``comm_seconds``, ``buckets``, ``numel``, and
+        ``codec_seconds``, ``comm_seconds``, ``cpu_seconds``, ``buckets``, ``numel``, and
         ``vnmse`` when it was measured. Keys start with ``prefix``."""
         k = max(self.steps, 1)
         out = {
@@ -88,6 +93,7 @@ class StepMetrics:
             "bytes_sent": self.bytes_sent / k,
             "codec_seconds": self.codec_seconds / k,
             "comm_seconds": self.comm_seconds / k,
+            "cpu_seconds": self.cpu_seconds / k,
             "buckets": self.buckets / k,
             "numel": self.numel / k,
         }

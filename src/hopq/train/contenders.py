@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -152,6 +152,25 @@ def in_order(hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> Callabl
     return ordered
 
 
+class StepSync(NamedTuple):
+    """One step's synchronization on this rank (NaN: not known for torch's
+    contenders)."""
+
+    #: Bytes sent (a ring's per-rank traffic for torch's contenders).
+    sent: float
+    #: hopq's hook: seconds of codec work and of communication on its thread.
+    codec_s: float
+    comm_s: float
+    vnmse: float
+    #: Seconds of exact reference all-reduces (left out of the step's time).
+    exact_s: float
+    #: hopq's hook: CPU seconds of its thread.
+    cpu_s: float
+    #: hopq's hook: bytes sent for the step's last bucket (the call after the
+    #: backward pass's end).
+    last_bytes: float
+
+
 class Sync:
     """One contender's gradient synchronization on one rank: registers the hook
     on ``ddp`` and, after each step, says what it sent and what its hook did."""
@@ -206,20 +225,23 @@ class Sync:
         if self.counter is not None:
             self.counter.active = True
 
-    def end(self) -> tuple[float, float, float, float, float, float]:
-        """(bytes sent, codec seconds, communication seconds, vNMSE, seconds of
-        exact reference all-reduces, the hook thread's CPU seconds) of the step
-        just taken."""
+    def end(self) -> StepSync:
+        """What the step just taken synchronized (:class:`StepSync`)."""
         ring = 2 * (self.n - 1) / self.n
+        nan = float("nan")
         if self.state is not None:
             vnmse, exact_s = self.state.pop_error()
             calls = self.state.pop_stats()
-            comm = sum(c.comm_seconds for c in calls)
-            codec = sum(c.seconds - c.comm_seconds for c in calls)
-            cpu = sum(c.cpu_seconds for c in calls)
-            return sum(c.bytes_sent for c in calls), codec, comm, vnmse, exact_s, cpu
-        nan = float("nan")
+            return StepSync(
+                sum(c.bytes_sent for c in calls),
+                sum(c.seconds - c.comm_seconds for c in calls),
+                sum(c.comm_seconds for c in calls),
+                vnmse,
+                exact_s,
+                sum(c.cpu_seconds for c in calls),
+                calls[-1].bytes_sent if calls else nan,
+            )
         if self.counter is not None:
             self.counter.active = False
-            return self.counter.pop() * ring, nan, nan, nan, 0.0, nan
-        return self.numel * 4 * ring, nan, nan, nan, 0.0, nan  # DDP's fp32 buckets
+            return StepSync(self.counter.pop() * ring, nan, nan, nan, 0.0, nan, nan)
+        return StepSync(self.numel * 4 * ring, nan, nan, nan, 0.0, nan, nan)  # DDP's fp32

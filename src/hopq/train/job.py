@@ -287,7 +287,8 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     lane.opt.step()
     lane.opt.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
-    sent, codec_s, comm_s, vnmse, exact_s, cpu_s = lane.sync.end()
+    sync = lane.sync.end()
+    sent, exact_s = sync.sent, sync.exact_s
     t = torch.tensor([t2 - t0 - exact_s, t2 - t1, float(loss.detach())], dtype=torch.float64)
     dist.all_reduce(t[:2], op=dist.ReduceOp.MAX)
     dist.all_reduce(t[2:])
@@ -301,14 +302,15 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
             float(t[2]) / n,
             step_s,
             compute,
-            codec_s,
-            comm_s,
+            sync.codec_s,
+            sync.comm_s,
             sent,
             bits_per_coordinate(sent, n, lane.sync.numel),
-            vnmse,
+            sync.vnmse,
             exposed_s=max(0.0, step_s - compute),
             probe_s=probe_s,
-            cpu_s=cpu_s,
+            cpu_s=sync.cpu_s,
+            last_bytes=sync.last_bytes,
             measured_error=measure,
         )
     )
@@ -428,7 +430,7 @@ def run(o: TrainOptions) -> str | None:
         if rank != 0:
             return None
         network = "the launcher's (torchrun)" + (f"; {note}" if note else "")
-        return report(runs, replace(o, world_size=n), network, folder)
+        return report(runs, replace(o, world_size=n, rate_mbit=0.0), network, folder)
 
     n = o.world_size
     why = unavailable_reason() if o.network else "disabled (--no-network)"
@@ -440,6 +442,7 @@ def run(o: TrainOptions) -> str | None:
         with EmulatedNetwork(n, rate_mbit=rate, mtu=o.mtu, congestion=o.tcp_congestion) as net:
             network = f"emulated, {net.describe()}"
             runs = run_workers(n, worker, o, contenders, namespaces=net.namespaces)[0]
+        o = replace(o, rate_mbit=rate)  # the report's floor needs the link's rate
     else:
         print(f"no emulated network ({why}): running on plain loopback", flush=True)
         network = f"loopback ({why})"

@@ -42,6 +42,9 @@ class StepRecord:
     #: hopq's hook: CPU seconds of its thread in the step's calls (codec kernels and
     #: hopq's Python; waiting not counted); NaN for torch's contenders.
     cpu_s: float = float("nan")
+    #: hopq's hook: bytes this rank sent for the step's last bucket; NaN for
+    #: torch's contenders (the report takes the bucket's share of ``bytes``).
+    last_bytes: float = float("nan")
     #: The step also ran an exact reference all-reduce (left out of timings).
     measured_error: bool = False
 
@@ -147,29 +150,46 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_floor(runs: list[CodecRun], workers: int, n_cores: int) -> str:
-    """When the workers' compute alone fills every core, the hook's CPU work cannot
-    hide behind it, however well it overlaps: each CPU second a worker's hook
-    spends adds about workers / cores seconds to the step. This line gives the
-    least exposed share that leaves each hopq contender (or "" when cores
-    are spare, or no hopq contender ran)."""
-    if workers < n_cores:
-        return ""
+def exposure_floor(runs: list[CodecRun], workers: int, n_cores: int, rate_mbit: float) -> str:
+    """The least exposed synchronization each contender could reach with these
+    buckets on this machine, as a line of the report ("" when nothing bounds it):
+    the larger of
+
+    * the last bucket's bytes at the link rate: that bucket is ready only when
+      the backward pass ends, so its bytes move after all compute but the
+      optimizer's, which waits for them (tbf's burst is a few milliseconds);
+    * when the workers' compute alone fills every core, workers / cores x the
+      hook's CPU seconds: that work cannot hide behind compute however well it
+      overlaps, it takes the compute's cores."""
+    full = workers >= n_cores
     parts = []
     for r in runs:
-        cpu = steady(r, "cpu_s")
-        if math.isnan(cpu):
-            continue
         step = steady(r, "step_s")
-        floor = workers / n_cores * cpu / step
-        parts.append(f"{r.codec} {floor:.0%} (measured {steady(r, 'exposed_s') / step:.0%})")
+        last = steady(r, "last_bytes")
+        if math.isnan(last) and r.bucket_bytes:  # torch: the bucket's share of the bytes
+            last = steady(r, "bytes") * r.bucket_bytes[-1] / sum(r.bucket_bytes)
+        wire = last * 8 / (rate_mbit * 1e6) if rate_mbit > 0 and not math.isnan(last) else 0.0
+        cpu = workers / n_cores * steady(r, "cpu_s") if full else float("nan")
+        floor = max(wire, 0.0 if math.isnan(cpu) else cpu)
+        if floor > 0:
+            parts.append(
+                f"{r.codec} {floor / step:.0%} (measured {steady(r, 'exposed_s') / step:.0%})"
+            )
     if not parts:
         return ""
+    why = ["the last bucket's bytes at the link rate (they move only after the backward pass)"]
+    if full:
+        why.append(
+            f"{workers / n_cores:g} x the hook's CPU seconds (the {workers} workers' compute fills"
+            f" the {n_cores} cores, so that work takes the compute's cores however well it"
+            " overlaps)"
+        )
     return (
-        f"The {workers} workers' compute fills this machine's {n_cores} cores, so the hook's "
-        "CPU work cannot hide behind it: each CPU second a worker's hook spends adds about "
-        f"{workers / n_cores:g} s to the step, however well it overlaps. The least exposed "
-        f"share that leaves: {', '.join(parts)}."
+        "Least exposed share these buckets and this machine leave, the larger of "
+        + " and ".join(why)
+        + ": "
+        + ", ".join(parts)
+        + "."
     )
 
 
@@ -410,7 +430,11 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             "Codec and comm work are the seconds hopq's hook spent on its thread (overlapping",
             "the backward pass); 'hidden' is the share of them that did not lengthen the step;",
             "'hook CPU' is the CPU time that thread used in them (waiting not counted).",
-            *([floor] if (floor := cpu_floor(runs, o.world_size, cores())) else []),
+            *(
+                [floor]
+                if (floor := exposure_floor(runs, o.world_size, cores(), o.rate_mbit))
+                else []
+            ),
             "",
             table,
             "",
