@@ -185,11 +185,12 @@ def test_the_least_exposed_share_is_bounded_by_the_last_bucket_and_the_cores():
     # wire; DynamiQ's 2 MB, 0.16 s, but 4 workers on 2 cores double its 0.05 s
     # of CPU to 0.10 s: the wire bounds both
     line = exposure_floor(runs, 4, 2, 100.0)
-    assert "torch:fp16 72% (measured 40%)" in line and "dynamiq 16% (measured 40%)" in line
+    assert "torch:fp16 72% by the wire (measured 40%)" in line
+    assert "dynamiq 16% by the wire (measured 40%)" in line
     assert "fills the 2 cores" in line
     # a slow codec on a faster link: its CPU bounds it
     line = exposure_floor([run("dynamiq", 0.2, 2e6)], 4, 2, 1000.0)
-    assert "dynamiq 40%" in line
+    assert "dynamiq 40% by the CPU" in line
     # spare cores and no link rate (no emulated network): nothing bounds it
     assert exposure_floor(runs, 4, 16, 0.0) == ""
 

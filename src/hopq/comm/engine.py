@@ -129,9 +129,10 @@ class RunStats:
     #: Of those, seconds spent waiting on the transport (the agreement and the
     #: statistics exchange included); the rest is the codec's own work.
     comm_seconds: float = 0.0
-    #: CPU seconds of the calling thread over the whole call (``time.thread_time``):
-    #: the codec's kernels and hopq's own Python, not the transport's threads, and
-    #: not the time waited. On a machine whose cores are all busy computing, this is
+    #: CPU seconds of the calling thread over the whole call (``time.thread_time``,
+    #: user and system): the codec's kernels, hopq's own Python and the socket
+    #: calls the transport makes on this thread; not the transport's own threads,
+    #: and not the time waited. On a machine whose cores are all busy computing, this is
     #: what the call costs the compute however well it overlaps.
     cpu_seconds: float = 0.0
     #: Microshards per schedule chunk.

@@ -170,11 +170,12 @@ def exposure_floor(runs: list[CodecRun], workers: int, n_cores: int, rate_mbit: 
             last = steady(r, "bytes") * r.bucket_bytes[-1] / sum(r.bucket_bytes)
         wire = last * 8 / (rate_mbit * 1e6) if rate_mbit > 0 and not math.isnan(last) else 0.0
         cpu = workers / n_cores * steady(r, "cpu_s") if full else float("nan")
-        floor = max(wire, 0.0 if math.isnan(cpu) else cpu)
+        cpu = 0.0 if math.isnan(cpu) else cpu
+        floor = max(wire, cpu)
         if floor > 0:
-            parts.append(
-                f"{r.codec} {floor / step:.0%} (measured {steady(r, 'exposed_s') / step:.0%})"
-            )
+            by = "the wire" if wire >= cpu else "the CPU"
+            measured = steady(r, "exposed_s") / step
+            parts.append(f"{r.codec} {floor / step:.0%} by {by} (measured {measured:.0%})")
     if not parts:
         return ""
     why = ["the last bucket's bytes at the link rate (they move only after the backward pass)"]
@@ -185,11 +186,8 @@ def exposure_floor(runs: list[CodecRun], workers: int, n_cores: int, rate_mbit: 
             " overlaps)"
         )
     return (
-        "Least exposed share these buckets and this machine leave, the larger of "
-        + " and ".join(why)
-        + ": "
-        + ", ".join(parts)
-        + "."
+        "Least exposed share these buckets and this machine leave (torch's contenders: the"
+        " first bound only), the larger of " + " and ".join(why) + ": " + ", ".join(parts) + "."
     )
 
 
@@ -429,7 +427,8 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             " warm-up step excluded).",
             "Codec and comm work are the seconds hopq's hook spent on its thread (overlapping",
             "the backward pass); 'hidden' is the share of them that did not lengthen the step;",
-            "'hook CPU' is the CPU time that thread used in them (waiting not counted).",
+            "'hook CPU' is the CPU time that thread used in them: codec kernels, hopq's Python",
+            "and the socket calls it makes (waiting not counted; torch's hooks' is not measured).",
             *(
                 [floor]
                 if (floor := exposure_floor(runs, o.world_size, cores(), o.rate_mbit))
