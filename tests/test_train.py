@@ -35,7 +35,7 @@ def tiny(tmp_path_factory):
 def test_report_and_plots_are_written(tiny):
     o, out, text = tiny
     assert (out / "report.md").read_text().strip() == text.strip()
-    for png in ("tta.png", "breakdown.png", "vnmse.png"):
+    for png in ("tta.png", "breakdown.png", "timeline.png", "vnmse.png"):
         data = (out / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     assert "| bf16 |" in text.replace("  ", " ") or "bf16" in text
@@ -86,6 +86,15 @@ def test_numbers_are_consistent(tiny):
     for r in runs.values():  # --bucket-mb reached DDP: several buckets, all gradients
         sizes = r["bucket_bytes"]
         assert len(sizes) > 2 and sum(sizes) == 4 * d
+    for name, r in runs.items():  # every hook's buckets timed, in the step, in order
+        for s in r["steps"][1:]:
+            ready, done = s["bucket_ready_s"], s["bucket_done_s"]
+            if name == "torch:ddp":  # DDP's own all-reduce: no hook to time
+                assert ready == [] and done == []
+                continue
+            assert len(ready) == len(done) == len(r["bucket_bytes"])
+            assert all(0 < a <= b <= s["step_s"] + 0.05 for a, b in zip(ready, done, strict=True))
+            assert ready == sorted(ready)  # DDP hands the buckets over in order
 
 
 def test_report_names_the_baseline_and_the_interleaving(tiny):
@@ -193,6 +202,25 @@ def test_the_least_exposed_share_is_bounded_by_the_last_bucket_and_the_cores():
     assert "dynamiq 40% by the CPU" in line
     # spare cores and no link rate (no emulated network): nothing bounds it
     assert exposure_floor(runs, 4, 16, 0.0) == ""
+
+
+def test_the_timeline_gives_each_buckets_median_span():
+    from hopq.train.report import CodecRun, StepRecord, timeline_line
+
+    def step(i, ready, done):
+        return StepRecord(i, 1.0, 1.0, 0.6, 0.0, 0.0, 1.0, 16.0, bucket_ready_s=ready,
+                          bucket_done_s=done)  # fmt: skip
+
+    r = CodecRun("bf16", 10, [
+        step(0, [0.5], [0.9]),  # warm-up: left out
+        step(1, [0.20, 0.60], [0.25, 0.98]),
+        step(2, [0.24, 0.62], [0.29, 1.00]),
+        step(3, [0.22, 0.61], [0.27, 0.99]),
+    ], [(0.0, 1.0)])  # fmt: skip
+    ddp = CodecRun("torch:ddp", 10, [step(0, [], []), step(1, [], [])], [(0.0, 1.0)])
+    line = timeline_line([r, ddp])
+    assert "bf16 220-270, 610-990" in line and "torch:ddp" not in line
+    assert timeline_line([ddp]) == ""
 
 
 def test_compute_drift_between_contenders_is_flagged():

@@ -20,6 +20,7 @@ are defined.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -152,6 +153,42 @@ def in_order(hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> Callabl
     return ordered
 
 
+class BucketClock:
+    """When each DDP bucket's synchronization started and ended, for the report's
+    timeline: a hook wrapped by :meth:`wrap` notes when DDP calls it (the bucket's
+    gradients are ready) and when its future completes."""
+
+    def __init__(self) -> None:
+        self.ready: dict[int, float] = {}
+        self.done: dict[int, float] = {}
+
+    def wrap(self, hook: Callable[..., torch.futures.Future[torch.Tensor]]) -> Callable[..., Any]:
+        # no annotations: DDP compares them with dist.GradBucket and Future[Tensor]
+        def timed(state, bucket):
+            i = bucket.index()
+            self.ready[i] = time.perf_counter()
+
+            def mark(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+                self.done[i] = time.perf_counter()
+                return fut.value()  # an error goes on to DDP
+
+            # chained, so that DDP's wait ends only after the mark
+            return hook(state, bucket).then(mark)
+
+        timed.__name__ = timed.__qualname__ = getattr(hook, "__name__", "hook")
+        return timed
+
+    def pop(self, t0: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """(ready, done) seconds after ``t0`` of every bucket since the last pop,
+        in bucket order (empty when a bucket's future has not completed)."""
+        ready, done = self.ready, self.done
+        self.ready, self.done = {}, {}
+        if set(ready) != set(done):
+            return (), ()
+        order = sorted(ready)
+        return tuple(ready[i] - t0 for i in order), tuple(done[i] - t0 for i in order)
+
+
 class StepSync(NamedTuple):
     """One step's synchronization on this rank (NaN: not known for torch's
     contenders)."""
@@ -169,6 +206,10 @@ class StepSync(NamedTuple):
     #: hopq's hook: bytes sent for the step's last bucket (the call after the
     #: backward pass's end).
     last_bytes: float
+    #: Seconds after the step's start when each bucket's hook was called and when
+    #: its future completed, in bucket order (empty for DDP's own all-reduce).
+    ready_s: tuple[float, ...] = ()
+    done_s: tuple[float, ...] = ()
 
 
 class Sync:
@@ -189,6 +230,7 @@ class Sync:
         self.name, self.n = name, n
         self.state: HookState | None = None
         self.counter: ByteCounter | None = None
+        self.clock = BucketClock()
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
         if not is_torch(name):
             codec = get_codec(name, **codec_config)
@@ -199,7 +241,7 @@ class Sync:
             self.state = HookState(
                 codec=codec, topology=topology, seed=seed, optimizer=optimizer if takes else None
             )
-            ddp.register_comm_hook(self.state, ddp_hook)
+            ddp.register_comm_hook(self.state, self.clock.wrap(ddp_hook))
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -207,7 +249,7 @@ class Sync:
             return
         self.counter = ByteCounter()
         if name == "torch:fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            ddp.register_comm_hook(None, self.clock.wrap(default_hooks.fp16_compress_hook))
         else:
             ps = powerSGD_hook.PowerSGDState(
                 process_group=None,
@@ -217,7 +259,7 @@ class Sync:
                 warm_start=True,
                 random_seed=seed,
             )
-            ddp.register_comm_hook(ps, in_order(powerSGD_hook.powerSGD_hook))
+            ddp.register_comm_hook(ps, self.clock.wrap(in_order(powerSGD_hook.powerSGD_hook)))
 
     def begin(self, measure_error: bool) -> None:
         if self.state is not None:
@@ -225,10 +267,12 @@ class Sync:
         if self.counter is not None:
             self.counter.active = True
 
-    def end(self) -> StepSync:
-        """What the step just taken synchronized (:class:`StepSync`)."""
+    def end(self, t0: float) -> StepSync:
+        """What the step that started at ``t0`` (``time.perf_counter``) synchronized
+        (:class:`StepSync`)."""
         ring = 2 * (self.n - 1) / self.n
         nan = float("nan")
+        times = self.clock.pop(t0)
         if self.state is not None:
             vnmse, exact_s = self.state.pop_error()
             calls = self.state.pop_stats()
@@ -240,8 +284,9 @@ class Sync:
                 exact_s,
                 sum(c.cpu_seconds for c in calls),
                 calls[-1].bytes_sent if calls else nan,
+                *times,
             )
         if self.counter is not None:
             self.counter.active = False
-            return StepSync(self.counter.pop() * ring, nan, nan, nan, 0.0, nan, nan)
+            return StepSync(self.counter.pop() * ring, nan, nan, nan, 0.0, nan, nan, *times)
         return StepSync(self.numel * 4 * ring, nan, nan, nan, 0.0, nan, nan)  # DDP's fp32

@@ -287,7 +287,7 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     lane.opt.step()
     lane.opt.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
-    sync = lane.sync.end()
+    sync = lane.sync.end(t0)
     sent, exact_s = sync.sent, sync.exact_s
     t = torch.tensor([t2 - t0 - exact_s, t2 - t1, float(loss.detach())], dtype=torch.float64)
     dist.all_reduce(t[:2], op=dist.ReduceOp.MAX)
@@ -311,6 +311,8 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
             probe_s=probe_s,
             cpu_s=sync.cpu_s,
             last_bytes=sync.last_bytes,
+            bucket_ready_s=list(sync.ready_s),
+            bucket_done_s=list(sync.done_s),
             measured_error=measure,
         )
     )

@@ -11,7 +11,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hopq.reporting import machine, markdown_table, pyplot, save_figure
 
@@ -45,6 +45,11 @@ class StepRecord:
     #: hopq's hook: bytes this rank sent for the step's last bucket; NaN for
     #: torch's contenders (the report takes the bucket's share of ``bytes``).
     last_bytes: float = float("nan")
+    #: Seconds after the step's start (this rank's) when DDP called each bucket's
+    #: hook, its gradients ready, and when the hook's future completed, in bucket
+    #: order; empty for DDP's own all-reduce (no hook).
+    bucket_ready_s: list[float] = field(default_factory=list)
+    bucket_done_s: list[float] = field(default_factory=list)
     #: The step also ran an exact reference all-reduce (left out of timings).
     measured_error: bool = False
 
@@ -259,6 +264,9 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
         ax.set_ylim(0, 1.4 * max(tops))
     ax.legend(fontsize=7, loc="upper left")
     made.append(save_figure(fig, folder / "breakdown.png").name)
+    timeline = _timeline_plot(plt, runs, folder)
+    if timeline:
+        made.append(timeline)
 
     series = {
         r.codec: [(s.step, s.vnmse) for s in r.steps if not math.isnan(s.vnmse) and s.vnmse > 0]
@@ -278,6 +286,69 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     ax.legend(fontsize=8)
     made.append(save_figure(fig, folder / "vnmse.png").name)
     return made
+
+
+def bucket_times(run: CodecRun) -> list[tuple[float, float]]:
+    """Each bucket's median (hook called, future completed), seconds after the
+    step's start, over the timed steps with the usual bucket count; [] without
+    a hook."""
+    steps = [s for s in timed_steps(run) if s.bucket_ready_s]
+    if not steps:
+        return []
+    counts = [len(s.bucket_ready_s) for s in steps]
+    k = max(set(counts), key=counts.count)
+    steps = [s for s in steps if len(s.bucket_ready_s) == k]
+    return [
+        (
+            quantile([s.bucket_ready_s[i] for s in steps], 0.5),
+            quantile([s.bucket_done_s[i] for s in steps], 0.5),
+        )
+        for i in range(k)
+    ]
+
+
+def timeline_line(runs: list[CodecRun]) -> str:
+    """The buckets' synchronization in the step, as a line of the report."""
+    parts = []
+    for r in runs:
+        times = bucket_times(r)
+        if times:
+            spans = ", ".join(f"{a * 1e3:.0f}-{b * 1e3:.0f}" for a, b in times)
+            parts.append(f"{r.codec} {spans}")
+    if not parts:
+        return ""
+    return (
+        "Each bucket's synchronization, from the hook's call (its gradients ready) to its "
+        "future's completion, median ms after the step's start on rank 0 (timeline.png): "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+def _timeline_plot(plt: Any, runs: list[CodecRun], folder: Path) -> str | None:
+    shown = [(r, bucket_times(r)) for r in runs]
+    shown = [(r, t) for r, t in shown if t]
+    if not shown:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(shown) + 1.6))
+    colors = ("tab:blue", "tab:orange")
+    for y, (r, times) in enumerate(shown):
+        for i, (a, b) in enumerate(times):
+            ax.barh(y, (b - a) * 1e3, left=a * 1e3, height=0.5, color=colors[i % 2], alpha=0.8)
+        steps = [s.step_s for s in timed_steps(r)]
+        ax.plot([quantile(steps, 0.5) * 1e3] * 2, [y - 0.35, y + 0.35], color="black", lw=2)
+        compute = steady(r, "compute_s") * 1e3
+        ax.plot([compute] * 2, [y - 0.35, y + 0.35], color="gray", lw=1, ls="--")
+    ax.set_yticks(range(len(shown)), [r.codec for r, _ in shown])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms after the step's start (rank 0, medians)")
+    ax.set_title(
+        "Buckets' synchronization: hook called to future completed\n"
+        "(bars alternate by bucket; black: median step end; dashed: compute alone)",
+        fontsize=9,
+    )
+    ax.grid(axis="x", alpha=0.3)
+    return save_figure(fig, folder / "timeline.png").name
 
 
 def baseline(runs: list[CodecRun]) -> CodecRun | None:
@@ -434,6 +505,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                 if (floor := exposure_floor(runs, o.world_size, cores(), o.rate_mbit))
                 else []
             ),
+            *([line] if (line := timeline_line(runs)) else []),
             "",
             table,
             "",
