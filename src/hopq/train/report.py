@@ -341,6 +341,7 @@ def _timeline_plot(plt: Any, runs: list[CodecRun], folder: Path) -> str | None:
         ax.plot([compute] * 2, [y - 0.35, y + 0.35], color="gray", lw=1, ls="--")
     ax.set_yticks(range(len(shown)), [r.codec for r, _ in shown])
     ax.invert_yaxis()
+    ax.set_xlim(left=0)
     ax.set_xlabel("ms after the step's start (rank 0, medians)")
     ax.set_title(
         "Buckets' synchronization: hook called to future completed\n"
