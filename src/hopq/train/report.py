@@ -39,8 +39,9 @@ class StepRecord:
     exposed_s: float = float("nan")
     #: This step's compute probe (NaN when none ran).
     probe_s: float = float("nan")
-    #: hopq's hook: CPU seconds of its thread in the step's calls (codec kernels and
-    #: hopq's Python; waiting not counted); NaN for torch's contenders.
+    #: hopq's hook: CPU seconds of its thread in the step's calls (codec kernels,
+    #: hopq's Python and its socket calls; waiting not counted); NaN for torch's
+    #: contenders.
     cpu_s: float = float("nan")
     #: hopq's hook: bytes this rank sent for the step's last bucket; NaN for
     #: torch's contenders (the report takes the bucket's share of ``bytes``).
