@@ -139,13 +139,15 @@ def test_a_rank_killed_by_a_signal_leaves_its_threads_stacks():
     assert "Fatal Python error: Aborted" in str(e.value)
 
 
-def test_mismatches_where_the_statistics_ride_with_the_agreement():
+@pytest.mark.parametrize("size", [1 << 20, 1 << 16])
+def test_mismatches_where_the_statistics_ride_with_the_agreement(size):
     """At 1M coordinates DynamiQ's statistics take the direct all-reduce, whose
-    first round rides with the agreement (a tail per peer): a rank making another
-    call (another codec sends no tails, another size other tails) still raises
-    MismatchError with every other rank, and the group stays usable."""
+    first round rides with the agreement (a tail per peer); at 64K coordinates
+    their whole all-gather rides (the same tail to every peer). A rank making
+    another call (another codec sends no tails, another size other tails) still
+    raises MismatchError with every other rank, and the group stays usable."""
     o = faults.FaultOptions(
-        worlds=(4,), deaths=(), codecs=("dynamiq",), topologies=("ring",), size=1 << 20,
+        worlds=(4,), deaths=(), codecs=("dynamiq",), topologies=("ring",), size=size,
         mismatches=("size", "codec", "config", "seed"),
     )  # fmt: skip
     per_rank = faults.run_mismatches(o, 4)

@@ -268,6 +268,43 @@ def test_statistics_ride_with_the_agreement(monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def test_small_statistics_ride_with_the_agreement_whole(monkeypatch):
+    """DynamiQ's statistics of a 256 KiB call are under DIRECT_STATS_BYTES: their
+    all-gather rides with the agreement (each rank's statistics to every peer in
+    the agreement's own messages), so no statistics round is left before the
+    payload, and the bits are those of the separate all-gather."""
+    import hopq
+    import hopq.comm.transport as transport
+    from hopq.comm import engine
+
+    n = 4
+    xs = [torch.randn(1 << 16, generator=torch.Generator().manual_seed(r)) for r in range(n)]
+    rounds = []
+    each_peer = transport._each_peer
+
+    def counted(*a, **k):
+        rounds.append(a[4].phase)  # where
+        return each_peer(*a, **k)
+
+    gathers = []
+    all_gather = engine.all_gather
+
+    def gathered(*a, **k):
+        gathers.append(a[3].phase)  # where
+        return all_gather(*a, **k)
+
+    monkeypatch.setattr(transport, "_each_peer", counted)
+    monkeypatch.setattr(engine, "all_gather", gathered)
+    riding = hopq.simulate(xs, "dynamiq", "ring", seed=2)
+    assert sorted(rounds) == ["agreement"] * n and gathers == []
+    monkeypatch.setattr(engine, "tails_ride", lambda t: False)
+    apart = hopq.simulate(xs, "dynamiq", "ring", seed=2)
+    assert gathers == ["statistics"] * n  # each rank's separate all-gather
+    for a, b in zip(riding.outputs, apart.outputs, strict=True):
+        assert torch.equal(a, b)
+    assert riding.bytes_sent == apart.bytes_sent  # the same statistics bytes counted
+
+
 def test_exchange_tails_reach_one_peer_each_and_room_is_left_for_them():
     """A rank sending no tails (a rank making another call than its peers) still
     receives its peers' blocks with their tails: every receive has room for one."""

@@ -15,7 +15,9 @@ A codec's first statistics may travel in the same round, read only once the
 fingerprints agree: small fixed-size ones inside the block, to every peer
 (``extra``), and the first round of a direct statistics all-reduce as a
 different tail per peer (``tails``, :func:`~hopq.comm.transport.exchange_tails`:
-DynamiQ's reduce-scatter, which saves the call a round before its plan).
+DynamiQ's reduce-scatter, which saves the call a round before its plan), or a
+small all-gather whole, the same tail to every peer (statistics under
+:data:`~hopq.comm.engine.DIRECT_STATS_BYTES`, which saves it ceil(log2 n) rounds).
 Wherever tails can ride, every rank's receives have room for them whether it
 sends any or not, so ranks that disagree about what rides still fit.
 

@@ -68,7 +68,7 @@ from hopq.comm.transport import (
     direct_pieces,
     tails_ride,
 )
-from hopq.errors import CodecError
+from hopq.errors import CodecError, TransportError
 
 #: Coordinates per microshard, when a codec does not set its own
 #: (``Codec.microshard_coords``): a schedule chunk of d/n coordinates moves as
@@ -272,8 +272,9 @@ class _StatsExchange:
                     _, held = self.agreement.run(
                         tails={q: p for q, p in enumerate(pieces) if q != self.rank}
                     )
-                else:
+                elif direct:
                     self.agreement.run()
+                # else the all-gather below rides with the agreement where it fits
             if direct:
                 self.bytes += 2 * (n - 1) / n * nbytes
                 self.calls += 1
@@ -330,6 +331,26 @@ class _StatsExchange:
             assert extras is not None
             return [e.view(t.dtype).view(t.shape).to(t.device) for e in extras]
         if not self.agreement.done:
+            if n > 1 and 0 < nbytes <= TAIL_BYTES and tails_ride(self.transport):
+                # the all-gather rides with the agreement: this rank's statistics go
+                # to every peer in the agreement's own messages (one round, not
+                # ceil(log2 n) more); the same parts, so the same bits
+                self.bytes += wire_bytes
+                self.calls += 1
+                flat = t.detach().contiguous().reshape(-1)
+                _, held = self.agreement.run(tails={q: flat for q in range(n) if q != self.rank})
+                parts = []
+                for q in range(n):
+                    if q == self.rank:
+                        parts.append(t)
+                        continue
+                    if held[q].numel() != nbytes:
+                        raise TransportError(
+                            f"rank {self.rank}: rank {q} sent {held[q].numel()} bytes of "
+                            f"statistics in {self.where.describe()}, this rank {nbytes}"
+                        )
+                    parts.append(held[q].view(t.dtype).view(t.shape).to(t.device))
+                return parts
             self.agreement.run()
         if t.numel() == 0 or n == 1:
             return None
