@@ -237,6 +237,20 @@ def test_exchange_gives_every_block_in_rank_order(n):
         assert all(b.numel() == 24 and torch.all(b == b[0]) for b in blocks)
 
 
+def _phases(monkeypatch, module, name, where_at):
+    """Record the phase of every call of ``module.name`` (its Where is argument
+    ``where_at``) in the returned list."""
+    phases = []
+    original = getattr(module, name)
+
+    def counted(*a, **k):
+        phases.append(a[where_at].phase)
+        return original(*a, **k)
+
+    monkeypatch.setattr(module, name, counted)
+    return phases
+
+
 def test_statistics_ride_with_the_agreement(monkeypatch):
     """DynamiQ's statistics of a 4 MiB call take the direct all-reduce, whose
     first round rides with the agreement: two rounds to every peer before the
@@ -247,14 +261,7 @@ def test_statistics_ride_with_the_agreement(monkeypatch):
 
     n = 4
     xs = [torch.randn(1 << 20, generator=torch.Generator().manual_seed(r)) for r in range(n)]
-    rounds = []
-    each_peer = transport._each_peer
-
-    def counted(*a, **k):
-        rounds.append(a[4].phase)  # where
-        return each_peer(*a, **k)
-
-    monkeypatch.setattr(transport, "_each_peer", counted)
+    rounds = _phases(monkeypatch, transport, "_each_peer", 4)
     riding = hopq.simulate(xs, "dynamiq", "ring", seed=2).outputs
     assert sorted(rounds) == ["agreement"] * n + ["statistics"] * n
     rounds.clear()
@@ -279,22 +286,8 @@ def test_small_statistics_ride_with_the_agreement_whole(monkeypatch):
 
     n = 4
     xs = [torch.randn(1 << 16, generator=torch.Generator().manual_seed(r)) for r in range(n)]
-    rounds = []
-    each_peer = transport._each_peer
-
-    def counted(*a, **k):
-        rounds.append(a[4].phase)  # where
-        return each_peer(*a, **k)
-
-    gathers = []
-    all_gather = engine.all_gather
-
-    def gathered(*a, **k):
-        gathers.append(a[3].phase)  # where
-        return all_gather(*a, **k)
-
-    monkeypatch.setattr(transport, "_each_peer", counted)
-    monkeypatch.setattr(engine, "all_gather", gathered)
+    rounds = _phases(monkeypatch, transport, "_each_peer", 4)
+    gathers = _phases(monkeypatch, engine, "all_gather", 3)
     riding = hopq.simulate(xs, "dynamiq", "ring", seed=2)
     assert sorted(rounds) == ["agreement"] * n and gathers == []
     monkeypatch.setattr(engine, "tails_ride", lambda t: False)
