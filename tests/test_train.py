@@ -204,6 +204,15 @@ def test_the_least_exposed_share_is_bounded_by_the_last_bucket_and_the_cores():
     assert exposure_floor(runs, 4, 16, 0.0) == ""
 
 
+def test_the_cpu_bound_counts_this_machines_workers_only(monkeypatch):
+    from hopq.train.report import local_workers
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert local_workers(4) == 4  # hopq's own spawn: every worker is here
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun over several machines
+    assert local_workers(16) == 2
+
+
 def test_the_timeline_gives_each_buckets_median_span():
     from hopq.train.report import CodecRun, StepRecord, timeline_line
 

@@ -156,6 +156,12 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def local_workers(world_size: int) -> int:
+    """Workers on this machine: torchrun's LOCAL_WORLD_SIZE when it launched the
+    job (its workers may span machines), else all of them (hopq's own spawn)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def exposure_floor(runs: list[CodecRun], workers: int, n_cores: int, rate_mbit: float) -> str:
     """The least exposed synchronization each contender could reach with these
     buckets on this machine, as a line of the report ("" when nothing bounds it):
@@ -504,7 +510,9 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             "and the socket calls it makes (waiting not counted; torch's hooks' is not measured).",
             *(
                 [floor]
-                if (floor := exposure_floor(runs, o.world_size, cores(), o.rate_mbit))
+                if (
+                    floor := exposure_floor(runs, local_workers(o.world_size), cores(), o.rate_mbit)
+                )
                 else []
             ),
             *([line] if (line := timeline_line(runs)) else []),
