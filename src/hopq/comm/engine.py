@@ -64,11 +64,12 @@ from hopq.comm.transport import (
     Handle,
     Transport,
     all_gather,
+    check_held,
     direct_all_reduce,
     direct_pieces,
     tails_ride,
 )
-from hopq.errors import CodecError, TransportError
+from hopq.errors import CodecError
 
 #: Coordinates per microshard, when a codec does not set its own
 #: (``Codec.microshard_coords``): a schedule chunk of d/n coordinates moves as
@@ -330,32 +331,29 @@ class _StatsExchange:
             extras, _ = self.agreement.run(t)
             assert extras is not None
             return [e.view(t.dtype).view(t.shape).to(t.device) for e in extras]
-        if not self.agreement.done:
-            if n > 1 and 0 < nbytes <= TAIL_BYTES and tails_ride(self.transport):
-                # the all-gather rides with the agreement: this rank's statistics go
-                # to every peer in the agreement's own messages (one round, not
-                # ceil(log2 n) more); the same parts, so the same bits
-                self.bytes += wire_bytes
-                self.calls += 1
-                flat = t.detach().contiguous().reshape(-1)
-                _, held = self.agreement.run(tails={q: flat for q in range(n) if q != self.rank})
-                parts = []
-                for q in range(n):
-                    if q == self.rank:
-                        parts.append(t)
-                        continue
-                    if held[q].numel() != nbytes:
-                        raise TransportError(
-                            f"rank {self.rank}: rank {q} sent {held[q].numel()} bytes of "
-                            f"statistics in {self.where.describe()}, this rank {nbytes}"
-                        )
-                    parts.append(held[q].view(t.dtype).view(t.shape).to(t.device))
-                return parts
+        # the all-gather rides with the agreement where it fits: this rank's
+        # statistics go to every peer in the agreement's own messages (one round,
+        # not ceil(log2 n) more); the same parts, so the same bits
+        ride = (
+            not self.agreement.done
+            and n > 1
+            and 0 < nbytes <= TAIL_BYTES
+            and tails_ride(self.transport)
+        )
+        if not self.agreement.done and not ride:
             self.agreement.run()
         if t.numel() == 0 or n == 1:
             return None
         self.bytes += wire_bytes
         self.calls += 1
+        if ride:
+            flat = t.detach().contiguous().reshape(-1)
+            _, held = self.agreement.run(tails={q: flat for q in range(n) if q != self.rank})
+            check_held(held, nbytes, self.rank, self.where)
+            return [
+                t if q == self.rank else held[q].view(t.dtype).view(t.shape).to(t.device)
+                for q in range(n)
+            ]
         here = Where(self.where.what, self.where.call, -1 - self.calls, 0, "statistics")
         self.frame_bytes += max(1, (n - 1).bit_length()) * framing.header_nbytes(1)
         t0 = time.perf_counter()

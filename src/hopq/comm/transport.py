@@ -672,6 +672,17 @@ def exchange_tails(
     return blocks, {q: got[q][k:] for q in peers}
 
 
+def check_held(held: dict[int, torch.Tensor], nbytes: int, rank: int, where: Where) -> None:
+    """Raise TransportError unless every peer's statistics that rode with the
+    agreement (or came in a first round) have the ``nbytes`` this rank expects."""
+    for q, b in held.items():
+        if b.numel() != nbytes:
+            raise TransportError(
+                f"rank {rank}: rank {q} sent {b.numel()} bytes of its statistics, "
+                f"this rank expects {nbytes}, in {where.describe()}"
+            )
+
+
 def direct_pieces(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     """The n near-equal pieces :func:`direct_all_reduce` cuts ``t`` into (piece q
     goes to rank q), as views of its flat form."""
@@ -714,12 +725,7 @@ def direct_all_reduce(
         held = _each_peer(
             transport, {q: pieces[q] for q in peers}, dict.fromkeys(peers, mine), deadline, at(0)
         )
-    for q in peers:
-        if held[q].numel() != mine:
-            raise TransportError(
-                f"rank {r}: rank {q} sent {held[q].numel()} bytes of its statistics' piece, "
-                f"this rank expects {mine}, in {where.describe()}"
-            )
+    check_held(held, mine, r, where)
     # received bytes may sit on another device than t (pieces that rode with the
     # agreement arrive in its host buffers)
     got = {q: b.view(t.dtype).to(t.device) for q, b in held.items()}

@@ -181,8 +181,8 @@ def exposure_floor(runs: list[CodecRun], workers: int, n_cores: int, rate_mbit: 
         if math.isnan(last) and r.bucket_bytes:  # torch: the bucket's share of the bytes
             last = steady(r, "bytes") * r.bucket_bytes[-1] / sum(r.bucket_bytes)
         wire = last * 8 / (rate_mbit * 1e6) if rate_mbit > 0 and not math.isnan(last) else 0.0
-        cpu = workers / n_cores * steady(r, "cpu_s") if full else float("nan")
-        cpu = 0.0 if math.isnan(cpu) else cpu
+        hook_cpu = steady(r, "cpu_s")  # NaN for torch's contenders
+        cpu = workers / n_cores * hook_cpu if full and not math.isnan(hook_cpu) else 0.0
         floor = max(wire, cpu)
         if floor > 0:
             by = "the wire" if wire >= cpu else "the CPU"
