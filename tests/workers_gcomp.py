@@ -92,3 +92,36 @@ def gcomp_optimizer_warning(rank: int, n: int) -> dict[str, list[str]]:
                 opt.step()
         out[case] = [str(w.message) for w in seen if issubclass(w.category, UserWarning)]
     return out
+
+
+def ddp_dynamiq_adamw(rank: int, n: int, steps: int) -> dict[str, Any]:
+    """TinyNet trained with AdamW through ``HookState(codec="dynamiq")`` without
+    and with ``optimizer=opt`` (its step sizes weigh the allocation): final
+    parameters, and the bits per coordinate of the calls of each variant."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.workers import TinyNet
+
+    out: dict[str, Any] = {}
+    for with_opt in (False, True):
+        torch.manual_seed(0)
+        model = TinyNet()
+        ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets per step
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        state = hopq.HookState(codec="dynamiq", optimizer=opt if with_opt else None)
+        ddp.register_comm_hook(state, hopq.ddp_hook)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            x = torch.randn(32, 16, generator=g)
+            y = torch.randn(32, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        key = "opt" if with_opt else "none"
+        out[key] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        calls = state.pop_stats()
+        out[f"{key}/bits"] = (
+            8 * sum(c.bytes_sent for c in calls) / sum(2 * (n - 1) / n * c.numel for c in calls)
+        )
+        out[f"{key}/pending"] = len(state.codec._step_sizes)  # type: ignore[attr-defined]
+    return out

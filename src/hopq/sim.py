@@ -173,6 +173,7 @@ def _simulate(
     codecs = _RANKS.get(proto, [])
     if len(codecs) != n or digest(codecs[0].state_dict()) != digest(proto.state_dict()):
         codecs = [proto.clone() for _ in range(n)]
+    proto.hand_over(codecs)
     gcodecs = None if gproto is None else [gproto.clone() for _ in range(n)]
     results: list[tuple[torch.Tensor, engine.RunStats] | None] = [None] * n
     errors: list[BaseException] = []

@@ -475,16 +475,26 @@ class Codec(ABC, Generic[P]):
         """An independent copy with the same config and state (one per virtual rank)."""
         return copy.deepcopy(self)
 
+    def hand_over(self, copies: list[Codec[Any]]) -> None:
+        """Give ``copies`` (the simulator's per-rank copies) the inputs for the next
+        call that were set on this instance (DynamiQ's step sizes), as if each rank
+        had set them; this instance keeps none. None set here: the copies keep
+        what was set on them. Codecs without such inputs: nothing."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
 
 
 def optimizer_unused(codec: Codec[Any]) -> str | None:
     """Why an optimizer handed to ``codec`` would do nothing, or None when it is
-    used: codecs with ``set_thresholds`` (GComp's optimizer-aware truncation) take
-    one, unless their ``optimizer_unused`` says why this configuration would not."""
-    if not hasattr(codec, "set_thresholds"):
-        return f"codec {codec.name!r} takes no optimizer (GComp's truncation does)"
+    used: codecs with ``use_optimizer`` (GComp's optimizer-aware truncation,
+    DynamiQ's step-size weights) take one, unless their ``optimizer_unused``
+    says why this configuration would not."""
+    if not hasattr(codec, "use_optimizer"):
+        return (
+            f"codec {codec.name!r} takes no optimizer (GComp's truncation and DynamiQ's "
+            "allocation do)"
+        )
     return getattr(codec, "optimizer_unused", None) or None
 
 
@@ -505,8 +515,10 @@ def missing_optimizer(codec: Codec[Any], optimizer: Any, where: str) -> str | No
     it through ``where`` without ``optimizer``, or None: a codec whose
     compression depends on an optimizer's state (GComp's truncation), given
     none and no thresholds by hand, truncates no mantissa bits."""
+    if not hasattr(codec, "set_thresholds"):
+        return None  # without one, DynamiQ allocates as its paper does
     if optimizer is not None or optimizer_unused(codec) is not None:
-        return None  # given, or one would not be used (no thresholds, fixed_level)
+        return None  # given, or one would not be used (fixed_level)
     if getattr(codec, "thresholds", None):
         return None  # thresholds set by hand
     return (

@@ -73,7 +73,11 @@ class HookState(CallRecords):
     False to choose. hopq makes that group at the first bucket, with every
     rank, the group's backends and timeout. For a DDP group of some ranks only,
     pass a second group of the same ranks, in the same order, made by every
-    rank with ``dist.new_group`` as torch asks.
+    rank with ``dist.new_group`` as torch asks. ``optimizer``: the optimizer
+    that steps the model's parameters, for codecs that read its state before
+    each bucket: GComp's truncation needs it; DynamiQ weighs its bit allocation
+    by the optimizer's step sizes (Adam: lr / (sqrt(v) + eps)), which trains
+    closer to uncompressed with adaptive optimizers (docs/codecs/dynamiq.md).
     """
 
     def __init__(
@@ -95,9 +99,9 @@ class HookState(CallRecords):
                 "HookState takes the process group as process_group= (DDP's name), not group="
             )
         self.codec = get_codec(codec, **codec_config)
-        #: The optimizer whose state sets the codec's per-coordinate thresholds
-        #: before each bucket (codecs with ``set_thresholds``: GComp's
-        #: optimizer-aware truncation); None: no thresholds.
+        #: The optimizer whose state the codec reads before each bucket (codecs
+        #: with ``use_optimizer``: GComp's per-coordinate thresholds, DynamiQ's
+        #: step sizes); None: the codec works without it.
         if optimizer is not None:
             check_takes_optimizer(self.codec, optimizer)
         self.optimizer = optimizer
@@ -326,15 +330,12 @@ def _reduce(
     params: list[torch.Tensor] | None = None,
 ) -> None:
     """One bucket's all-reduce over ``group`` (and, when asked, its exact
-    reference); with ``params``, the optimizer's thresholds for them first,
-    counted as codec work."""
+    reference); with ``params``, the optimizer's state for them first (the
+    codec's ``use_optimizer``), counted as codec work."""
     t_thr = c_thr = 0.0
     if params is not None and state.optimizer is not None:
-        from hopq.codecs.gcomp.optim import thresholds
-
         t0, c0 = time.perf_counter(), time.thread_time()
-        thr = thresholds(state.optimizer, params)
-        state.codec.set_thresholds(thr.to(buf.device), index)  # type: ignore[attr-defined]
+        state.codec.use_optimizer(state.optimizer, params, index, buf.device)  # type: ignore[attr-defined]
         t_thr, c_thr = time.perf_counter() - t0, time.thread_time() - c0
     exact = None
     if state.measure_error:
@@ -405,7 +406,7 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         if why:
             warnings.warn(why, UserWarning, stacklevel=2)
     state._engaged = True
-    # the optimizer's thresholds are computed with the bucket's reduction (on the
+    # the optimizer's state is read with the bucket's reduction (on the
     # thread, as codec work): its state and the parameters do not change before
     # the backward pass ends, which waits for every bucket's future
     params = list(bucket.parameters()) if state.optimizer is not None else None

@@ -145,6 +145,13 @@ class FSDPReduceScatter(_ReduceScatterBase):
         c = get_codec(codec, **codec_config)
         if optimizer is not None:
             check_takes_optimizer(c, optimizer)
+            if not hasattr(c, "set_thresholds"):
+                raise ValueError(
+                    f"hopq FSDPReduceScatter: {c.name} reads the optimizer's state for the "
+                    "whole vector before each call, and FSDP shards that state across the "
+                    "ranks (only GComp's thresholds are exchanged between them): pass no "
+                    "optimizer"
+                )
         elif thresholds_every != THRESHOLDS_EVERY:
             raise ValueError(
                 "thresholds_every sets how often the optimizer's thresholds are refreshed: "

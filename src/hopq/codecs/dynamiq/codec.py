@@ -23,6 +23,7 @@ from hopq.codecs.dynamiq import reference
 from hopq.codecs.dynamiq.allocation import allocate, split_budget
 from hopq.codecs.dynamiq.config import Backend, DynamiQConfig, Scales
 from hopq.codecs.dynamiq.layout import DynamiQPlan, Segment, build_plan
+from hopq.codecs.dynamiq.optim import check_optimizer, step_sizes
 from hopq.codecs.registry import register
 from hopq.kernels import DynamiQKernels, Mode, resolve
 from hopq.numerics.levels import search_tables
@@ -100,6 +101,9 @@ class DynamiQ(Codec[DynamiQPlan]):
         self._shares: dict[int, tuple[int, float]] = {}
         #: device type -> kernel module (or None: the reference), resolved once.
         self._kernel_cache: dict[str, DynamiQKernels | None] = {}
+        #: key -> the optimizer's step size per coordinate for that key's next
+        #: call (``set_step_sizes``), whose energies are weighed by its square.
+        self._step_sizes: dict[int | None, torch.Tensor] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # modules neither pickle nor deep-copy: a copy resolves its kernels again
@@ -134,13 +138,29 @@ class DynamiQ(Codec[DynamiQPlan]):
             return reference.finite_means(v, S, kern.supergroup_stats(v, S))
 
         bounds = check_bounds(stats, d)
+        r = self._step_sizes.pop(stats.key, None)  # one call's
+        if r is not None and r.numel() != d:
+            raise ValueError(
+                f"dynamiq: the step sizes set for key {stats.key} cover {r.numel()} "
+                f"coordinates, this call has {d}"
+            )
+
+        def sums(v: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+            # means of v; energies of v, or of r v: the update's (see optim.py)
+            out = sg_stats(v, S)
+            if r is not None:
+                out[1] = sg_stats(v * r.to(v.device), S)[1]
+            return out
+
         sg_starts: tuple[int, ...] = ()
         if bounds is None:
-            local = sg_stats(flat, S)
+            local = sums(flat, r)
         else:  # super-groups start at every chunk's start
             sg_starts = tuple(s // S for s in segment_starts(bounds, S))
             parts = [
-                sg_stats(flat[a:b], S) for a, b in zip(bounds, bounds[1:], strict=False) if b > a
+                sums(flat[a:b], None if r is None else r[a:b])
+                for a, b in zip(bounds, bounds[1:], strict=False)
+                if b > a
             ]
             local = torch.cat(parts, 1) if parts else flat.new_zeros(2, 0)
         glob = stats.all_reduce(local.to(torch.bfloat16), StatsOp.SUM).float()
@@ -156,6 +176,54 @@ class DynamiQ(Codec[DynamiQPlan]):
             cfg, d, widths, stats.n_chunks, mu, budget, stats.microshards, bounds, sg_starts,
             weight,
         )  # fmt: skip
+
+    # -- the optimizer (optim.py) -----------------------------------------------
+    @property
+    def optimizer_unused(self) -> str | None:
+        """Why an optimizer handed to this codec would do nothing, or None."""
+        if self.config.optimizer_weights:
+            return None
+        return "dynamiq: optimizer_weights=False allocates without the optimizer's step sizes"
+
+    @staticmethod
+    def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+        """Raise ValueError unless optim.py has a step-size rule for ``optimizer``."""
+        check_optimizer(optimizer)
+
+    def use_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        key: int | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Before a call with ``key`` that carries the gradients of ``params`` (in
+        that order): take ``optimizer``'s step sizes for them."""
+        r = step_sizes(optimizer, params)
+        self.set_step_sizes(r if r is None or device is None else r.to(device), key)
+
+    def set_step_sizes(self, r: torch.Tensor | None, key: int | None = None) -> None:
+        """The optimizer's step size per coordinate for the next call with ``key``
+        (that call uses them up; None: none, energies unweighted). Each rank's
+        own: the energies are exchanged already weighed, so the ranks allocate
+        alike even where their step sizes differ."""
+        unused = self.optimizer_unused
+        if unused is not None and r is not None:
+            raise ValueError(unused)
+        if r is None:
+            self._step_sizes.pop(key, None)
+            return
+        r = r.detach().reshape(-1).to(torch.float32)
+        if not bool((r >= 0).all()):
+            raise ValueError("dynamiq: step sizes must be >= 0 (NaN is not)")
+        self._step_sizes[key] = r
+
+    def hand_over(self, copies: list[Codec[Any]]) -> None:
+        if not self._step_sizes:  # none set here: the copies keep theirs
+            return
+        for c in copies:
+            c._step_sizes = dict(self._step_sizes)  # type: ignore[attr-defined]
+        self._step_sizes = {}
 
     def _budget_for(self, key: int | None, d: int) -> float:
         """Bits per coordinate for this call. A keyed call whose key already ran

@@ -106,6 +106,12 @@ class DynamiQConfig(CodecConfig):
     share_budget: bool = option(
         True, "keyed calls (DDP buckets) share one bit budget per step (beyond the paper)"
     )
+    optimizer_weights: bool = option(
+        True,
+        "given the optimizer (HookState(optimizer=...)), weigh each coordinate's energy by "
+        "its step size squared (Adam: lr / (sqrt(v) + eps)), so the allocation minimises the "
+        "update's error, not the gradient's (beyond the paper)",
+    )
 
     def __post_init__(self) -> None:
         coerce_enums(self, "dynamiq")

@@ -51,7 +51,7 @@ from hopq.codecs.base import (
 from hopq.codecs.gcomp import format as fmt
 from hopq.codecs.gcomp import reference as ref
 from hopq.codecs.gcomp.huffman import Table, build_table, table_from_lengths
-from hopq.codecs.gcomp.optim import check_rule
+from hopq.codecs.gcomp.optim import check_rule, thresholds
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
@@ -147,6 +147,18 @@ class GComp(Codec[GCompPlan]):
     def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
         """Raise ValueError unless Table 2 has a truncation rule for ``optimizer``."""
         check_rule(optimizer)
+
+    def use_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        key: int | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Before a call with ``key`` that carries the gradients of ``params`` (in
+        that order): take ``optimizer``'s thresholds for them."""
+        thr = thresholds(optimizer, params)
+        self.set_thresholds(thr if device is None else thr.to(device), key)
 
     def set_thresholds(self, thr: torch.Tensor | None, key: int | None = None) -> None:
         """|A| per coordinate (delta = A / g, paper Table 2) of the gradient the

@@ -1,0 +1,146 @@
+"""DynamiQ's allocation weighed by the optimizer's step sizes (optim.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hopq
+from hopq.codecs.dynamiq.optim import step_sizes
+from hopq.sim import virtual_ranks
+
+
+def _stepped(opt_cls, **kw):
+    """Two parameters and ``opt_cls`` after two steps on fixed gradients."""
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7))]
+    opt = opt_cls(ps, **kw)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g) * torch.linspace(0.01, 3, p.numel()).view(
+                p.shape
+            )
+        opt.step()
+    return ps, opt
+
+
+@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam])
+def test_adam_step_sizes_follow_the_formula(cls):
+    ps, opt = _stepped(cls, lr=3e-3, betas=(0.8, 0.95), eps=1e-6)
+    r = step_sizes(opt, ps)
+    assert r is not None and r.dtype == torch.float32 and r.numel() == 22
+    want = []
+    for p in ps:
+        st = opt.state[p]
+        v = st["exp_avg_sq"].double() / (1 - 0.95 ** float(st["step"]))
+        want.append((3e-3 / (v.sqrt() + 1e-6)).reshape(-1))
+    torch.testing.assert_close(r.double(), torch.cat(want), rtol=1e-6, atol=0)
+
+
+def test_rmsprop_adagrad_and_sgd_step_sizes():
+    ps, opt = _stepped(torch.optim.RMSprop, lr=1e-2, eps=1e-8, centered=True)
+    r = step_sizes(opt, ps)
+    st = opt.state[ps[0]]
+    v = st["square_avg"] - st["grad_avg"].square()
+    torch.testing.assert_close(r[:15], (1e-2 / (v.clamp(min=0).sqrt() + 1e-8)).reshape(-1))
+    ps, opt = _stepped(torch.optim.Adagrad, lr=0.1, lr_decay=0.5, eps=1e-10)
+    r = step_sizes(opt, ps)
+    st = opt.state[ps[1]]
+    clr = 0.1 / (1 + (float(st["step"]) - 1) * 0.5)
+    torch.testing.assert_close(r[15:], clr / (st["sum"].sqrt() + 1e-10))
+    # SGD: the learning rate; one for all -> nothing to weigh
+    ps, opt = _stepped(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert step_sizes(opt, ps) is None
+    opt = torch.optim.SGD([{"params": [ps[0]], "lr": 0.1}, {"params": [ps[1]], "lr": 0.01}])
+    r = step_sizes(opt, ps)
+    assert r is not None and torch.equal(r, torch.tensor([0.1] * 15 + [0.01] * 7))
+
+
+def test_no_step_sizes_before_the_first_step_and_refusals():
+    p = torch.nn.Parameter(torch.ones(4))
+    assert step_sizes(torch.optim.AdamW([p]), [p]) is None  # no second moments yet
+    with pytest.raises(ValueError, match="Adamax"):
+        step_sizes(torch.optim.Adamax([p]), [p])
+    with pytest.raises(ValueError, match="Adamax"):
+        hopq.HookState("dynamiq", optimizer=torch.optim.Adamax([p]))
+    with pytest.raises(ValueError, match="not in the optimizer"):
+        step_sizes(torch.optim.AdamW([p]), [torch.nn.Parameter(torch.ones(2))])
+    with pytest.raises(ValueError, match="optimizer_weights=False"):
+        hopq.HookState("dynamiq", optimizer=torch.optim.AdamW([p]), optimizer_weights=False)
+    codec = hopq.get_codec("dynamiq")
+    with pytest.raises(ValueError, match=">= 0"):
+        codec.set_step_sizes(torch.tensor([1.0, float("nan")]))
+    codec.set_step_sizes(torch.ones(10), key=2)
+    with pytest.raises(ValueError, match="cover 10 coordinates, this call has 12"):
+        hopq.simulate([torch.ones(12)] * 2, codec, key=2)
+    with pytest.raises(ValueError, match="FSDP shards"):
+        hopq.FSDPReduceScatter("dynamiq", optimizer=torch.optim.AdamW([p]))
+
+
+def _workers(n, d, seed):
+    """Half the coordinates loud, half quiet (1e-3 of it): vNMSE's allocation
+    gives the quiet half the fewest bits."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.ones(d)
+    scale[d // 2 :] = 1e-3
+    return [torch.randn(d, generator=g) * scale for _ in range(n)]
+
+
+@pytest.mark.parametrize("topology", ["ring", "butterfly"])
+def test_step_sizes_move_the_bits_to_where_the_update_is(topology):
+    """With Adam-like step sizes (large where the gradient is quiet) the error of
+    the update, sum (r e)^2, falls, at the same measured bits; every rank
+    holds the same bits."""
+    n, d = 4, 1 << 15
+    for seed in range(3):
+        xs = _workers(n, d, seed)
+        exact = torch.stack(xs).double().sum(0)
+        r = torch.ones(d)
+        r[d // 2 :] = 1e3
+        plain_codec = hopq.get_codec("dynamiq")
+        plain = hopq.simulate(xs, plain_codec, topology, seed=seed)
+        codec = hopq.get_codec("dynamiq")
+        codec.set_step_sizes(r)
+        weighed = hopq.simulate(xs, codec, topology, seed=seed)
+        assert weighed.identical and plain.identical
+        assert weighed.bits_per_coord <= 5.0 + 1e-9
+        assert abs(weighed.bits_per_coord - plain.bits_per_coord) < 0.05
+
+        def update_err(res, exact=exact, r=r):
+            return float(((res.outputs[0].double() - exact) * r).square().sum())
+
+        assert update_err(weighed) < 0.5 * update_err(plain), seed
+        assert weighed.vnmse > plain.vnmse  # the price: the gradient's own error
+        assert not codec._step_sizes  # used by that call only
+        # the next call goes without them: as the unweighted codec's second call
+        again = hopq.simulate(xs, codec, topology, seed=seed)
+        plain2 = hopq.simulate(xs, plain_codec, topology, seed=seed)
+        assert torch.equal(again.outputs[0], plain2.outputs[0])
+
+
+def test_ranks_with_different_step_sizes_still_agree():
+    """The energies are exchanged already weighed: ranks whose step sizes differ
+    (they should not, but nothing checks it) allocate alike and end bit-identical."""
+    n, d = 3, 5000
+    xs = _workers(n, d, 7)
+    codec = hopq.get_codec("dynamiq")
+    hopq.simulate(xs, codec, key=1)  # makes the per-rank copies
+    for k, c in enumerate(virtual_ranks(codec)):
+        c.set_step_sizes(torch.linspace(1, 10 ** (k + 1), d), key=1)
+    res = hopq.simulate(xs, codec, key=1)
+    assert res.identical and res.bits_per_coord <= 5.0 + 1e-9
+
+
+def test_ddp_hook_with_adamw_weighs_the_allocation_in_a_real_gloo_job():
+    """HookState(codec="dynamiq", optimizer=AdamW) in a 2-rank Gloo DDP job:
+    replicas bit-identical, the step sizes reach the codec (the training differs
+    from the run without the optimizer) and are used up, at the same bits."""
+    from hopq.cluster.launch import run_workers
+    from tests.workers_gcomp import ddp_dynamiq_adamw
+
+    res = run_workers(2, ddp_dynamiq_adamw, 4)
+    for key in ("none", "opt"):
+        assert torch.equal(res[0][key], res[1][key])  # replicas bit-identical
+        assert res[0][f"{key}/bits"] <= 5.0 + 1e-6
+        assert res[0][f"{key}/pending"] == 0
+    assert not torch.equal(res[0]["none"], res[0]["opt"])
