@@ -2,6 +2,11 @@
 timeouts, a transport that checks every size). Generated from the codec
 registry; ``hopq bench faults`` runs the same code for docs/reliability.md."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -281,3 +286,44 @@ def test_batched_posts_and_staged_messages():
             s1[0].wait(Deadline(5.0), Where("a call", 0, 0))
     assert len(works) == 2
     r1[0].wait(Deadline(5.0), Where("a call", 0, 0))
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (a zombie nobody reaped counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="parent-death signal is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_ranks_die_with_their_launcher(tmp_path, sig):
+    """A launcher (hopq train, a benchmark) stopped by SIGTERM or killed leaves no
+    rank behind waiting on its peers with its cores busy (seen: SIGTERM to `hopq
+    train --no-network` left its 4 ranks running)."""
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "from hopq.cluster.launch import spawn\n"
+        "from tests.workers import sleep_forever\n"
+        f"spawn(2, sleep_forever, {str(tmp_path)!r})\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], cwd=root)
+    try:
+        end = time.monotonic() + 120
+        while len([p for p in tmp_path.iterdir() if p.name in ("0", "1")]) < 2:
+            assert time.monotonic() < end and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.2)
+        pids = [int((tmp_path / r).read_text()) for r in ("0", "1")]
+        os.kill(launcher.pid, sig)
+        launcher.wait(timeout=60)
+        end = time.monotonic() + 30
+        while not all(_gone(p) for p in pids):
+            assert time.monotonic() < end, f"ranks {pids} outlived their launcher"
+            time.sleep(0.2)
+        if sig == signal.SIGTERM:
+            assert launcher.returncode == 128 + signal.SIGTERM  # SystemExit, after the kill
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -472,3 +472,15 @@ def staged(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
         transport.STAGE_ALL = False
     out["staged"] = collectives._transport(None).staged_messages
     return out
+
+
+def sleep_forever(rank: int, n: int, pids: str) -> None:
+    """Write this rank's pid into ``pids``/rank, then wait (for the launcher to die)."""
+    import os
+    import time
+
+    path = os.path.join(pids, str(rank))
+    with open(path + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(path + ".tmp", path)
+    time.sleep(600)

@@ -7,9 +7,12 @@ join the launcher's process group instead (:func:`init_from_env`).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
 import faulthandler
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -60,6 +63,17 @@ class RankOutcome:
     fault: str | None = None
 
 
+def _die_with(parent: int) -> None:
+    """Linux: this worker is killed when the launching process dies, however it
+    dies (SIGKILL included), rather than waiting on its peers until the group's
+    timeout, with its cores busy."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before that took effect
+        os._exit(1)
+
+
 def _entry(
     fn: Callable[..., Any],
     rank: int,
@@ -70,7 +84,9 @@ def _entry(
     args: tuple[Any, ...],
     pg_timeout: float,
     clean_exit: bool,
+    parent: int,
 ) -> None:
+    _die_with(parent)
     torch.set_num_threads(threads)
     # a crash, even one at interpreter exit, leaves every thread's Python stack
     # here (the file stays open until the process ends)
@@ -137,17 +153,28 @@ def spawn(
                     args,
                     pg_timeout,
                     clean_exit,
+                    os.getpid(),
                 ),
             )  # fmt: skip
             for r in range(n)
         ]
-        for p in procs:
-            p.start()
+
+        def on_term(signum: int, frame: Any) -> None:
+            raise SystemExit(128 + signum)  # unwinds through the kill below
+
+        try:  # SIGTERM (a scheduler, timeout, kill) kills the ranks too
+            old_term = signal.signal(signal.SIGTERM, on_term)
+        except ValueError:  # not the main thread: the ranks still die with this process
+            old_term = None
         end = time.monotonic() + timeout
         try:
             for p in procs:
+                p.start()
+            for p in procs:
                 p.join(max(0.0, end - time.monotonic()))
         finally:
+            if old_term is not None:
+                signal.signal(signal.SIGTERM, old_term)
             for p in procs:
                 if p.is_alive():
                     p.kill()
