@@ -146,10 +146,20 @@ class DynamiQ(Codec[DynamiQPlan]):
             )
 
         def sums(v: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
-            # means of v; energies of v, or of r v: the update's (see optim.py)
+            # means and energies of v; with step sizes, the energies times the
+            # super-group's mean r^2: a super-group's error is spread over its
+            # entries by its scales, whatever each entry's own size (optim.py)
             out = sg_stats(v, S)
             if r is not None:
-                out[1] = sg_stats(v * r.to(v.device), S)[1]
+                m = out.shape[1]
+                cnt = torch.full((m,), float(S), device=v.device)
+                cnt[-1:] = v.numel() - (m - 1) * S
+                w = sg_stats(r.to(v.device), S)[1] / cnt
+                # zero stays zero (the zero class is decided on the gradient), any
+                # other energy stays positive (a zero step size must not make a
+                # super-group the zero class's) and NaN stays NaN
+                F = out[1]
+                out[1] = torch.where(F == 0, F, (F * w).clamp(min=torch.finfo(F.dtype).tiny))
             return out
 
         sg_starts: tuple[int, ...] = ()

@@ -14,10 +14,15 @@ puts the fewest bits. Weighing each coordinate by its step size,
     r_i = clr / (sqrt(sum_i) + eps)                 (Adagrad, clr = lr / (1 + (t-1) lr_decay))
     r_i = lr                                        (SGD, with or without momentum)
 
-makes the allocation minimise the error of the update instead: the codec sums
-(r_i x_i)^2 per super-group in place of x_i^2 (``DynamiQ.plan``). v is the
-state after the last step (the current gradient is not in it yet), as in
-GComp's thresholds.
+makes the allocation minimise the error of the update instead. A super-group's
+quantization error spreads over its entries through the group scales, whatever
+each entry's own size, so the codec multiplies each super-group's energy by
+the mean of r_i^2 over its entries (``DynamiQ.plan``; weighing each entry's
+square by its own r_i^2 instead missed the quiet entries of loud groups and
+trained worse: docs/codecs/dynamiq.md). Each rank sends its energies already
+weighed, so the ranks allocate alike whatever their step sizes. v is the state
+after the last step (the current gradient is not in it yet), as in GComp's
+thresholds.
 """
 
 from __future__ import annotations
