@@ -252,7 +252,9 @@ def _lane(o: TrainOptions, name: str, n: int) -> _Lane:
     ddp = DDP(w.model, bucket_cap_mb=o.bucket_mb or None)
     opt = torch.optim.AdamW(ddp.parameters(), lr=o.lr or w.lr)
     sync = Sync(name, ddp, n, o.seed, o.topology, o.codec_config(name), o.powersgd_start, opt)
-    return _Lane(name, w, ddp, opt, sync, CodecRun(name, params=sync.numel))
+    # the codecs that read the optimizer (GComp's thresholds, DynamiQ's step sizes)
+    handed = type(opt).__name__ if sync.state is not None and sync.state.optimizer else ""
+    return _Lane(name, w, ddp, opt, sync, CodecRun(name, params=sync.numel, optimizer=handed))
 
 
 def _probe(lane: _Lane, b: Any) -> float:

@@ -65,6 +65,28 @@ class CodecRun:
     #: Bytes of each of DDP's gradient buckets, in the order they are reduced
     #: (after DDP rebuilt them from the first step's order).
     bucket_bytes: list[int] = field(default_factory=list)
+    #: The optimizer's class when the hook was handed it (HookState(optimizer=...):
+    #: GComp's thresholds, DynamiQ's step sizes), else "".
+    optimizer: str = ""
+
+
+def optimizer_line(runs: list[CodecRun]) -> str | None:
+    """Which contenders' hooks read the job's optimizer, and what that changes."""
+    handed = [r for r in runs if r.optimizer]
+    if not handed:
+        return None
+    line = (
+        f"Handed the job's {handed[0].optimizer} (HookState(optimizer=...)): "
+        + ", ".join(r.codec for r in handed)
+        + "."
+    )
+    if any(r.codec == "dynamiq" for r in handed):
+        line += (
+            " DynamiQ weighs its bit allocation by the optimizer's step sizes, so its vNMSE"
+            " (the gradient's error, which that allocation no longer minimises) rises while"
+            " the update's error falls (docs/codecs/dynamiq.md)."
+        )
+    return line
 
 
 #: A last bucket above this share of the gradient leaves every hook little to
@@ -414,6 +436,7 @@ def load_runs(path: Path) -> list[CodecRun]:
             [StepRecord(**s) for s in d["steps"]],  # older runs lack the newer fields
             [tuple(e) for e in d["evals"]],
             d.get("bucket_bytes", []),
+            d.get("optimizer", ""),
         )
         for d in data
     ]
@@ -496,6 +519,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             *([warning, ""] if warning else []),
             f"Machine: {machine()}. Network: {network}. Model: {runs[0].params:,} parameters.",
             bucket_line(runs, o.bucket_mb),
+            *([line] if (line := optimizer_line(runs)) else []),
             "The contenders trained interleaved (step k of each before step k + 1 of any), so a",
             "change in the machine's load hits them alike. Compute was probed at least"
             f" {n_probes} times per contender (forward and backward without communication);",
@@ -544,6 +568,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                     "params": r.params,
                     "evals": r.evals,
                     "bucket_bytes": r.bucket_bytes,
+                    "optimizer": r.optimizer,
                     "steps": [asdict(s) for s in r.steps],
                 }
                 for r in runs
