@@ -144,3 +144,35 @@ def test_ddp_hook_with_adamw_weighs_the_allocation_in_a_real_gloo_job():
         assert res[0][f"{key}/bits"] <= 5.0 + 1e-6
         assert res[0][f"{key}/pending"] == 0
     assert not torch.equal(res[0]["none"], res[0]["opt"])
+
+
+def test_frameworks_hand_over_the_optimizer_only_when_it_is_clear():
+    """adopt_optimizer (Lightning, Fabric, Accelerate, the HF Trainer): the one
+    optimizer, unwrapped, to a codec that reads it and has none; a warning
+    where it cannot tell which or the codec has no rule for it."""
+    import warnings
+
+    from hopq.integrations.ddp import adopt_optimizer
+
+    p = torch.nn.Parameter(torch.ones(3))
+    a, b = torch.optim.AdamW([p]), torch.optim.SGD([p], lr=0.1)
+
+    class Wrapped:  # Accelerate's AcceleratedOptimizer holds the torch one
+        optimizer = a
+
+    s = hopq.HookState("dynamiq")
+    adopt_optimizer(s, [Wrapped()], "here")
+    assert s.optimizer is a
+    adopt_optimizer(s, [b], "here")  # one given (or adopted) stays
+    assert s.optimizer is a
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain = hopq.HookState("bf16")  # reads no optimizer: nothing, silently
+        adopt_optimizer(plain, [a], "here")
+        assert plain.optimizer is None
+    s = hopq.HookState("dynamiq")
+    with pytest.warns(UserWarning, match="here: 2 optimizers"):
+        adopt_optimizer(s, [a, b], "here")
+    with pytest.warns(UserWarning, match="no step-size rule for Adamax"):
+        adopt_optimizer(s, [torch.optim.Adamax([p])], "here")
+    assert s.optimizer is None

@@ -230,6 +230,14 @@ def test_lightning_strategy(lightning_job):
     assert "hopq/bits_per_coordinate" in lightning_job[0]["lightning_csv"]
 
 
+def test_the_strategies_hand_the_optimizer_to_the_codec(lightning_job):
+    """The optimizer Lightning (configure_optimizers) or Fabric (setup) makes after
+    the HookState reaches DynamiQ, which weighs its allocation by it."""
+    for r in range(2):
+        assert lightning_job[r]["lightning_opt"] == ["SGD"]
+        assert lightning_job[r]["fabric_opt"] == ["SGD"]
+
+
 def test_lightning_plain_strategy_on_cpu_is_caught(lightning_job):
     """Lightning's DDPStrategy(ddp_comm_hook=hopq.ddp_hook) on CPU never registers
     the hook; hopq warns, naming the strategy that does."""
@@ -274,6 +282,14 @@ def test_accelerate_recipe(hf_job):
         assert hf_job[r]["kwargs_hooks"] == 0  # Accelerate dropped comm_hook=hopq.ddp_hook
         assert "silently ignored" in hf_job[r]["kwargs_refused"]
         assert "DDP model" in hf_job[r]["not_ddp"]
+
+
+def test_accelerate_and_the_hf_trainer_hand_the_optimizer_to_the_codec(hf_job):
+    """register_hook takes the optimizer accelerator.prepare wrapped; the HF
+    Trainer's callback the one the Trainer made: DynamiQ gets it."""
+    for r in range(2):
+        assert hf_job[r]["accelerate_opt"] == ["SGD"]
+        assert hf_job[r]["hf_opt"] == ["AdamW"]
 
 
 def test_hf_trainer_callback(hf_job):

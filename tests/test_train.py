@@ -75,9 +75,10 @@ def test_numbers_are_consistent(tiny):
         assert 8 * s["bytes"] / ring == pytest.approx(s["bits_per_coord"])
     # the codecs that read the optimizer get the job's AdamW, and the report says so
     assert [r["optimizer"] for r in runs.values()] == ["", "", "", "", "AdamW", "AdamW"]
-    assert "Handed the job's AdamW (HookState(optimizer=...)): dynamiq, gcomp." in (
-        out / "report.md"
-    ).read_text()
+    assert (
+        "Handed the job's AdamW (HookState(optimizer=...)): dynamiq, gcomp."
+        in (out / "report.md").read_text()
+    )
     # GComp's truncation thresholds cut bytes below fp32's
     gc = [s["bits_per_coord"] for s in runs["gcomp"]["steps"]]
     assert max(gc[1:]) < 32.0 and gc[-1] <= gc[1]

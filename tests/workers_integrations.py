@@ -41,6 +41,25 @@ def example(name: str) -> Any:
     return mod
 
 
+def adopted(fn: Any, *args: Any) -> tuple[Any, list[str]]:
+    """fn's result and, for every HookState it made, the class name of the
+    optimizer the state holds afterwards ("" for none): the frameworks make the
+    optimizer after the state, and hopq's integrations hand it over."""
+    made: list[hopq.HookState] = []
+
+    class Recorded(hopq.HookState):
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            made.append(self)
+
+    real, hopq.HookState = hopq.HookState, Recorded  # type: ignore[misc]
+    try:
+        out = fn(*args)
+    finally:
+        hopq.HookState = real  # type: ignore[misc]
+    return out, [type(s.optimizer).__name__ if s.optimizer is not None else "" for s in made]
+
+
 def caught(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
     """fn's result and the HookNotEngagedWarning messages it raised."""
     with warnings.catch_warnings(record=True) as w:
@@ -208,7 +227,9 @@ def lightning_job(rank: int, n: int, tmp: str) -> dict[str, Any]:
 
     as_torchrun(rank, n)
     out: dict[str, Any] = {}
-    out["lightning"] = example("lightning_ddp").main(["--steps", "4", "--out", f"{tmp}/lt"])
+    out["lightning"], out["lightning_opt"] = adopted(
+        example("lightning_ddp").main, ["--steps", "4", "--out", f"{tmp}/lt"]
+    )
     csv = glob.glob(f"{tmp}/lt/lightning_logs/version_*/metrics.csv")
     out["lightning_csv"] = Path(csv[0]).read_text().splitlines()[0] if csv else None
     # Lightning's own strategy with hopq's hook: DDP's all-reduce on CPU, and hopq says so
@@ -240,7 +261,9 @@ def lightning_job(rank: int, n: int, tmp: str) -> dict[str, Any]:
     t = trainer(plain, hopq_ddp.UNENGAGED_STEPS, logger=False)
     _, out["plain_strategy"] = caught(t.fit, Plain(), loader)
     out["plain_strategy_calls"] = len(state.pop_stats())
-    out["fabric"] = example("fabric_ddp").main(["--steps", "4", "--out", f"{tmp}/fab"])
+    out["fabric"], out["fabric_opt"] = adopted(
+        example("fabric_ddp").main, ["--steps", "4", "--out", f"{tmp}/fab"]
+    )
     out["fabric_csv"] = bool(glob.glob(f"{tmp}/fab/lightning_logs/version_*/metrics.csv"))
     return out
 
@@ -252,7 +275,9 @@ def hf_job(rank: int, n: int, tmp: str) -> dict[str, Any]:
 
     as_torchrun(rank, n)
     out: dict[str, Any] = {}
-    out["accelerate"] = example("accelerate_ddp").main(["--steps", "4"])
+    out["accelerate"], out["accelerate_opt"] = adopted(
+        example("accelerate_ddp").main, ["--steps", "4"]
+    )
     # DistributedDataParallelKwargs(comm_hook=hopq.ddp_hook): Accelerate drops it
     from hopq.integrations.accelerate import register_hook
 
@@ -272,7 +297,9 @@ def hf_job(rank: int, n: int, tmp: str) -> dict[str, Any]:
     except TypeError as e:
         out["not_ddp"] = str(e)
     report = "tensorboard" if importlib.util.find_spec("tensorboard") else "none"
-    logs = example("hf_trainer").main(["--steps", "6", "--out", f"{tmp}/hf", "--report-to", report])
+    logs, out["hf_opt"] = adopted(
+        example("hf_trainer").main, ["--steps", "6", "--out", f"{tmp}/hf", "--report-to", report]
+    )
     out["hf_logs"] = logs
     if report == "tensorboard" and rank == 0:  # the Trainer's reporters write on rank 0
         out["hf_tb"] = _contains(f"{tmp}/hf/**/events.*", b"hopq/bits_per_coordinate")

@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, check_same_group, ddp_hook
+from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
 
 try:
     from accelerate.utils import DDPCommunicationHookType
@@ -70,6 +70,8 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
     if isinstance(model, DistributedDataParallel):
         check_same_group(model, state)
         model.register_comm_hook(state, ddp_hook)
+        # the optimizer prepare() wrapped, for the codecs that read it
+        adopt_optimizer(state, getattr(accelerator, "_optimizers", []), "register_hook")
         return state
     if accelerator.num_processes > 1:
         raise TypeError(

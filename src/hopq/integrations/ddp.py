@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from hopq.codecs.base import Codec, check_takes_optimizer, missing_optimizer
+from hopq.codecs.base import Codec, check_takes_optimizer, missing_optimizer, optimizer_unused
 from hopq.codecs.registry import get_codec
 from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
@@ -552,6 +552,34 @@ def not_engaged_message(state: HookState, world: int, when: str) -> str:
         + (f"; {hint}" if hint else "")
         + ". See docs/integrations/frameworks.md."
     )
+
+
+def adopt_optimizer(state: HookState, optimizers: Any, where: str) -> None:
+    """For frameworks that make the optimizer after the hook's state (Lightning,
+    Fabric, Accelerate, the HF Trainer): hand ``state`` the optimizer when its
+    codec reads one (GComp's thresholds, DynamiQ's step sizes) and none was
+    given. ``optimizers``: the framework's, wrappers allowed (their
+    ``.optimizer``). Where that cannot be decided (several optimizers, or one
+    the codec has no rule for) it warns and the codec works without one."""
+    if state.optimizer is not None or optimizer_unused(state.codec) is not None:
+        return
+    opts = [getattr(o, "optimizer", o) for o in optimizers]
+    opts = [o for o in opts if isinstance(o, torch.optim.Optimizer)]
+    name = state.codec.name
+    if len(opts) != 1:
+        warnings.warn(
+            f"{where}: {len(opts)} optimizers, so hopq cannot tell which steps the DDP model; "
+            f"codec {name!r} works without one: pass HookState(optimizer=...)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return
+    try:
+        check_takes_optimizer(state.codec, opts[0])
+    except ValueError as e:
+        warnings.warn(f"{where}: {e}; {name!r} works without it", UserWarning, stacklevel=3)
+        return
+    state.optimizer = opts[0]
 
 
 def check_same_group(model: Any, state: HookState) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, check_same_group, ddp_hook
+from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
 
 try:
     from lightning.fabric.strategies import DDPStrategy
@@ -67,6 +67,11 @@ class HopqDDPStrategy(DDPStrategy):
         ddp.register_comm_hook(self.hook_state, ddp_hook)
         self._wrapped = weakref.ref(ddp)
         return ddp
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        # fabric.setup(model, optimizer): the codecs that read the optimizer get it
+        adopt_optimizer(self.hook_state, [optimizer], "HopqDDPStrategy")
+        return super().setup_optimizer(optimizer)
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the strategy
         d = self.__dict__.copy()

@@ -19,7 +19,7 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, check_same_group, ddp_hook
+from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
 
 try:
     from lightning.pytorch import Callback
@@ -70,6 +70,11 @@ class HopqDDPStrategy(DDPStrategy):
             )
         super().__init__(**kwargs)
         self.hook_state = _state(state)
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # wraps the model, then makes the optimizers
+        if self.optimizers:  # fitting: the codecs that read the optimizer get it
+            adopt_optimizer(self.hook_state, self.optimizers, "HopqDDPStrategy")
 
     def configure_ddp(self) -> None:
         super().configure_ddp()  # wraps the model in DDP; registers nothing here

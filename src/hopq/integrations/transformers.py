@@ -21,7 +21,13 @@ from typing import Any
 
 from torch.nn.parallel import DistributedDataParallel
 
-from hopq.integrations.ddp import HookState, StepMetrics, check_same_group, ddp_hook
+from hopq.integrations.ddp import (
+    HookState,
+    StepMetrics,
+    adopt_optimizer,
+    check_same_group,
+    ddp_hook,
+)
 
 try:
     from transformers import TrainerCallback
@@ -60,6 +66,9 @@ class HopqCallback(TrainerCallback):
                 check_same_group(model, self.state)
                 model.register_comm_hook(self.state, ddp_hook)
                 self._hooked.add(model)
+            opt = kwargs.get("optimizer") or trainer.optimizer
+            if opt is not None:  # for the codecs that read it
+                adopt_optimizer(self.state, [opt], "HopqCallback")
         elif args.world_size > 1:
             raise TypeError(
                 f"HopqCallback: the Trainer wrapped the model in {type(model).__name__}, not "
