@@ -162,6 +162,17 @@ class TinyNet(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+def tiny_steps(ddp: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, steps: int) -> None:
+    """``steps`` training steps of TinyNet's regression on this rank's own data."""
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        x = torch.randn(32, 16, generator=g)
+        y = torch.randn(32, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+
+
 def ddp_train(
     rank: int, n: int, codecs: list[str | None], steps: int, overlap: bool = True
 ) -> dict[str, Any]:
@@ -181,13 +192,7 @@ def ddp_train(
             )
             ddp.register_comm_hook(state, hopq.ddp_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(steps):
-            x = torch.randn(32, 16, generator=g)
-            y = torch.randn(32, 4, generator=g)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
+        tiny_steps(ddp, opt, rank, steps)
         out[str(codec)] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         if state is not None:
             out[f"{codec}/calls"] = state.codec.round

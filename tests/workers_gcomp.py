@@ -100,7 +100,7 @@ def ddp_dynamiq_adamw(rank: int, n: int, steps: int) -> dict[str, Any]:
     parameters, and the bits per coordinate of the calls of each variant."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from tests.workers import TinyNet
+    from tests.workers import TinyNet, tiny_steps
 
     out: dict[str, Any] = {}
     for with_opt in (False, True):
@@ -110,13 +110,7 @@ def ddp_dynamiq_adamw(rank: int, n: int, steps: int) -> dict[str, Any]:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
         state = hopq.HookState(codec="dynamiq", optimizer=opt if with_opt else None)
         ddp.register_comm_hook(state, hopq.ddp_hook)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(steps):
-            x = torch.randn(32, 16, generator=g)
-            y = torch.randn(32, 4, generator=g)
-            opt.zero_grad()
-            torch.nn.functional.mse_loss(ddp(x), y).backward()
-            opt.step()
+        tiny_steps(ddp, opt, rank, steps)
         key = "opt" if with_opt else "none"
         out[key] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         calls = state.pop_stats()

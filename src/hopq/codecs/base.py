@@ -485,12 +485,39 @@ class Codec(ABC, Generic[P]):
         return f"{type(self).__name__}({self.config})"
 
 
+class ReadsOptimizer:
+    """A codec that reads the optimizer's state before each call (GComp's
+    truncation thresholds, DynamiQ's step sizes): the DDP hook calls
+    ``use_optimizer`` with the bucket's parameters."""
+
+    def optimizer_input(self, optimizer: Any, params: list[torch.Tensor]) -> torch.Tensor | None:
+        """What the codec takes from ``optimizer`` for ``params`` (flattened and
+        concatenated in that order), or None."""
+        raise NotImplementedError
+
+    def set_optimizer_input(self, value: torch.Tensor | None, key: int | None = None) -> None:
+        """Keep ``value`` for the calls with ``key``."""
+        raise NotImplementedError
+
+    def use_optimizer(
+        self,
+        optimizer: Any,
+        params: list[torch.Tensor],
+        key: int | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        """Before a call with ``key`` that carries the gradients of ``params`` (in
+        that order): take what the codec needs from ``optimizer``."""
+        v = self.optimizer_input(optimizer, params)
+        self.set_optimizer_input(v if v is None or device is None else v.to(device), key)
+
+
 def optimizer_unused(codec: Codec[Any]) -> str | None:
     """Why an optimizer handed to ``codec`` would do nothing, or None when it is
-    used: codecs with ``use_optimizer`` (GComp's optimizer-aware truncation,
-    DynamiQ's step-size weights) take one, unless their ``optimizer_unused``
-    says why this configuration would not."""
-    if not hasattr(codec, "use_optimizer"):
+    used: codecs that are ``ReadsOptimizer`` (GComp's optimizer-aware
+    truncation, DynamiQ's step-size weights) take one, unless their
+    ``optimizer_unused`` says why this configuration would not."""
+    if not isinstance(codec, ReadsOptimizer):
         return (
             f"codec {codec.name!r} takes no optimizer (GComp's truncation and DynamiQ's "
             "allocation do)"

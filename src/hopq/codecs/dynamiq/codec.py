@@ -12,6 +12,7 @@ from hopq.codecs.base import (
     Codec,
     CodecConfig,
     HopContext,
+    ReadsOptimizer,
     ReduceOp,
     StatsExchange,
     StatsOp,
@@ -81,7 +82,7 @@ def saturate_finite_rows(out: torch.Tensor, mu: torch.Tensor, S: int) -> torch.T
     "dynamiq",
     "DynamiQ: variable bitwidth per super-group, non-uniform levels, hierarchical scales, correlated rounding",
 )
-class DynamiQ(Codec[DynamiQPlan]):
+class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
     """DynamiQ (Dynamic Quantization for multi-hop all-reduce), sections 3-4 and
     appendices A-B; see :mod:`hopq.codecs.dynamiq`."""
 
@@ -200,17 +201,11 @@ class DynamiQ(Codec[DynamiQPlan]):
         """Raise ValueError unless optim.py has a step-size rule for ``optimizer``."""
         check_optimizer(optimizer)
 
-    def use_optimizer(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.Tensor],
-        key: int | None = None,
-        device: torch.device | None = None,
-    ) -> None:
-        """Before a call with ``key`` that carries the gradients of ``params`` (in
-        that order): take ``optimizer``'s step sizes for them."""
-        r = step_sizes(optimizer, params)
-        self.set_step_sizes(r if r is None or device is None else r.to(device), key)
+    def optimizer_input(self, optimizer: Any, params: list[torch.Tensor]) -> torch.Tensor | None:
+        return step_sizes(optimizer, params)
+
+    def set_optimizer_input(self, value: torch.Tensor | None, key: int | None = None) -> None:
+        self.set_step_sizes(value, key)
 
     def set_step_sizes(self, r: torch.Tensor | None, key: int | None = None) -> None:
         """The optimizer's step size per coordinate for the next call with ``key``

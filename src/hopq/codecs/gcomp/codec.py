@@ -43,6 +43,7 @@ from hopq.codecs.base import (
     CodecConfig,
     HopContext,
     Plan,
+    ReadsOptimizer,
     ReduceOp,
     StatsExchange,
     StatsOp,
@@ -105,7 +106,7 @@ def resolve_kernels(cfg: GCompConfig, device_type: str) -> Any:
     "GComp: Huffman-coded exponents, optimizer-aware mantissa truncation, zero pruning",
     devices=("cpu", "cuda"),  # CUDA tensors coded on the host (see the module's docstring)
 )
-class GComp(Codec[GCompPlan]):
+class GComp(ReadsOptimizer, Codec[GCompPlan]):
     config_class = GCompConfig
     config: GCompConfig
     layout_preserving: ClassVar[bool] = True
@@ -148,17 +149,11 @@ class GComp(Codec[GCompPlan]):
         """Raise ValueError unless Table 2 has a truncation rule for ``optimizer``."""
         check_rule(optimizer)
 
-    def use_optimizer(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.Tensor],
-        key: int | None = None,
-        device: torch.device | None = None,
-    ) -> None:
-        """Before a call with ``key`` that carries the gradients of ``params`` (in
-        that order): take ``optimizer``'s thresholds for them."""
-        thr = thresholds(optimizer, params)
-        self.set_thresholds(thr if device is None else thr.to(device), key)
+    def optimizer_input(self, optimizer: Any, params: list[torch.Tensor]) -> torch.Tensor:
+        return thresholds(optimizer, params)
+
+    def set_optimizer_input(self, value: torch.Tensor | None, key: int | None = None) -> None:
+        self.set_thresholds(value, key)
 
     def set_thresholds(self, thr: torch.Tensor | None, key: int | None = None) -> None:
         """|A| per coordinate (delta = A / g, paper Table 2) of the gradient the
