@@ -24,15 +24,23 @@ def _stepped(opt_cls, **kw):
     return ps, opt
 
 
-@pytest.mark.parametrize("cls", [torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam])
-def test_adam_step_sizes_follow_the_formula(cls):
-    ps, opt = _stepped(cls, lr=3e-3, betas=(0.8, 0.95), eps=1e-6)
+@pytest.mark.parametrize(
+    "cls, kw",
+    [
+        (torch.optim.Adam, {}),
+        (torch.optim.AdamW, {}),
+        (torch.optim.AdamW, {"amsgrad": True}),
+        (torch.optim.NAdam, {}),
+    ],
+)
+def test_adam_step_sizes_follow_the_formula(cls, kw):
+    ps, opt = _stepped(cls, lr=3e-3, betas=(0.8, 0.95), eps=1e-6, **kw)
     r = step_sizes(opt, ps)
     assert r is not None and r.dtype == torch.float32 and r.numel() == 22
     want = []
     for p in ps:
         st = opt.state[p]
-        v = st["exp_avg_sq"].double() / (1 - 0.95 ** float(st["step"]))
+        v = st["max_exp_avg_sq" if kw else "exp_avg_sq"].double() / (1 - 0.95 ** float(st["step"]))
         want.append((3e-3 / (v.sqrt() + 1e-6)).reshape(-1))
     torch.testing.assert_close(r.double(), torch.cat(want), rtol=1e-6, atol=0)
 

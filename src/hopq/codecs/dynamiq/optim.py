@@ -9,7 +9,7 @@ small relative to their own history (a small v_i) carry a large share of the
 update while they hold little of the gradient's energy, which is where vNMSE
 puts the fewest bits. Weighing each coordinate by its step size,
 
-    r_i = lr / (sqrt(v_i / (1 - beta2^t)) + eps)   (Adam, AdamW, NAdam, RAdam)
+    r_i = lr / (sqrt(v_i / (1 - beta2^t)) + eps)   (Adam, AdamW, NAdam, RAdam; AMSGrad: max v)
     r_i = lr / (sqrt(square_avg_i) + eps)           (RMSprop; centered: minus grad_avg_i^2)
     r_i = clr / (sqrt(sum_i) + eps)                 (Adagrad, clr = lr / (1 + (t-1) lr_decay))
     r_i = lr                                        (SGD, with or without momentum)
@@ -86,11 +86,12 @@ def _scale(opt: Any, group: dict[str, Any], st: dict[str, Any], out: torch.Tenso
             out.sqrt_()
         else:
             torch.sqrt(flat("square_avg"), out=out)
-    else:  # the Adam family: v / (1 - beta2^t), bias-corrected
+    else:  # the Adam family: v / (1 - beta2^t), bias-corrected; AMSGrad's max of v
         if "exp_avg_sq" not in st:
             return False
+        v = "max_exp_avg_sq" if group.get("amsgrad") and "max_exp_avg_sq" in st else "exp_avg_sq"
         beta2 = float(group["betas"][1])
-        torch.div(flat("exp_avg_sq"), 1 - beta2 ** float(st["step"]), out=out)
+        torch.div(flat(v), 1 - beta2 ** float(st["step"]), out=out)
         out.sqrt_()
     out.add_(eps).reciprocal_().mul_(lr)
     return True
