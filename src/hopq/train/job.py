@@ -253,7 +253,9 @@ def _lane(o: TrainOptions, name: str, n: int) -> _Lane:
     opt = torch.optim.AdamW(ddp.parameters(), lr=o.lr or w.lr)
     sync = Sync(name, ddp, n, o.seed, o.topology, o.codec_config(name), o.powersgd_start, opt)
     # the codecs that read the optimizer (GComp's thresholds, DynamiQ's step sizes)
-    handed = type(opt).__name__ if sync.state is not None and sync.state.optimizer else ""
+    handed = (
+        type(opt).__name__ if sync.state is not None and sync.state.optimizer is not None else ""
+    )
     return _Lane(name, w, ddp, opt, sync, CodecRun(name, params=sync.numel, optimizer=handed))
 
 
