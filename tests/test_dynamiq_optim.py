@@ -64,6 +64,20 @@ def test_rmsprop_adagrad_and_sgd_step_sizes():
     assert r is not None and torch.equal(r, torch.tensor([0.1] * 15 + [0.01] * 7))
 
 
+def test_parameters_without_state_take_the_mean_step_size():
+    """A parameter the optimizer has not stepped yet (no gradient so far: unused,
+    or newly unfrozen) beside stepped ones: the mean r of the rest, not a call
+    without weights."""
+    ps, opt = _stepped(torch.optim.AdamW, lr=1e-3)
+    fresh = torch.nn.Parameter(torch.ones(4))
+    opt.add_param_group({"params": [fresh]})
+    r = step_sizes(opt, [ps[0], fresh, ps[1]])
+    full = step_sizes(opt, ps)
+    assert r is not None and full is not None and r.numel() == 26
+    torch.testing.assert_close(torch.cat([r[:15], r[19:]]), full)
+    torch.testing.assert_close(r[15:19], full.double().mean().float().expand(4))
+
+
 def test_no_step_sizes_before_the_first_step_and_refusals():
     p = torch.nn.Parameter(torch.ones(4))
     assert step_sizes(torch.optim.AdamW([p]), [p]) is None  # no second moments yet
@@ -171,8 +185,11 @@ def test_frameworks_hand_over_the_optimizer_only_when_it_is_clear():
     s = hopq.HookState("dynamiq")
     adopt_optimizer(s, [Wrapped()], "here")
     assert s.optimizer is a
-    adopt_optimizer(s, [b], "here")  # one given (or adopted) stays
-    assert s.optimizer is a
+    adopt_optimizer(s, [b], "here")  # the framework made another (a second fit): no stale one
+    assert s.optimizer is b
+    given = hopq.HookState("dynamiq", optimizer=a)
+    adopt_optimizer(given, [b], "here")  # the user's stays
+    assert given.optimizer is a
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         plain = hopq.HookState("bf16")  # reads no optimizer: nothing, silently

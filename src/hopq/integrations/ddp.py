@@ -105,6 +105,9 @@ class HookState(CallRecords):
         if optimizer is not None:
             check_takes_optimizer(self.codec, optimizer)
         self.optimizer = optimizer
+        #: Whether ``optimizer`` was handed over by a framework integration
+        #: (``adopt_optimizer``), which replaces it when the framework makes another.
+        self._optimizer_adopted = False
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         self.topology = topology
         self.process_group = process_group
@@ -263,6 +266,7 @@ class HookState(CallRecords):
     def __setstate__(self, d: dict[str, Any]) -> None:
         self.__dict__.update(d)
         self.__dict__.setdefault("own_group", None)  # a state pickled before own_group
+        self.__dict__.setdefault("_optimizer_adopted", False)  # ... or before adoption
         self._lock = threading.Lock()
         self._world = None  # a copy sent to another process: its own group
         self._unengaged_by_optimizer = {}  # optimizers' ids do not travel
@@ -558,14 +562,19 @@ def adopt_optimizer(state: HookState, optimizers: Any, where: str) -> None:
     """For frameworks that make the optimizer after the hook's state (Lightning,
     Fabric, Accelerate, the HF Trainer): hand ``state`` the optimizer when its
     codec reads one (GComp's thresholds, DynamiQ's step sizes) and none was
-    given. ``optimizers``: the framework's, wrappers allowed (their
-    ``.optimizer``). Where that cannot be decided (several optimizers, or one
-    the codec has no rule for) it warns and the codec works without one."""
-    if state.optimizer is not None or optimizer_unused(state.codec) is not None:
+    given, or replace the one it handed over before (a second ``fit`` or
+    ``train()`` makes a new optimizer). ``optimizers``: the framework's,
+    wrappers allowed (their ``.optimizer``). Where that cannot be decided
+    (several optimizers, or one the codec has no rule for) it warns and the
+    codec works without one."""
+    if optimizer_unused(state.codec) is not None:
         return
+    if state.optimizer is not None and not state._optimizer_adopted:
+        return  # the user's
     opts = [getattr(o, "optimizer", o) for o in optimizers]
     opts = [o for o in opts if isinstance(o, torch.optim.Optimizer)]
     name = state.codec.name
+    state.optimizer, state._optimizer_adopted = None, False  # none stale
     if len(opts) != 1:
         warnings.warn(
             f"{where}: {len(opts)} optimizers, so hopq cannot tell which steps the DDP model; "
@@ -579,7 +588,7 @@ def adopt_optimizer(state: HookState, optimizers: Any, where: str) -> None:
     except ValueError as e:
         warnings.warn(f"{where}: {e}; {name!r} works without it", UserWarning, stacklevel=3)
         return
-    state.optimizer = opts[0]
+    state.optimizer, state._optimizer_adopted = opts[0], True
 
 
 def check_same_group(model: Any, state: HookState) -> None:

@@ -205,7 +205,11 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         return step_sizes(optimizer, params)
 
     def set_optimizer_input(self, value: torch.Tensor | None, key: int | None = None) -> None:
-        self.set_step_sizes(value, key)
+        # step_sizes' output: already float32, flat, finite and >= 0 (no second pass)
+        if value is None or self.optimizer_unused is not None:
+            self.set_step_sizes(value, key)
+        else:
+            self._step_sizes[key] = value
 
     def set_step_sizes(self, r: torch.Tensor | None, key: int | None = None) -> None:
         """The optimizer's step size per coordinate for the next call with ``key``

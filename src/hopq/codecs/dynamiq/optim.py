@@ -100,8 +100,10 @@ def _scale(opt: Any, group: dict[str, Any], st: dict[str, Any], out: torch.Tenso
 def step_sizes(optimizer: Any, params: list[torch.Tensor]) -> torch.Tensor | None:
     """r per coordinate of ``params`` (flattened and concatenated in that order,
     float32), or None where it would not change the allocation: the optimizer
-    holds no state for some of them yet (Adam before its first step), or r is
-    the same everywhere (SGD with one learning rate)."""
+    holds state for none of them yet (Adam before its first step), or r is the
+    same everywhere (SGD with one learning rate). Parameters without state among
+    others with it (no gradient yet: an unused or newly unfrozen layer) take the
+    mean r of the rest; an all-zero gradient is the zero class's whatever its r."""
     check_optimizer(optimizer)
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     groups = []
@@ -118,12 +120,22 @@ def step_sizes(optimizer: Any, params: list[torch.Tensor]) -> torch.Tensor | Non
     out = torch.empty(
         sum(t.numel() for t in locals_), dtype=torch.float32, device=locals_[0].device
     )
+    missing = []
     at = 0
     for p, t, g in zip(params, locals_, groups, strict=True):
         n = t.numel()
         if not _scale(optimizer, g, optimizer.state.get(p, {}), out[at : at + n]):
-            return None
+            missing.append((at, at + n))
         at += n
+    if missing:
+        have = torch.ones(out.numel(), dtype=torch.bool, device=out.device)
+        for a, b in missing:
+            have[a:b] = False
+        if not bool(have.any()):
+            return None
+        mean = out[have].double().mean()
+        for a, b in missing:
+            out[a:b] = mean
     # eps = 0 with v = 0, or a state gone NaN: the largest step, not Inf (0 x Inf
     # would make an all-zero super-group's energy NaN)
     big = torch.finfo(torch.float32).max
