@@ -19,6 +19,7 @@ import hopq
 from hopq.cluster.launch import run_workers
 from hopq.comm.engine import RunStats
 from hopq.integrations import ddp as hopq_ddp
+from tests import workers
 from tests import workers_integrations as wi
 
 #: DynamiQ's default budget (bits per coordinate, statistics included).
@@ -83,6 +84,39 @@ def test_step_metrics_windows_vnmse_and_bounded_records():
             state._record(_stats(10, 20))
     assert len(state.calls) == hopq_ddp.MAX_KEPT_CALLS
     assert state.step_metrics()["hopq/buckets"] == hopq_ddp.MAX_KEPT_CALLS + 10
+
+
+def test_update_error_is_the_error_weighed_by_the_step_sizes():
+    """measure_error with an optimizer: the hook's update vNMSE is the error of
+    the averaged gradient weighed by the optimizer's step sizes, for a codec that
+    reads the optimizer and one that does not; with SGD it is the vNMSE."""
+    out = run_workers(2, workers.ddp_update_error, timeout=300)
+    for res in out:
+        for name in ("adamw/mxfp4", "adamw/dynamiq", "sgd/mxfp4"):
+            (vn, uv), want = res[name], res[f"{name}/want"]
+            assert vn == pytest.approx(want[0], rel=1e-9) and vn > 0
+            assert uv == pytest.approx(want[1], rel=1e-6)
+            assert res[f"{name}/metrics"]["hopq/update_vnmse"] == pytest.approx(uv, rel=1e-12)
+        # AdamW's steps weigh the coordinates unevenly: the two errors differ
+        assert res["adamw/mxfp4/uniform"] is False
+        assert res["adamw/mxfp4"][1] != pytest.approx(res["adamw/mxfp4"][0], rel=1e-3)
+        assert res["sgd/mxfp4/uniform"] is True
+        assert res["sgd/mxfp4"][1] == res["sgd/mxfp4"][0]
+        # before AdamW's first step there are no step sizes: no update error
+        vn, uv = res["adamw/mxfp4/first"]
+        assert vn > 0 and math.isnan(uv)
+        assert "hopq/update_vnmse" not in res["adamw/mxfp4/first metrics"]
+        assert "hopq/vnmse" in res["adamw/mxfp4/first metrics"]
+    assert out[0]["adamw/dynamiq"] == out[1]["adamw/dynamiq"]  # bit-identical replicas
+
+
+def test_error_optimizer_needs_a_step_size_rule():
+    state = hopq.HookState(codec="bf16")
+    p = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="Adamax"):
+        state.error_optimizer = torch.optim.Adamax([p])
+    state.error_optimizer = torch.optim.Adam([p])
+    assert state.error_optimizer is not None
 
 
 def test_state_dict_is_opaque_and_checks_the_codec():

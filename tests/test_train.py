@@ -43,7 +43,7 @@ def test_report_and_plots_are_written(tiny):
 
 
 def test_numbers_are_consistent(tiny):
-    o, out, _ = tiny
+    o, out, text = tiny
     runs = {r["codec"]: r for r in json.loads((out / "runs.json").read_text())}
     assert list(runs) == list(o.codecs)  # every contender, in order
     n, d = o.world_size, runs["bf16"]["params"]
@@ -84,6 +84,13 @@ def test_numbers_are_consistent(tiny):
     assert max(gc[1:]) < 32.0 and gc[-1] <= gc[1]
     dq = [s["vnmse"] for s in runs["dynamiq"]["steps"] if s["vnmse"] == s["vnmse"]]
     assert all(max(measured) < v < 0.5 for v in dq)
+    # every hopq contender's error is also weighed by AdamW's step sizes, from its
+    # second step (step 0 has none); torch's contenders measure neither
+    for name in ("bf16", "dynamiq", "gcomp"):
+        upd = [s["update_vnmse"] for s in runs[name]["steps"] if s["measured_error"]]
+        assert upd[0] != upd[0] and all(0 < u < 1 for u in upd[1:]), (name, upd)
+    assert all(s["update_vnmse"] != s["update_vnmse"] for s in runs["torch:fp16"]["steps"])
+    assert "mean update vNMSE" in text and "'mean update vNMSE' weighs every coordinate" in text
     assert len(runs["dynamiq"]["evals"]) == 3  # before training, after step 3 and 6
     for r in runs.values():  # time to loss: the steps' times, the warm-up step left out
         steps = [s["step_s"] for s in r["steps"]]

@@ -200,6 +200,66 @@ def ddp_train(
     return out
 
 
+def ddp_update_error(rank: int, n: int) -> dict[str, Any]:
+    """The hook's measured errors (``measure_error``) against the same computed
+    here from this rank's gradient and an exact all-reduce: the gradient's
+    vNMSE and the update's (weighed by the optimizer's step sizes), for a codec
+    that reads the optimizer (DynamiQ), one that does not (MXFP4, through
+    ``error_optimizer``) and SGD (one learning rate: the update's error is the
+    gradient's)."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hopq.codecs.dynamiq.optim import step_sizes
+
+    out: dict[str, Any] = {}
+    variants = (
+        ("adamw/mxfp4", "mxfp4", torch.optim.AdamW),
+        ("adamw/dynamiq", "dynamiq", torch.optim.AdamW),
+        ("sgd/mxfp4", "mxfp4", torch.optim.SGD),
+    )
+    mse = torch.nn.functional.mse_loss
+    for name, codec, opt_cls in variants:
+        torch.manual_seed(0)
+        model = TinyNet()
+        params = list(model.parameters())
+        ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets
+        opt = opt_cls(ddp.parameters(), lr=1e-2)
+        state = hopq.HookState(codec=codec, optimizer=opt if codec == "dynamiq" else None)
+        if codec != "dynamiq":
+            state.error_optimizer = opt
+        ddp.register_comm_hook(state, hopq.ddp_hook)
+        state.measure_error = True  # the first step: AdamW has no step sizes yet
+        tiny_steps(ddp, opt, rank, 1)
+        out[f"{name}/first"] = state.pop_error()[:2]
+        out[f"{name}/first metrics"] = state.step_metrics()
+        state.measure_error = False
+        tiny_steps(ddp, opt, rank, 2)
+        g = torch.Generator().manual_seed(100 + rank)
+        x, y = torch.randn(32, 16, generator=g), torch.randn(32, 4, generator=g)
+        twin = copy.deepcopy(model)  # this rank's own gradient, without DDP
+        mse(twin(x), y).backward()
+        exact = torch.cat([p.grad.reshape(-1) for p in twin.parameters()]).double()  # type: ignore[union-attr]
+        dist.all_reduce(exact)
+        exact /= n
+        r = step_sizes(opt, params)
+        opt.zero_grad()
+        state.measure_error = True
+        mse(ddp(x), y).backward()
+        got = torch.cat([p.grad.reshape(-1) for p in params]).double()  # type: ignore[union-attr]
+        e = got - exact
+        w = torch.ones_like(e) if r is None else r.double()
+        out[name] = state.pop_error()[:2]
+        out[f"{name}/want"] = (
+            float(e.square().sum() / exact.square().sum()),
+            float((e * w).square().sum() / (exact * w).square().sum()),
+        )
+        out[f"{name}/metrics"] = state.step_metrics()
+        out[f"{name}/uniform"] = r is None
+    return out
+
+
 class WithUnused(TinyNet):
     """TinyNet with a layer that takes no gradient: DDP with
     ``find_unused_parameters=True`` then runs collectives of its own in the

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hopq.codecs.base import Codec, check_takes_optimizer, missing_optimizer, optimizer_unused
+from hopq.codecs.dynamiq.optim import SUPPORTED, check_optimizer, step_sizes
 from hopq.codecs.registry import get_codec
 from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
@@ -134,11 +135,16 @@ class HookState(CallRecords):
         #: MAX_KEPT_CALLS when nobody pops them), and their sum for the step.
         self._init_records()
         #: When set, the hook also runs an exact float64 all-reduce of each bucket
-        #: and accumulates the compressed result's error against it (vNMSE).
+        #: and accumulates the compressed result's error against it (vNMSE), and
+        #: with an optimizer to weigh it by (``error_optimizer``) the update's.
         self.measure_error = False
         self.err_sq = 0.0
         self.ref_sq = 0.0
-        #: Seconds spent on those exact all-reduces (to leave out of step timings).
+        self._error_optimizer: torch.optim.Optimizer | None = None
+        self.uerr_sq = 0.0
+        self.uref_sq = 0.0
+        #: Seconds spent on those exact all-reduces and on weighing the error
+        #: (to leave out of step timings).
         self.exact_seconds = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._stream: Any = None
@@ -161,9 +167,38 @@ class HookState(CallRecords):
     # -- records ------------------------------------------------------------
     records_owner = "HookState"
 
-    def _record(self, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> None:
+    @property
+    def error_optimizer(self) -> "torch.optim.Optimizer | None":
+        """With ``measure_error``: the optimizer whose step sizes per coordinate
+        (Adam: lr / (sqrt(v) + eps)) weigh the measured error too, giving the
+        error of the update that optimizer makes (``hopq/update_vnmse``) beside
+        the gradient's (``hopq/vnmse``). Any codec; None (the default): the
+        hook's ``optimizer`` where it has one."""
+        return self._error_optimizer
+
+    @error_optimizer.setter
+    def error_optimizer(self, optimizer: "torch.optim.Optimizer | None") -> None:
+        if optimizer is not None:
+            check_optimizer(optimizer)
+        self._error_optimizer = optimizer
+
+    def _weighs_error(self) -> "torch.optim.Optimizer | None":
+        """The optimizer whose step sizes weigh the measured error, if any."""
+        if self._error_optimizer is not None:
+            return self._error_optimizer
+        opt = self.optimizer
+        return opt if opt is not None and isinstance(opt, SUPPORTED) else None
+
+    def _record(
+        self,
+        info: RunStats,
+        err_sq: float = 0.0,
+        ref_sq: float = 0.0,
+        uerr_sq: float = 0.0,
+        uref_sq: float = 0.0,
+    ) -> None:
         self._engaged = True  # any path that records a bucket uses the state
-        super()._record(info, err_sq, ref_sq)
+        super()._record(info, err_sq, ref_sq, uerr_sq, uref_sq)
 
     def pop_step(self) -> StepMetrics:
         out = super().pop_step()
@@ -171,13 +206,17 @@ class HookState(CallRecords):
             _check_engaged(self, "state.step_metrics() found no bucket after an optimizer step")
         return out
 
-    def pop_error(self) -> tuple[float, float]:
-        """(vNMSE over the buckets measured since the last pop, seconds of exact
-        all-reduces); NaN when nothing was measured."""
+    def pop_error(self) -> tuple[float, float, float]:
+        """(vNMSE over the buckets measured since the last pop, the same weighed
+        by the optimizer's step sizes (``error_optimizer``), seconds of exact
+        all-reduces and weighing); NaN for what was not measured."""
+        nan = float("nan")
         with self._lock:
-            v = self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
-            out = (v, self.exact_seconds)
-            self.err_sq = self.ref_sq = self.exact_seconds = 0.0
+            v = self.err_sq / self.ref_sq if self.ref_sq > 0 else nan
+            u = self.uerr_sq / self.uref_sq if self.uref_sq > 0 else nan
+            out = (v, u, self.exact_seconds)
+            self.err_sq = self.ref_sq = self.uerr_sq = self.uref_sq = 0.0
+            self.exact_seconds = 0.0
         return out
 
     # -- checkpoints -----------------------------------------------------------
@@ -341,12 +380,17 @@ def _reduce(
         t0, c0 = time.perf_counter(), time.thread_time()
         state.codec.use_optimizer(state.optimizer, params, index, buf.device)  # type: ignore[attr-defined]
         t_thr, c_thr = time.perf_counter() - t0, time.thread_time() - c0
-    exact = None
+    exact = r = None
+    uniform = False  # SGD with one learning rate: the update's error is the gradient's
     if state.measure_error:
         t0 = time.perf_counter()
         exact = buf.detach().to(torch.float64)
         dist.all_reduce(exact, group=group)
         exact /= dist.get_world_size(group)
+        weigh = state._weighs_error()
+        if weigh is not None and params is not None:
+            r = step_sizes(weigh, params)  # None before the optimizer's first step
+            uniform = r is None and isinstance(weigh, torch.optim.SGD)
         with state._lock:
             state.exact_seconds += time.perf_counter() - t0
     # the bucket index names the bucket from step to step (DynamiQ shares the
@@ -357,14 +401,25 @@ def _reduce(
     )  # fmt: skip
     info.seconds += t_thr  # codec work: seconds - comm_seconds
     info.cpu_seconds += c_thr
-    err = ref = 0.0
+    err = ref = uerr = uref = 0.0
     if exact is not None:
-        err = float((buf.to(torch.float64) - exact).square().sum())
+        t0 = time.perf_counter()
+        e = buf.to(torch.float64) - exact
+        err = float(e.square().sum())
         ref = float(exact.square().sum())
+        if r is not None:
+            r64 = r.to(torch.float64)
+            uerr = float(e.mul_(r64).square().sum())
+            uref = float((exact * r64).square().sum())
+        elif uniform:
+            uerr, uref = err, ref
         with state._lock:
             state.err_sq += err
             state.ref_sq += ref
-    state._record(info, err, ref)
+            state.uerr_sq += uerr
+            state.uref_sq += uref
+            state.exact_seconds += time.perf_counter() - t0
+    state._record(info, err, ref, uerr, uref)
 
 
 def _run(
@@ -413,7 +468,8 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     # the optimizer's state is read with the bucket's reduction (on the
     # thread, as codec work): its state and the parameters do not change before
     # the backward pass ends, which waits for every bucket's future
-    params = list(bucket.parameters()) if state.optimizer is not None else None
+    weighs = state.measure_error and state._weighs_error() is not None
+    params = list(bucket.parameters()) if state.optimizer is not None or weighs else None
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buf.device] if buf.is_cuda else None
     )

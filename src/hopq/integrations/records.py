@@ -41,13 +41,25 @@ class StepMetrics:
     #: (``RunStats.cpu_seconds``: waiting is not counted). Where every core is
     #: busy computing, this is what the calls take from the compute.
     cpu_seconds: float = 0.0
+    #: The same error and norm with every coordinate weighed by the
+    #: optimizer's step size (``HookState.error_optimizer``): the error of the
+    #: update the optimizer makes from the gradient; 0 when not measured.
+    uerr_sq: float = 0.0
+    uref_sq: float = 0.0
 
     @classmethod
-    def of(cls, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> StepMetrics:
+    def of(
+        cls,
+        info: RunStats,
+        err_sq: float = 0.0,
+        ref_sq: float = 0.0,
+        uerr_sq: float = 0.0,
+        uref_sq: float = 0.0,
+    ) -> StepMetrics:
         """One call's record (``steps`` 0: it is part of a step)."""
         return cls(
             0, 1, info.numel, info.bytes_sent, info.seconds, info.comm_seconds,
-            info.coords_moved, err_sq, ref_sq, info.cpu_seconds,
+            info.coords_moved, err_sq, ref_sq, info.cpu_seconds, uerr_sq, uref_sq,
         )  # fmt: skip
 
     @property
@@ -66,6 +78,12 @@ class StepMetrics:
         """||result - exact||^2 / ||exact||^2 over the calls; NaN when not measured."""
         return self.err_sq / self.ref_sq if self.ref_sq > 0 else float("nan")
 
+    @property
+    def update_vnmse(self) -> float:
+        """The vNMSE with each coordinate weighed by the optimizer's step size
+        (the error of the update, not of the gradient); NaN when not measured."""
+        return self.uerr_sq / self.uref_sq if self.uref_sq > 0 else float("nan")
+
     def __add__(self, other: StepMetrics) -> StepMetrics:
         if not isinstance(other, StepMetrics):
             return NotImplemented
@@ -80,13 +98,16 @@ class StepMetrics:
             self.err_sq + other.err_sq,
             self.ref_sq + other.ref_sq,
             self.cpu_seconds + other.cpu_seconds,
+            self.uerr_sq + other.uerr_sq,
+            self.uref_sq + other.uref_sq,
         )
 
     def as_dict(self, prefix: str = "hopq/") -> dict[str, float]:
         """Flat scalars, per step (means over ``steps``): ``bits_per_coordinate``
         (from the bytes, weighted by call size), ``bytes_sent``,
-        ``codec_seconds``, ``comm_seconds``, ``cpu_seconds``, ``buckets``, ``numel``, and
-        ``vnmse`` when it was measured. Keys start with ``prefix``."""
+        ``codec_seconds``, ``comm_seconds``, ``cpu_seconds``, ``buckets``, ``numel``,
+        ``vnmse`` when it was measured and ``update_vnmse`` when it was weighed
+        by an optimizer's step sizes. Keys start with ``prefix``."""
         k = max(self.steps, 1)
         out = {
             "bits_per_coordinate": self.bits_per_coordinate,
@@ -99,6 +120,8 @@ class StepMetrics:
         }
         if self.ref_sq > 0:
             out["vnmse"] = self.vnmse
+        if self.uref_sq > 0:
+            out["update_vnmse"] = self.update_vnmse
         return {prefix + key: float(v) for key, v in out.items()}
 
 
@@ -117,8 +140,15 @@ class CallRecords:
         self._lock = threading.Lock()
         self._step = StepMetrics()
 
-    def _record(self, info: RunStats, err_sq: float = 0.0, ref_sq: float = 0.0) -> None:
-        one = StepMetrics.of(info, err_sq, ref_sq)
+    def _record(
+        self,
+        info: RunStats,
+        err_sq: float = 0.0,
+        ref_sq: float = 0.0,
+        uerr_sq: float = 0.0,
+        uref_sq: float = 0.0,
+    ) -> None:
+        one = StepMetrics.of(info, err_sq, ref_sq, uerr_sq, uref_sq)
         with self._lock:
             self._step = self._step + one
             self.calls.append(info)
@@ -153,6 +183,6 @@ class CallRecords:
         """This step's communication as flat scalars for any logger (and popped):
         call it once per training step, after the optimizer step. Keys (with
         ``prefix``): ``bits_per_coordinate``, ``bytes_sent``, ``codec_seconds``,
-        ``comm_seconds``, ``buckets``, ``numel``, and ``vnmse`` when measured.
-        ``pop_step()`` gives the same as a record."""
+        ``comm_seconds``, ``buckets``, ``numel``, and ``vnmse`` (``update_vnmse``)
+        when measured. ``pop_step()`` gives the same as a record."""
         return self.pop_step().as_dict(prefix)

@@ -199,6 +199,8 @@ class StepSync(NamedTuple):
     codec_s: float
     comm_s: float
     vnmse: float
+    #: The same error weighed by the job's optimizer's step sizes (the update's).
+    update_vnmse: float
     #: Seconds of exact reference all-reduces (left out of the step's time).
     exact_s: float
     #: hopq's hook: CPU seconds of its thread.
@@ -241,6 +243,9 @@ class Sync:
             self.state = HookState(
                 codec=codec, topology=topology, seed=seed, optimizer=optimizer if takes else None
             )
+            # every hopq contender's measured error is also weighed by the job's
+            # optimizer's step sizes: the error of the update it makes
+            self.state.error_optimizer = optimizer
             ddp.register_comm_hook(self.state, self.clock.wrap(ddp_hook))
             return
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -274,13 +279,14 @@ class Sync:
         nan = float("nan")
         times = self.clock.pop(t0)
         if self.state is not None:
-            vnmse, exact_s = self.state.pop_error()
+            vnmse, update_vnmse, exact_s = self.state.pop_error()
             calls = self.state.pop_stats()
             return StepSync(
                 sum(c.bytes_sent for c in calls),
                 sum(c.seconds - c.comm_seconds for c in calls),
                 sum(c.comm_seconds for c in calls),
                 vnmse,
+                update_vnmse,
                 exact_s,
                 sum(c.cpu_seconds for c in calls),
                 calls[-1].bytes_sent if calls else nan,
@@ -288,5 +294,5 @@ class Sync:
             )
         if self.counter is not None:
             self.counter.active = False
-            return StepSync(self.counter.pop() * ring, nan, nan, nan, 0.0, nan, nan, *times)
-        return StepSync(self.numel * 4 * ring, nan, nan, nan, 0.0, nan, nan)  # DDP's fp32
+            return StepSync(self.counter.pop() * ring, nan, nan, nan, nan, 0.0, nan, nan, *times)
+        return StepSync(self.numel * 4 * ring, nan, nan, nan, nan, 0.0, nan, nan)  # DDP's fp32

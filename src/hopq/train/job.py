@@ -311,6 +311,7 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
             sent,
             bits_per_coordinate(sent, n, lane.sync.numel),
             sync.vnmse,
+            update_vnmse=sync.update_vnmse,
             exposed_s=max(0.0, step_s - compute),
             probe_s=probe_s,
             cpu_s=sync.cpu_s,

@@ -35,6 +35,9 @@ class StepRecord:
     bytes: float
     bits_per_coord: float
     vnmse: float = float("nan")
+    #: The same error with every coordinate weighed by the job's optimizer's
+    #: step size (AdamW: lr / (sqrt(v) + eps)): the error of the update.
+    update_vnmse: float = float("nan")
     #: The step's time beyond its compute: synchronization the backward pass did not hide.
     exposed_s: float = float("nan")
     #: This step's compute probe (NaN when none ran).
@@ -84,7 +87,27 @@ def optimizer_line(runs: list[CodecRun]) -> str | None:
         line += (
             " DynamiQ weighs its bit allocation by the optimizer's step sizes, so its vNMSE"
             " (the gradient's error, which that allocation no longer minimises) rises while"
-            " the update's error falls (docs/codecs/dynamiq.md)."
+            " the update's error falls (the table's update vNMSE; docs/codecs/dynamiq.md)."
+        )
+    return line
+
+
+def error_line(runs: list[CodecRun], every: int) -> str | None:
+    """What the two error columns measure, when the job measured them."""
+    measured = any(not math.isnan(s.vnmse) for r in runs for s in r.steps)
+    if not measured:
+        return None
+    line = (
+        f"Every {every} steps each hopq contender's hook also ran an exact float64 all-reduce:"
+        " 'mean vNMSE' is the result's squared error over the exact average's squared norm"
+        " (those steps are left out of the timings)."
+    )
+    if any(not math.isnan(s.update_vnmse) for r in runs for s in r.steps):
+        line += (
+            " 'mean update vNMSE' weighs every coordinate of both by the job's optimizer's"
+            " step size (AdamW: lr / (sqrt(v) + eps), from its state before the step): the"
+            " relative error of the update the optimizer makes from the gradient, which is"
+            " what training feels; it starts at the optimizer's second step."
         )
     return line
 
@@ -297,20 +320,31 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     if timeline:
         made.append(timeline)
 
-    series = {
-        r.codec: [(s.step, s.vnmse) for s in r.steps if not math.isnan(s.vnmse) and s.vnmse > 0]
-        for r in runs
-    }
-    if not any(series.values()):  # --vnmse-every 0: nothing to plot
+    def points(r: CodecRun, field: str) -> list[tuple[int, float]]:
+        return [(s.step, v) for s in r.steps if not math.isnan(v := getattr(s, field)) and v > 0]
+
+    series = {r.codec: (points(r, "vnmse"), points(r, "update_vnmse")) for r in runs}
+    if not any(g or u for g, u in series.values()):  # --vnmse-every 0: nothing to plot
         return made
     fig, ax = plt.subplots(figsize=(7, 4))
-    for codec, pts in series.items():
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=codec)
+    for codec, (grad, upd) in series.items():
+        color = None
+        if grad:
+            (line,) = ax.plot([p[0] for p in grad], [p[1] for p in grad], marker=".", label=codec)
+            color = line.get_color()
+        if upd:
+            ax.plot(
+                [p[0] for p in upd], [p[1] for p in upd], marker="x", linestyle="--",
+                color=color, label=f"{codec}, update",
+            )  # fmt: skip
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("vNMSE")
-    ax.set_title("Compression error during training")
+    ax.set_title(
+        "Compression error during training: of the gradient (solid) and of\n"
+        "the update, weighed by the optimizer's step sizes (dashed)",
+        fontsize=9,
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     made.append(save_figure(fig, folder / "vnmse.png").name)
@@ -464,6 +498,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                 else (f"{t / tb:.2f}x ({t:.0f} s)" if tb else f"{t:.0f} s")
             )
         vn = [s.vnmse for s in r.steps if not math.isnan(s.vnmse)]
+        uv = [s.update_vnmse for s in r.steps if not math.isnan(s.update_vnmse)]
         steps = [s.step_s for s in timed_steps(r)]
         work = steady(r, "codec_s") + steady(r, "comm_s")
         hidden = 1 - steady(r, "exposed_s") / work if work > 0 else float("nan")
@@ -483,6 +518,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                 f"{steady(r, 'bytes') / 1e6:.3f}",
                 f"{steady(r, 'bits_per_coord'):.2f}",
                 f"{sum(vn) / len(vn):.2e}" if vn else "n/a",
+                f"{sum(uv) / len(uv):.2e}" if uv else "n/a",
             ]
         )
     table = markdown_table(
@@ -503,6 +539,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
             "MB sent/rank/step",
             "bits/coord",
             "mean vNMSE",
+            "mean update vNMSE",
         ],
         rows,
     )
@@ -540,6 +577,7 @@ def report(runs: list[CodecRun], o: TrainOptions, network: str, folder: Path) ->
                 else []
             ),
             *([line] if (line := timeline_line(runs)) else []),
+            *([line] if (line := error_line(runs, o.vnmse_every)) else []),
             "",
             table,
             "",
