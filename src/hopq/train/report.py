@@ -326,27 +326,33 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     series = {r.codec: (points(r, "vnmse"), points(r, "update_vnmse")) for r in runs}
     if not any(g or u for g, u in series.values()):  # --vnmse-every 0: nothing to plot
         return made
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for codec, (grad, upd) in series.items():
-        color = None
-        if grad:
-            (line,) = ax.plot([p[0] for p in grad], [p[1] for p in grad], marker=".", label=codec)
-            color = line.get_color()
-        if upd:
-            ax.plot(
-                [p[0] for p in upd], [p[1] for p in upd], marker="x", linestyle="--",
-                color=color, label=f"{codec}, update",
-            )  # fmt: skip
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("vNMSE")
-    ax.set_title(
-        "Compression error during training: of the gradient (solid) and of\n"
-        "the update, weighed by the optimizer's step sizes (dashed)",
-        fontsize=9,
+    weighed = any(u for _, u in series.values())
+    panels = [("of the gradient (vNMSE)", 0)] + (
+        [("of the update (weighed by the optimizer's step sizes)", 1)] if weighed else []
     )
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(5 + 3.5 * len(panels), 4.2),
+        sharex=True,
+        sharey=True,
+        squeeze=False,
+    )
+    cmap = plt.get_cmap("tab10" if len(series) <= 10 else "tab20")
+    for ax, (title, which) in zip(axes[0], panels, strict=True):
+        for i, (codec, pair) in enumerate(series.items()):
+            pts = pair[which]
+            if pts:
+                ax.plot(
+                    [p[0] for p in pts], [p[1] for p in pts], marker=".",
+                    color=cmap(i % cmap.N), label=codec,
+                )  # fmt: skip
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(f"Compression error {title}", fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("squared error / squared norm")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
     made.append(save_figure(fig, folder / "vnmse.png").name)
     return made
 
