@@ -108,6 +108,11 @@ def test_update_error_is_the_error_weighed_by_the_step_sizes():
         assert "hopq/update_vnmse" not in res["adamw/mxfp4/first metrics"]
         assert "hopq/vnmse" in res["adamw/mxfp4/first metrics"]
     assert out[0]["adamw/dynamiq"] == out[1]["adamw/dynamiq"]  # bit-identical replicas
+    for res in out:  # an error optimizer without every parameter: said once, not measured
+        vn, uv = res["partial"]
+        assert vn > 0 and math.isnan(uv)
+        said = [w for w in res["partial/warnings"] if "update_vnmse" in w]
+        assert len(said) == 1 and "not in the optimizer" in said[0]
 
 
 def test_error_optimizer_needs_a_step_size_rule():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -257,6 +258,22 @@ def ddp_update_error(rank: int, n: int) -> dict[str, Any]:
         )
         out[f"{name}/metrics"] = state.step_metrics()
         out[f"{name}/uniform"] = r is None
+    # an error optimizer that holds only some of the parameters (a model with two
+    # optimizers): a warning, no update error, and training goes on
+    torch.manual_seed(0)
+    model = TinyNet()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    state = hopq.HookState(codec="bf16")
+    state.error_optimizer = torch.optim.AdamW(list(model.parameters())[:1], lr=1e-2)
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    tiny_steps(ddp, opt, rank, 1)
+    state.measure_error = True
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_steps(ddp, opt, rank, 2)
+    out["partial"] = state.pop_error()[:2]
+    out["partial/warnings"] = [str(w.message) for w in caught]
     return out
 
 

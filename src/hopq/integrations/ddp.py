@@ -141,6 +141,7 @@ class HookState(CallRecords):
         self.err_sq = 0.0
         self.ref_sq = 0.0
         self._error_optimizer: torch.optim.Optimizer | None = None
+        self._warned_weigh = False
         self.uerr_sq = 0.0
         self.uref_sq = 0.0
         #: Seconds spent on those exact all-reduces and on weighing the error
@@ -389,8 +390,18 @@ def _reduce(
         exact /= dist.get_world_size(group)
         weigh = state._weighs_error()
         if weigh is not None and params is not None:
-            r = step_sizes(weigh, params)  # None before the optimizer's first step
-            uniform = r is None and isinstance(weigh, torch.optim.SGD)
+            try:
+                r = step_sizes(weigh, params)  # None before the optimizer's first step
+            except ValueError as why:  # e.g. the bucket's parameters in another optimizer
+                if not state._warned_weigh:
+                    state._warned_weigh = True
+                    warnings.warn(
+                        f"hopq: the update's error (hopq/update_vnmse) is not measured: {why}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+            else:
+                uniform = r is None and isinstance(weigh, torch.optim.SGD)
         with state._lock:
             state.exact_seconds += time.perf_counter() - t0
     # the bucket index names the bucket from step to step (DynamiQ shares the

@@ -352,7 +352,15 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
         ax.set_title(f"Compression error {title}", fontsize=9)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("squared error / squared norm")
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1), borderaxespad=0)
+    # one legend for both panels, from every line drawn (a codec may lack a panel)
+    seen: dict[str, Any] = {}
+    for ax in axes[0]:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    axes[0][-1].legend(
+        list(seen.values()), list(seen), fontsize=7, loc="upper left",
+        bbox_to_anchor=(1.02, 1), borderaxespad=0,
+    )  # fmt: skip
     made.append(save_figure(fig, folder / "vnmse.png").name)
     return made
 
