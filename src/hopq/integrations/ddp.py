@@ -190,16 +190,9 @@ class HookState(CallRecords):
         opt = self.optimizer
         return opt if opt is not None and isinstance(opt, SUPPORTED) else None
 
-    def _record(
-        self,
-        info: RunStats,
-        err_sq: float = 0.0,
-        ref_sq: float = 0.0,
-        uerr_sq: float = 0.0,
-        uref_sq: float = 0.0,
-    ) -> None:
+    def _record(self, info: RunStats, **errors: float) -> None:
         self._engaged = True  # any path that records a bucket uses the state
-        super()._record(info, err_sq, ref_sq, uerr_sq, uref_sq)
+        super()._record(info, **errors)
 
     def pop_step(self) -> StepMetrics:
         out = super().pop_step()
@@ -430,7 +423,7 @@ def _reduce(
             state.uerr_sq += uerr
             state.uref_sq += uref
             state.exact_seconds += time.perf_counter() - t0
-    state._record(info, err, ref, uerr, uref)
+    state._record(info, err_sq=err, ref_sq=ref, uerr_sq=uerr, uref_sq=uref)
 
 
 def _run(

@@ -140,15 +140,10 @@ class CallRecords:
         self._lock = threading.Lock()
         self._step = StepMetrics()
 
-    def _record(
-        self,
-        info: RunStats,
-        err_sq: float = 0.0,
-        ref_sq: float = 0.0,
-        uerr_sq: float = 0.0,
-        uref_sq: float = 0.0,
-    ) -> None:
-        one = StepMetrics.of(info, err_sq, ref_sq, uerr_sq, uref_sq)
+    def _record(self, info: RunStats, **errors: float) -> None:
+        """Add one call's record; ``errors``: :meth:`StepMetrics.of`'s squared
+        errors and norms, when measured."""
+        one = StepMetrics.of(info, **errors)
         with self._lock:
             self._step = self._step + one
             self.calls.append(info)
