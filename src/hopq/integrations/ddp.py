@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hopq.codecs.base import Codec, check_takes_optimizer, missing_optimizer, optimizer_unused
-from hopq.codecs.dynamiq.optim import SUPPORTED, check_optimizer, step_sizes
+from hopq.codecs.dynamiq.optim import check_optimizer, step_sizes
 from hopq.codecs.registry import get_codec
 from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
@@ -184,11 +184,9 @@ class HookState(CallRecords):
         self._error_optimizer = optimizer
 
     def _weighs_error(self) -> "torch.optim.Optimizer | None":
-        """The optimizer whose step sizes weigh the measured error, if any."""
-        if self._error_optimizer is not None:
-            return self._error_optimizer
-        opt = self.optimizer
-        return opt if opt is not None and isinstance(opt, SUPPORTED) else None
+        """The optimizer whose step sizes weigh the measured error, if any (one
+        without a step-size rule is said in the hook's warning)."""
+        return self._error_optimizer if self._error_optimizer is not None else self.optimizer
 
     def _record(self, info: RunStats, **errors: float) -> None:
         self._engaged = True  # any path that records a bucket uses the state
@@ -385,7 +383,7 @@ def _reduce(
         if weigh is not None and params is not None:
             try:
                 r = step_sizes(weigh, params)  # None before the optimizer's first step
-            except ValueError as why:  # e.g. the bucket's parameters in another optimizer
+            except ValueError as why:  # parameters in another optimizer, or no rule for it
                 if not state._warned_weigh:
                     state._warned_weigh = True
                     warnings.warn(
