@@ -43,6 +43,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+def _reads(name: str) -> bool:
+    """Whether codec ``name`` reads the optimizer (GComp's thresholds, DynamiQ's
+    step sizes): the hooks then get ``optimizer=``."""
+    from hopq.codecs.base import optimizer_unused
+
+    return optimizer_unused(get_codec(name)) is None
+
+
+def _same_floats(a: object, b: object) -> bool:
+    """Equal nested tuples/lists of floats, NaN equal to NaN."""
+    fa = torch.tensor([float(x) for x in torch.tensor(a, dtype=torch.float64).reshape(-1)])
+    fb = torch.tensor([float(x) for x in torch.tensor(b, dtype=torch.float64).reshape(-1)])
+    return fa.shape == fb.shape and bool(((fa == fb) | (fa.isnan() & fb.isnan())).all())
+
+
 def check_codecs(n: int, world: int, lines: list[str]) -> bool:
     ok = True
     lines += [
@@ -115,10 +130,25 @@ def _variant(name: str, case: str, xs: list[torch.Tensor]) -> list[torch.Tensor]
         return [torch.cat([r.outputs[q] for r in runs]) for q in range(len(xs))]
     if case == "bf16 inputs":
         return hopq.simulate([x.bfloat16() for x in xs], codec, "ring", seed=4).outputs
+    if case == "optimizer input":  # DynamiQ's step sizes, GComp's thresholds
+        gen = torch.Generator().manual_seed(9)
+        d = xs[0].numel()
+        r = (torch.rand(d, generator=gen).pow(4) * 1e-2 + 1e-6).to(xs[0].device)
+        r[: d // 8] = 0.0  # a frozen slice: no step at all
+        codec.set_optimizer_input(r, 0)  # type: ignore[attr-defined]
+        return hopq.simulate(xs, codec, "ring", seed=6, key=0).outputs
     return hopq.simulate(xs, codec, case, seed=5).outputs  # a topology
 
 
-VARIANTS = ("reduce-scatter", "butterfly", "tree", "semiloop", "3 calls, keys 0 1 0", "bf16 inputs")
+VARIANTS = (
+    "reduce-scatter",
+    "butterfly",
+    "tree",
+    "semiloop",
+    "3 calls, keys 0 1 0",
+    "bf16 inputs",
+    "optimizer input",
+)
 
 
 def check_variants(n: int, world: int, lines: list[str], dev: str = "cuda") -> bool:
@@ -146,6 +176,9 @@ def check_variants(n: int, world: int, lines: list[str], dev: str = "cuda") -> b
                 row.append("n/a")
                 continue
             if case == "bf16 inputs" and torch.bfloat16 not in info.dtypes:
+                row.append("n/a")
+                continue
+            if case == "optimizer input" and not _reads(name):
                 row.append("n/a")
                 continue
             try:
@@ -210,20 +243,24 @@ def _gloo_ddp(rank: int, n: int, names: list[str], dev: str) -> dict[str, object
             cuda = dev == "cuda"
             model = DDP(_Net().to(dev), device_ids=[0] if cuda else None, bucket_cap_mb=4)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            takes = hasattr(get_codec(name), "set_thresholds")
-            state = hopq.HookState(codec=name, optimizer=opt if takes else None)
+            state = hopq.HookState(codec=name, optimizer=opt if _reads(name) else None)
+            state.measure_error = True  # the gradient's and the update's error
+            state.error_optimizer = opt
             model.register_comm_hook(state, hopq.ddp_hook)
             gen = torch.Generator(device=dev).manual_seed(rank)
+            calls, errors = 0, []
             for _ in range(3):
                 x = torch.randn(64, 1024, device=dev, generator=gen)
                 opt.zero_grad()
                 model(x).backward()
                 opt.step()
+                m = state.pop_step()
+                calls += m.buckets
+                errors.append((m.vnmse, m.update_vnmse))
             if cuda:
                 torch.cuda.synchronize()
-            calls = len(state.pop_stats())
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
-            out[name] = (flat, calls)
+            out[name] = (flat, calls, errors)
         except Exception as e:
             out[name] = f"{type(e).__name__}: {str(e)[:160]}"
     return out
@@ -277,21 +314,31 @@ def check_gloo(world: int, d: int, lines: list[str], dev: str = "cuda") -> bool:
     ddp_names = ["dynamiq", "gcomp", "bf16", "thc"]
     res = run_workers(world, _gloo_ddp, ddp_names, dev, timeout=600)
     lines += [
-        "DDP on Gloo with CUDA parameters and hopq's hook (AdamW, 3 steps; GComp with "
-        "`optimizer=`):",
+        "DDP on Gloo with CUDA parameters and hopq's hook (AdamW, 3 steps; DynamiQ and "
+        "GComp with `optimizer=`; `measure_error` with `error_optimizer`):",
         "",
-        "| codec | ranks' parameters bit-identical | hook calls |",
-        "|---|---|---:|",
+        "| codec | ranks' parameters bit-identical | hook calls | vNMSE per step "
+        "| update vNMSE per step | ranks' errors equal |",
+        "|---|---|---:|---|---|---|",
     ]
     for name in ddp_names:
         got = [r[name] for r in res]
         if any(isinstance(g, str) for g in got):
             ok = False
-            lines.append(f"| {name} | **{next(g for g in got if isinstance(g, str))}** | |")
+            lines.append(f"| {name} | **{next(g for g in got if isinstance(g, str))}** | | | | |")
         else:
             same = all(torch.equal(_bits(g[0]), _bits(got[0][0])) for g in got)
-            ok &= same and got[0][1] > 0
-            lines.append(f"| {name} | {'yes' if same else '**NO**'} | {got[0][1]} |")
+            errs = got[0][2]
+            # NaN only before AdamW's first step (no step sizes yet), finite after
+            sound = all(e == e for e, _ in errs) and all(u == u for _, u in errs[1:])
+            agree = all(_same_floats(g[2], errs) for g in got)
+            ok &= same and got[0][1] > 0 and sound and agree
+            v = ", ".join(f"{e:.2e}" for e, _ in errs)
+            u = ", ".join(f"{x:.2e}" for _, x in errs)
+            lines.append(
+                f"| {name} | {'yes' if same else '**NO**'} | {got[0][1]} | {v} | {u} "
+                f"| {'yes' if agree else '**NO**'} |"
+            )
         print(lines[-1], flush=True)
     lines.append("")
     return ok
@@ -461,19 +508,24 @@ def _train(codec: str, overlap: bool, steps: int = 5) -> tuple[list[torch.Tensor
 
     torch.manual_seed(0)
     model = DDP(_Net().cuda(), device_ids=[0], bucket_cap_mb=4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    # a codec that takes the optimizer (GComp's thresholds) gets it
-    takes = hasattr(get_codec(codec), "set_thresholds")
-    state = hopq.HookState(codec=codec, overlap=overlap, optimizer=opt if takes else None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # a codec that reads the optimizer (GComp's thresholds, DynamiQ's step sizes) gets it
+    state = hopq.HookState(codec=codec, overlap=overlap, optimizer=opt if _reads(codec) else None)
+    state.measure_error = True
+    state.error_optimizer = opt
     model.register_comm_hook(state, hopq.ddp_hook)
     gen = torch.Generator(device="cuda").manual_seed(1)
+    calls, errors = 0, []
     for _ in range(steps):
         x = torch.randn(64, 1024, device="cuda", generator=gen)
         opt.zero_grad()
         model(x).backward()
         opt.step()
+        m = state.pop_step()
+        calls += m.buckets
+        errors.append((m.vnmse, m.update_vnmse))
     torch.cuda.synchronize()
-    info = {"calls": len(state.pop_stats())}
+    info: dict = {"calls": calls, "errors": errors}
     if overlap:  # the thread's group: on NCCL one of its own (HookState's own_group)
         from hopq.integrations.ddp import thread_group
 
@@ -527,7 +579,8 @@ def check_hook(lines: list[str]) -> bool:
     lines += [
         "## The DDP hook on a single-rank NCCL group (CUDA parameters)",
         "",
-        "| codec | overlapped == synchronous (bits) | hook calls | kernels under auto "
+        "| codec | overlapped == synchronous (bits, measured errors) | hook calls "
+        "| kernels under auto "
         "| the thread's group |",
         "|---|---|---:|---|---|",
     ]
@@ -535,8 +588,9 @@ def check_hook(lines: list[str]) -> bool:
         for codec in [c for c in available_codecs() if "cuda" in codec_info(c).devices]:
             try:
                 a, ia = _train(codec, overlap=True)
-                b, _ = _train(codec, overlap=False)
+                b, ib = _train(codec, overlap=False)
                 same = all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
+                same &= _same_floats(ia["errors"], ib["errors"])  # measured alike
                 k = get_codec(codec)
                 kern = getattr(k, "kernels", None)
                 mod = kern(torch.device("cuda")) if callable(kern) else None
@@ -569,13 +623,17 @@ _OPTIMIZERS = {
 def check_thresholds(lines: list[str], dev: str = "cuda") -> bool:
     """GComp's thresholds |A| from an optimizer's state on ``dev`` against the
     same parameters and state moved to the CPU (bits, and the share that differ)."""
+    from hopq.codecs.dynamiq.optim import step_sizes
     from hopq.codecs.gcomp.optim import thresholds
 
     lines += [
-        "## GComp's thresholds from the optimizer's state: " + dev + " against the CPU",
+        "## GComp's thresholds and DynamiQ's step sizes from the optimizer's state: "
+        + dev
+        + " against the CPU",
         "",
-        "| optimizer | coordinates | differing | largest relative difference |",
-        "|---|---:|---:|---:|",
+        "| optimizer | coordinates | thresholds differing | largest relative difference "
+        "| step sizes differing |",
+        "|---|---:|---:|---:|---:|",
     ]
     ok = True
     for name, make in _OPTIMIZERS.items():
@@ -598,7 +656,16 @@ def check_thresholds(lines: list[str], dev: str = "cuda") -> bool:
         rel = ((a - b).abs() / b.abs().clamp_min(1e-30))[diff]
         worst = f"{rel.max().item():.2e}" if rel.numel() else "0"
         ok &= bool(torch.isfinite(a).all())
-        lines.append(f"| {name} | {a.numel():,} | {int(diff.sum()):,} | {worst} |")
+        ra = step_sizes(opt, list(model.parameters()))
+        rb = step_sizes(ocpu, list(cpu.parameters()))
+        if ra is None or rb is None:  # SGD with one learning rate: no weights at all
+            rcell = "none (uniform)" if ra is None and rb is None else "**one side None**"
+            ok &= ra is None and rb is None
+        else:
+            rdiff = int((~torch.eq(_bits(ra.cpu()), _bits(rb))).sum())
+            ok &= rdiff == 0 and bool(torch.isfinite(ra).all())
+            rcell = f"{rdiff:,}"
+        lines.append(f"| {name} | {a.numel():,} | {int(diff.sum()):,} | {worst} | {rcell} |")
         print(lines[-1], flush=True)
     lines.append("")
     return ok
