@@ -45,6 +45,34 @@ def test_adam_step_sizes_follow_the_formula(cls, kw):
     torch.testing.assert_close(r.double(), torch.cat(want), rtol=1e-6, atol=0)
 
 
+def _f32(x):
+    """float64 values rounded to float32 (one IEEE operation's result)."""
+    return x.float().double()
+
+
+def test_step_sizes_are_correctly_rounded_so_a_gpu_gives_the_same_bits():
+    """Every operation of the step size is IEEE's correctly rounded float32 one,
+    as on a GPU: torch's CPU float32 sqrt is not (0.7% one ulp off), and torch's
+    CUDA division by a Python number multiplies by its reciprocal. The seventh
+    GPU lease found 7% of AdamW's step sizes differing between an H100 and the
+    CPU before both went through hopq.numerics (examples/gpu_check.py)."""
+    g = torch.Generator().manual_seed(3)
+    p = torch.nn.Parameter(torch.zeros(200_000))
+    opt = torch.optim.AdamW([p], lr=3e-4, betas=(0.9, 0.999), eps=1e-8)
+    for _ in range(3):
+        p.grad = torch.randn(p.numel(), generator=g) * torch.logspace(-6, 1, p.numel())
+        opt.step()
+    r = step_sizes(opt, [p])
+    v = opt.state[p]["exp_avg_sq"].double()
+    bc2 = _f32(torch.tensor(1 - 0.999 ** float(opt.state[p]["step"]), dtype=torch.float64))
+    want = _f32(v / bc2)  # each step rounded once, as IEEE float32 arithmetic does
+    want = _f32(want.sqrt())
+    want = _f32(want + _f32(torch.tensor(1e-8, dtype=torch.float64)))
+    want = _f32(1.0 / want)
+    want = _f32(want * _f32(torch.tensor(3e-4, dtype=torch.float64)))
+    assert torch.equal(r, want.float())
+
+
 def test_rmsprop_adagrad_and_sgd_step_sizes():
     ps, opt = _stepped(torch.optim.RMSprop, lr=1e-2, eps=1e-8, centered=True)
     r = step_sizes(opt, ps)

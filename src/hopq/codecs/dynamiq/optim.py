@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+from hopq.numerics.div import div_
+from hopq.numerics.sqrt import sqrt_
+
 #: The optimizers whose step size per coordinate ``step_sizes`` knows.
 SUPPORTED = (
     torch.optim.SGD,
@@ -76,23 +79,21 @@ def _scale(opt: Any, group: dict[str, Any], st: dict[str, Any], out: torch.Tenso
         if "sum" not in st:
             return False
         lr /= 1 + (float(st["step"]) - 1) * float(group.get("lr_decay", 0.0))
-        torch.sqrt(flat("sum"), out=out)
+        sqrt_(out.copy_(flat("sum")))
     elif isinstance(opt, torch.optim.RMSprop):
         if "square_avg" not in st:
             return False
         if group.get("centered") and "grad_avg" in st:
             torch.square(flat("grad_avg"), out=out)
-            torch.sub(flat("square_avg"), out, out=out).clamp_(min=0)
-            out.sqrt_()
+            sqrt_(torch.sub(flat("square_avg"), out, out=out).clamp_(min=0))
         else:
-            torch.sqrt(flat("square_avg"), out=out)
+            sqrt_(out.copy_(flat("square_avg")))
     else:  # the Adam family: v / (1 - beta2^t), bias-corrected; AMSGrad's max of v
         if "exp_avg_sq" not in st:
             return False
         v = "max_exp_avg_sq" if group.get("amsgrad") and "max_exp_avg_sq" in st else "exp_avg_sq"
         beta2 = float(group["betas"][1])
-        torch.div(flat(v), 1 - beta2 ** float(st["step"]), out=out)
-        out.sqrt_()
+        sqrt_(div_(out.copy_(flat(v)), 1 - beta2 ** float(st["step"])))
     out.add_(eps).reciprocal_().mul_(lr)
     return True
 
