@@ -53,8 +53,8 @@ def _reads(name: str) -> bool:
 
 def _same_floats(a: object, b: object) -> bool:
     """Equal nested tuples/lists of floats, NaN equal to NaN."""
-    fa = torch.tensor([float(x) for x in torch.tensor(a, dtype=torch.float64).reshape(-1)])
-    fb = torch.tensor([float(x) for x in torch.tensor(b, dtype=torch.float64).reshape(-1)])
+    fa = torch.tensor(a, dtype=torch.float64).reshape(-1)
+    fb = torch.tensor(b, dtype=torch.float64).reshape(-1)
     return fa.shape == fb.shape and bool(((fa == fb) | (fa.isnan() & fb.isnan())).all())
 
 
