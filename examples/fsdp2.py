@@ -4,9 +4,11 @@ layer, a few SGD steps, the bits per coordinate each step put on the wire.
 Run it with ``torchrun --nproc_per_node 2 examples/fsdp2.py`` (CPU and Gloo; on
 GPUs it takes NCCL and CUDA). ``--codec`` and ``--topology`` pick any registered
 codec and topology (``hopq codecs`` lists them). ``--adamw`` trains with AdamW
-instead of SGD; with ``--codec gcomp`` add ``--truncate`` to hand GComp the
-optimizer (its optimizer-aware mantissa truncation, thresholds exchanged every
-``--thresholds-every`` steps).
+instead of SGD; ``--optimizer`` hands the optimizer to a codec that reads it:
+GComp's optimizer-aware mantissa truncation (thresholds exchanged every
+``--thresholds-every`` steps; ``--truncate`` says the same), DynamiQ's bit
+allocation weighed by AdamW's step sizes (the ranks exchange each slice's
+super-group weights at every call).
 """
 
 import argparse
@@ -23,8 +25,13 @@ parser.add_argument("--codec", default="dynamiq")
 parser.add_argument("--topology", default="ring")
 parser.add_argument("--steps", type=int, default=5)
 parser.add_argument("--adamw", action="store_true", help="AdamW (lr 1e-3) instead of SGD")
-parser.add_argument("--truncate", action="store_true", help="GComp: hand it the optimizer")
-parser.add_argument("--thresholds-every", type=int, default=10)
+parser.add_argument(
+    "--optimizer",
+    "--truncate",
+    action="store_true",
+    help="hand the codec the optimizer (GComp's truncation, DynamiQ's step-size weights)",
+)
+parser.add_argument("--thresholds-every", type=int, default=10, help="GComp's exchanges")
 args = parser.parse_args()
 
 cuda = torch.cuda.is_available()
@@ -50,7 +57,9 @@ if args.adamw:
 else:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
 # one line: every FSDP module's reduce-scatter becomes hopq's, each with its own key
-extra = {"optimizer": opt, "thresholds_every": args.thresholds_every} if args.truncate else {}
+extra: dict = {"optimizer": opt} if args.optimizer else {}
+if args.optimizer and args.codec == "gcomp":
+    extra["thresholds_every"] = args.thresholds_every
 comm = hopq.FSDPReduceScatter(args.codec, topology=args.topology, **extra)
 comm.install(model)
 

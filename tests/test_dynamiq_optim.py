@@ -123,8 +123,62 @@ def test_no_step_sizes_before_the_first_step_and_refusals():
     codec.set_step_sizes(torch.ones(10), key=2)
     with pytest.raises(ValueError, match="cover 10 coordinates, this call has 12"):
         hopq.simulate([torch.ones(12)] * 2, codec, key=2)
-    with pytest.raises(ValueError, match="FSDP shards"):
-        hopq.FSDPReduceScatter("dynamiq", optimizer=torch.optim.AdamW([p]))
+    with pytest.raises(ValueError, match="at every call"):
+        hopq.FSDPReduceScatter("dynamiq", optimizer=torch.optim.AdamW([p]), thresholds_every=4)
+    hopq.FSDPReduceScatter("dynamiq", optimizer=torch.optim.AdamW([p]))  # its weights: taken
+
+
+def test_supergroup_weights_stand_for_the_step_sizes():
+    """Weights per super-group (what FSDP's ranks exchange) give the bits of the
+    step sizes they come from: on an all-reduce, and on a reduce-scatter over
+    equal shards, whose super-groups start at every shard (weights shard after
+    shard). Padding (real = 0) stays out of a super-group's mean."""
+    n, d = 3, 3 * 1000  # shards of 1000: 4 super-groups each, the last of 232
+    xs = _workers(n, d, 5)
+    g = torch.Generator().manual_seed(6)
+    r = torch.rand(d, generator=g).pow(3) * 1e-2
+    for simulate, spans in (
+        (hopq.simulate, [(0, d)]),
+        (hopq.simulate_reduce_scatter, [(i * 1000, (i + 1) * 1000) for i in range(n)]),
+    ):
+        codec = hopq.get_codec("dynamiq")
+        codec.set_step_sizes(r, key=1)
+        want = simulate(xs, codec, "ring", seed=2, key=1).outputs
+        codec = hopq.get_codec("dynamiq")
+        w = torch.cat([codec.supergroup_weights(r[a:b]) for a, b in spans])
+        codec.set_supergroup_weights(w, key=1)
+        got = simulate(xs, codec, "ring", seed=2, key=1).outputs
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # what the exchange cost (spent_bits) comes out of the call's budget
+    big = _workers(n, 3 << 15, 7)
+    rb = torch.rand(3 << 15, generator=g) * 1e-2
+    costs = []
+    for spent in (0.0, 0.125):
+        codec = hopq.get_codec("dynamiq")
+        codec.set_supergroup_weights(codec.supergroup_weights(rb), spent_bits=spent)
+        costs.append(hopq.simulate(big, codec, "ring", seed=2).bits_per_coord)
+    assert costs[0] - costs[1] == pytest.approx(0.125, abs=0.01)
+    with pytest.raises(ValueError, match="spent_bits"):
+        codec.set_supergroup_weights(torch.ones(1), spent_bits=-1.0)
+    codec = hopq.get_codec("dynamiq")
+    real = torch.ones(600)
+    real[500:] = 0  # 2 super-groups of 256 and one of 88: 244 real, then 12 real
+    w = codec.supergroup_weights(torch.cat([r[:500], torch.zeros(100)]), real)
+    torch.testing.assert_close(w[1], r[256:500].square().mean())
+    assert w[2] == 0  # padding alone
+    with pytest.raises(ValueError, match="cover 5 super-groups, this call has 4"):
+        codec.set_supergroup_weights(torch.ones(5), key=2)
+        hopq.simulate([torch.ones(1000)] * 2, codec, key=2)
+    codec.set_step_sizes(torch.ones(1000), key=3)
+    codec.set_supergroup_weights(torch.ones(4), key=3)
+    with pytest.raises(ValueError, match="set one"):
+        hopq.simulate([torch.ones(1000)] * 2, codec, key=3)
+    with pytest.raises(ValueError, match=">= 0"):
+        codec.set_supergroup_weights(torch.tensor([-1.0]))
+    with pytest.raises(ValueError, match="one entry per step size"):
+        codec.supergroup_weights(torch.ones(10), torch.ones(9))
+    with pytest.raises(ValueError, match="optimizer_weights=False"):
+        hopq.get_codec("dynamiq", optimizer_weights=False).set_supergroup_weights(torch.ones(1))
 
 
 def _workers(n, d, seed):

@@ -154,3 +154,102 @@ def fsdp_gcomp_optimizer(rank: int, n: int, steps: int) -> dict[str, Any]:
         if comm is not None:
             out[name]["thr"] = comm.codec.thresholds.get("1")
     return out
+
+
+def _expected_weights(model: torch.nn.Module, opt: Any, n: int) -> dict[int, torch.Tensor]:
+    """Per FSDP module key (as ``install`` numbers them): DynamiQ's super-group
+    weights of a reduce-scatter, computed apart from hopq's FSDP code, from the
+    full (gathered) optimizer state laid out as FSDP lays out its input: rank
+    after rank, each parameter's dim-0 shard padded to ceil(rows / n) rows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from hopq.codecs.dynamiq import DynamiQ
+    from hopq.numerics.div import div_
+    from hopq.numerics.sqrt import sqrt_
+
+    codec = DynamiQ()
+    group = opt.param_groups[0]
+    beta2, eps, lr = group["betas"][1], group["eps"], group["lr"]
+    out: dict[int, torch.Tensor] = {}
+    key = -1
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        key += 1
+        own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+        if not own:
+            continue
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        masks: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        for p in own:
+            st = opt.state[p]
+            v = st["exp_avg_sq"].full_tensor().float()
+            r = sqrt_(div_(v.clone().reshape(-1), 1 - beta2 ** float(st["step"])))
+            r = r.add_(eps).reciprocal_().mul_(lr).view(v.shape)
+            rows = -(-v.shape[0] // n)
+            for q in range(n):
+                part = r[q * rows : (q + 1) * rows].reshape(-1)
+                size = rows * (r[0].numel() if r.dim() > 1 else 1)
+                pad = size - part.numel()
+                per_rank[q].append(torch.cat([part, part.new_zeros(pad)]))
+                masks[q].append(torch.cat([torch.ones(part.numel()), torch.zeros(pad)]))
+        out[key] = torch.cat(
+            [
+                codec.supergroup_weights(torch.cat(per_rank[q]), torch.cat(masks[q]))
+                for q in range(n)
+            ]
+        )
+    return out
+
+
+def fsdp_dynamiq_optimizer(rank: int, n: int, steps: int) -> dict[str, Any]:
+    """DynamiQ with AdamW's step sizes under FSDP (``optimizer=``): the weights
+    each call received with a snapshot of the codec as the call began, the
+    weights expected from the gathered state, the captured calls, losses,
+    parameters; then the same training without the optimizer handed over."""
+    import copy
+
+    widths = (40, 96, 72, 5)
+    Capturing = _capturing_class()
+    out: dict[str, Any] = {}
+    for name in ("native", "weighed", "plain"):
+        model = build(n, widths)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        comm = None
+        got: list[tuple[int | None, torch.Tensor, Any]] = []
+        if name != "native":
+            comm = Capturing("dynamiq", seed=7, optimizer=opt if name == "weighed" else None)
+            comm.install(model)
+            codec = comm.codec
+            real_set = codec.set_supergroup_weights  # type: ignore[attr-defined]
+
+            def spy(w, key=None, spent_bits=0.0, *, _set=real_set, _codec=codec, _got=got):  # type: ignore[no-untyped-def]
+                _set(w, key, spent_bits)
+                snap = copy.deepcopy(_codec)
+                del snap.set_supergroup_weights  # the spy: back to the method
+                _got.append((key, w.detach().clone(), snap, spent_bits))
+
+            codec.set_supergroup_weights = spy  # type: ignore[attr-defined]
+        del CAPTURED[:]
+        g = torch.Generator().manual_seed(100 + rank)
+        losses, bits, expected = [], [], []
+        for step in range(steps):
+            x = torch.randn(8, widths[0], generator=g)
+            y = torch.randn(8, widths[-1], generator=g)
+            expected.append(_expected_weights(model, opt, n) if step and comm else {})
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if comm is not None:
+                bits.append(comm.pop_step().bits_per_coordinate)
+        out[name] = {
+            "losses": losses,
+            "bits": bits,
+            "params": {k: v.full_tensor().clone() for k, v in model.state_dict().items()},
+            "got": got,
+            "expected": expected,
+            "captured": list(CAPTURED),
+        }
+    return out

@@ -36,6 +36,15 @@ gathered bytes count in the call's bits per coordinate. Between exchanges a
 key's thresholds are those of its last exchange: they lag the optimizer
 (during a learning-rate warm-up |A| ~ 1/lr falls, and stale thresholds
 truncate more than fresh ones would).
+
+DynamiQ's step-size weights (``optimizer=``): the allocation weighs each
+super-group's energy by the mean of the optimizer's squared step sizes over
+its entries (docs/codecs/dynamiq.md). In FSDP's reduce-scatter the super-groups
+start at every rank's slice, so each rank computes the weights of its own
+slice's super-groups from the state it holds (FSDP's padding left out of the
+means) and the ranks all-gather them before every call: 32 bits per 256
+coordinates, 1/8 bit per coordinate, counted in the call's bits. Before the
+optimizer's first step there are none, and the allocation is the paper's.
 """
 
 from __future__ import annotations
@@ -145,17 +154,24 @@ class FSDPReduceScatter(_ReduceScatterBase):
         c = get_codec(codec, **codec_config)
         if optimizer is not None:
             check_takes_optimizer(c, optimizer)
-            if not hasattr(c, "set_thresholds"):
+            if not hasattr(c, "set_thresholds") and not hasattr(c, "set_supergroup_weights"):
                 raise ValueError(
                     f"hopq FSDPReduceScatter: {c.name} reads the optimizer's state for the "
                     "whole vector before each call, and FSDP shards that state across the "
-                    "ranks (only GComp's thresholds are exchanged between them): pass no "
-                    "optimizer"
+                    "ranks (only GComp's thresholds and DynamiQ's super-group weights are "
+                    "exchanged between them): pass no optimizer"
                 )
-        elif thresholds_every != THRESHOLDS_EVERY:
+        if thresholds_every != THRESHOLDS_EVERY and (
+            optimizer is None or not hasattr(c, "set_thresholds")
+        ):
             raise ValueError(
-                "thresholds_every sets how often the optimizer's thresholds are refreshed: "
-                "pass optimizer= too, or leave it out"
+                "thresholds_every sets how often GComp's thresholds are refreshed: "
+                + (
+                    "pass optimizer= too, or leave it out"
+                    if optimizer is None
+                    else f"{c.name} exchanges what it reads of the optimizer at every call; "
+                    "leave it out"
+                )
             )
         self._shared = _Shared(
             c,
@@ -249,7 +265,12 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 warnings.warn(why, UserWarning, stacklevel=2)
         gathered = 0
         if shared.optimizer is not None:
-            gathered = self._set_thresholds(output_tensor.numel(), group, input_tensor.device)
+            exchange = (
+                self._set_thresholds
+                if hasattr(shared.codec, "set_thresholds")
+                else self._set_step_weights
+            )
+            gathered = exchange(output_tensor.numel(), group, input_tensor.device)
         shard, info = reduce_scatter_with_stats(
             input_tensor, shared.codec, shared.topology, op, group, shared.seed,
             key=self.key, timeout=shared.timeout, shards="equal",
@@ -347,6 +368,64 @@ class FSDPReduceScatter(_ReduceScatterBase):
             # the codec keeps them for this key until the next exchange
             shared.codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
         shared.thresholds[self.key] = (calls + 1, had_state)
+        return sent
+
+    # -- DynamiQ's step-size weights -------------------------------------------------
+    def _local_weights(self, params: list[Any] | None, why: str) -> torch.Tensor | None:
+        """The weights of this rank's slice's super-groups (its shards of
+        ``params`` in FSDP's order, each padded to FSDP's padded shard size; the
+        padding in no mean), or None: no step sizes yet (before the optimizer's
+        first step), none that differ (SGD with one learning rate), or, with a
+        warning once per key, ``params`` None."""
+        from hopq.codecs.dynamiq.optim import step_sizes
+
+        shared = self._shared
+        if params is None:
+            if self.key not in shared.warned:
+                shared.warned.add(self.key)
+                warnings.warn(
+                    f"hopq FSDPReduceScatter: DynamiQ allocates without the optimizer's "
+                    f"step sizes for FSDP module {self.key}: {why}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return None
+        r = step_sizes(shared.optimizer, [fp.sharded_param for fp in params])
+        if r is None:
+            return None
+        total = sum(fp.padded_sharded_param_size.numel() for fp in params)
+        padded = r.new_zeros(total)
+        real = r.new_zeros(total)
+        at = src = 0
+        for fp in params:
+            n = fp.sharded_param.to_local().numel()
+            padded[at : at + n] = r[src : src + n]
+            real[at : at + n] = 1.0
+            at += fp.padded_sharded_param_size.numel()
+            src += n
+        return shared.codec.supergroup_weights(padded, real)  # type: ignore[attr-defined]
+
+    def _set_step_weights(
+        self, numel: int, group: torch.distributed.ProcessGroup, device: torch.device
+    ) -> int:
+        """Hand DynamiQ this call's super-group weights, every rank's slice's,
+        all-gathered (each rank decides alike: the same optimizer steps); returns
+        the bytes this rank sent for them."""
+        params, why = self._params(numel)
+        local = self._local_weights(params, why)
+        have = torch.tensor([local is not None], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=group)
+        if not bool(have.item()) or local is None:
+            return 0
+        w = local.to(device)
+        n = group.size()
+        out = [torch.empty_like(w) for _ in range(n)]
+        torch.distributed.all_gather(out, w, group=group)
+        sent = (n - 1) * w.numel() * w.element_size()
+        # in a reduce-scatter's accounting (bits over (n-1)/n of its coordinates):
+        # 32 bits per super-group, 1/8 bit per coordinate, paid from its budget
+        spent = 8 * sent / ((n - 1) * numel) if n > 1 else 0.0
+        self._shared.codec.set_supergroup_weights(torch.cat(out), self.key, spent)  # type: ignore[attr-defined]
         return sent
 
     # -- statistics and state ----------------------------------------------------

@@ -105,6 +105,11 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         #: key -> the optimizer's step size per coordinate for that key's next
         #: call (``set_step_sizes``), whose energies are weighed by its square.
         self._step_sizes: dict[int | None, torch.Tensor] = {}
+        #: key -> the mean squared step size of every super-group of that key's
+        #: next call (``set_supergroup_weights``: FSDP, where each rank holds the
+        #: optimizer's state for its own slice only), and the bits per coordinate
+        #: their exchange cost, which that call's budget pays.
+        self._sg_weights: dict[int | None, tuple[torch.Tensor, float]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # modules neither pickle nor deep-copy: a copy resolves its kernels again
@@ -130,32 +135,42 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         cfg = self.config
         S = cfg.supergroup_size
         d = x.numel()
-        kern = self.kernels(x.device)
         flat = x.reshape(-1).to(torch.float32)
 
-        def sg_stats(v: torch.Tensor, S: int) -> torch.Tensor:
-            if kern is None:
-                return reference.supergroup_stats(v, S)
-            return reference.finite_means(v, S, kern.supergroup_stats(v, S))
-
         bounds = check_bounds(stats, d)
+        spans = [(0, d)]  # the spans whose super-groups start at their start: the call
+        if bounds is not None:  # or each chunk of a reduce-scatter
+            spans = [(a, b) for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
         r = self._step_sizes.pop(stats.key, None)  # one call's
+        w_all, spent = self._sg_weights.pop(stats.key, (None, 0.0))
         if r is not None and r.numel() != d:
             raise ValueError(
                 f"dynamiq: the step sizes set for key {stats.key} cover {r.numel()} "
                 f"coordinates, this call has {d}"
             )
+        if r is not None and w_all is not None:
+            raise ValueError(
+                f"dynamiq: key {stats.key} has both step sizes and super-group weights "
+                "set for its next call; set one"
+            )
+        groups = [-(-(b - a) // S) for a, b in spans]  # super-groups of each span
+        if w_all is not None and w_all.numel() != sum(groups):
+            raise ValueError(
+                f"dynamiq: the super-group weights set for key {stats.key} cover "
+                f"{w_all.numel()} super-groups, this call has {sum(groups)}"
+            )
+        ws: list[torch.Tensor | None] = (
+            [None] * len(spans) if w_all is None else list(w_all.to(x.device).split(groups))
+        )
 
-        def sums(v: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+        def sums(v: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor | None) -> torch.Tensor:
             # means and energies of v; with step sizes, the energies times the
             # super-group's mean r^2: a super-group's error is spread over its
             # entries by its scales, whatever each entry's own size (optim.py)
-            out = sg_stats(v, S)
+            out = self._sg_stats(v)
             if r is not None:
-                m = out.shape[1]
-                cnt = torch.full((m,), float(S), device=v.device)
-                cnt[-1:] = v.numel() - (m - 1) * S
-                w = sg_stats(r.to(v.device), S)[1] / cnt
+                w = self.supergroup_weights(r.to(v.device))
+            if w is not None:
                 # zero stays zero (the zero class is decided on the gradient), any
                 # other energy stays positive (a zero step size must not make a
                 # super-group the zero class's) and NaN stays NaN
@@ -164,23 +179,20 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
             return out
 
         sg_starts: tuple[int, ...] = ()
-        if bounds is None:
-            local = sums(flat, r)
-        else:  # super-groups start at every chunk's start
+        if bounds is not None:  # super-groups start at every chunk's start
             sg_starts = tuple(s // S for s in segment_starts(bounds, S))
-            parts = [
-                sums(flat[a:b], None if r is None else r[a:b])
-                for a, b in zip(bounds, bounds[1:], strict=False)
-                if b > a
-            ]
-            local = torch.cat(parts, 1) if parts else flat.new_zeros(2, 0)
+        parts = [
+            sums(flat[a:b], None if r is None else r[a:b], w)
+            for (a, b), w in zip(spans, ws, strict=True)
+        ]
+        local = torch.cat(parts, 1) if parts else flat.new_zeros(2, 0)
         glob = stats.all_reduce(local.to(torch.bfloat16), StatsOp.SUM).float()
         mu = glob[0] / stats.world_size
         F64 = glob[1].cpu().double()
         budget = self._budget_for(stats.key, d)
         # a reduce-scatter moves each coordinate once: the exchange weighs double
         weight = 2.0 if stats.phases == 1 else 1.0
-        widths = allocate(cfg, F64, d, budget, weight)
+        widths = allocate(cfg, F64, d, budget - spent, weight)
         if stats.key is not None and cfg.share_budget:
             self._step_stats[stats.key] = (d, F64)
         return build_plan(
@@ -227,12 +239,66 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
             raise ValueError("dynamiq: step sizes must be >= 0 (NaN is not)")
         self._step_sizes[key] = r
 
+    def _sg_stats(self, v: torch.Tensor) -> torch.Tensor:
+        """[2, m]: each super-group's mean and sum of squares (kernels or reference,
+        the same bits)."""
+        S = self.config.supergroup_size
+        kern = self.kernels(v.device)
+        if kern is None:
+            return reference.supergroup_stats(v, S)
+        return reference.finite_means(v, S, kern.supergroup_stats(v, S))
+
+    def supergroup_weights(self, r: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean of r^2 over each super-group of ``r`` (one span: a whole call,
+        or one chunk of a reduce-scatter, whose super-groups start at its start),
+        the factor its energy is weighed by. ``real``: which entries the means
+        are over (1) and which not (0: FSDP's padding has no step size); default
+        all. A super-group of padding alone weighs 0."""
+        S = self.config.supergroup_size
+        r = r.detach().reshape(-1).to(torch.float32)
+        sq = self._sg_stats(r)[1]
+        m = sq.numel()
+        if real is None:
+            count = torch.full((m,), float(S), device=r.device)
+            count[-1:] = r.numel() - (m - 1) * S
+        else:
+            mask = real.detach().reshape(-1).to(device=r.device, dtype=torch.float32)
+            if mask.numel() != r.numel():
+                raise ValueError("dynamiq: real= must have one entry per step size")
+            count = torch.nn.functional.pad(mask, (0, m * S - mask.numel())).view(m, S).sum(1)
+        return sq / count.clamp(min=1)
+
+    def set_supergroup_weights(
+        self, w: torch.Tensor | None, key: int | None = None, spent_bits: float = 0.0
+    ) -> None:
+        """The weights (``supergroup_weights``, span after span) of the next call
+        with ``key``, in place of step sizes per coordinate: under FSDP each rank
+        holds the optimizer's state for its own slice only, so the ranks exchange
+        these, 1/256 of the step sizes' size (``FSDPReduceScatter``). None: none.
+        ``spent_bits``: bits per coordinate of that call (its accounting) the
+        exchange cost; the call's budget pays them, so the call with its
+        exchange stays within the budget."""
+        if not (math.isfinite(spent_bits) and spent_bits >= 0):
+            raise ValueError(f"dynamiq: spent_bits must be finite and >= 0, got {spent_bits}")
+        unused = self.optimizer_unused
+        if unused is not None and w is not None:
+            raise ValueError(unused)
+        if w is None:
+            self._sg_weights.pop(key, None)
+            return
+        w = w.detach().reshape(-1).to(torch.float32)
+        if not bool((w >= 0).all()):
+            raise ValueError("dynamiq: super-group weights must be >= 0 (NaN is not)")
+        self._sg_weights[key] = (w, float(spent_bits))
+
     def hand_over(self, copies: list[Codec[Any]]) -> None:
-        if not self._step_sizes:  # none set here: the copies keep theirs
+        if not self._step_sizes and not self._sg_weights:  # none set: the copies keep theirs
             return
         for c in copies:
             c._step_sizes = dict(self._step_sizes)  # type: ignore[attr-defined]
+            c._sg_weights = dict(self._sg_weights)  # type: ignore[attr-defined]
         self._step_sizes = {}
+        self._sg_weights = {}
 
     def _budget_for(self, key: int | None, d: int) -> float:
         """Bits per coordinate for this call. A keyed call whose key already ran
