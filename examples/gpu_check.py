@@ -361,7 +361,7 @@ def _fsdp_model(dev: str) -> torch.nn.Sequential:
 def _gloo_fsdp(rank: int, n: int, names: list[str], dev: str) -> dict[str, object]:
     """FSDP2 (``fully_shard`` per Linear, a ``dev`` device mesh over the Gloo group)
     with hopq's reduce-scatter (or native, name "native"), AdamW, 3 steps (GComp
-    with ``optimizer=``): each rank's first reduce-scatter (key, input, output,
+    and DynamiQ with ``optimizer=``): each rank's first reduce-scatter (key, input, output,
     op), its parameter shards, the calls per step and the losses, or the error.
     The shards leave as local tensors: ``full_tensor()`` of a CUDA DTensor over
     Gloo crashed the process (a segmentation fault in torch's functional
@@ -394,8 +394,11 @@ def _gloo_fsdp(rank: int, n: int, names: list[str], dev: str) -> dict[str, objec
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             comm = None
             if name != "native":
-                takes = hasattr(get_codec(name), "set_thresholds")
-                extra = {"optimizer": opt, "thresholds_every": 1} if takes else {}
+                # the codecs that read the optimizer get it: GComp's thresholds
+                # (exchanged at every call here), DynamiQ's super-group weights
+                extra: dict = {"optimizer": opt} if _reads(name) else {}
+                if hasattr(get_codec(name), "set_thresholds"):
+                    extra["thresholds_every"] = 1
                 comm = Capturing(name, "ring", seed=7, **extra)
                 comm.install(model)
             gen = torch.Generator().manual_seed(100 + rank)
