@@ -313,14 +313,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
 
         shared = self._shared
         if params is None:
-            if self.key not in shared.warned:
-                shared.warned.add(self.key)
-                warnings.warn(
-                    f"hopq FSDPReduceScatter: GComp truncates nothing for FSDP module "
-                    f"{self.key}: {why}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            self._warn_once(f"GComp truncates nothing for FSDP module {self.key}: {why}")
             return None
         assert shared.optimizer is not None
         parts: list[torch.Tensor] = []
@@ -328,6 +321,13 @@ class FSDPReduceScatter(_ReduceScatterBase):
             a = thresholds(shared.optimizer, [fp.sharded_param]).nan_to_num_(nan=0.0)
             parts += [a, a.new_zeros(fp.padded_sharded_param_size.numel() - a.numel())]
         return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _warn_once(self, what: str) -> None:
+        """Warn (once per key) that the optimizer's input is left out for this key."""
+        shared = self._shared
+        if self.key not in shared.warned:
+            shared.warned.add(self.key)
+            warnings.warn(f"hopq FSDPReduceScatter: {what}", RuntimeWarning, stacklevel=5)
 
     def _has_state(self, params: list[Any] | None) -> bool:
         """Whether the optimizer holds state for the parameters (it has stepped)."""
@@ -381,14 +381,10 @@ class FSDPReduceScatter(_ReduceScatterBase):
 
         shared = self._shared
         if params is None:
-            if self.key not in shared.warned:
-                shared.warned.add(self.key)
-                warnings.warn(
-                    f"hopq FSDPReduceScatter: DynamiQ allocates without the optimizer's "
-                    f"step sizes for FSDP module {self.key}: {why}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+            self._warn_once(
+                f"DynamiQ allocates without the optimizer's step sizes for FSDP module "
+                f"{self.key}: {why}"
+            )
             return None
         r = step_sizes(shared.optimizer, [fp.sharded_param for fp in params])
         if r is None:
