@@ -21,9 +21,9 @@ def _divisor(t: torch.Tensor, d: float) -> float | torch.Tensor:
     return torch.full((), d, dtype=t.dtype, device=t.device)
 
 
-def div(t: torch.Tensor, d: float) -> torch.Tensor:
-    """``t / d``, correctly rounded on every device."""
-    return t / _divisor(t, d)
+def div(t: torch.Tensor, d: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``t / d``, correctly rounded on every device (into ``out`` if given)."""
+    return torch.div(t, _divisor(t, d), out=out)
 
 
 def div_(t: torch.Tensor, d: float) -> torch.Tensor:

@@ -189,10 +189,11 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         glob = stats.all_reduce(local.to(torch.bfloat16), StatsOp.SUM).float()
         mu = glob[0] / stats.world_size
         F64 = glob[1].cpu().double()
-        budget = self._budget_for(stats.key, d)
+        # what the step-size weights' exchange spent comes out of the call's budget
+        budget = self._budget_for(stats.key, d) - spent
         # a reduce-scatter moves each coordinate once: the exchange weighs double
         weight = 2.0 if stats.phases == 1 else 1.0
-        widths = allocate(cfg, F64, d, budget - spent, weight)
+        widths = allocate(cfg, F64, d, budget, weight)
         if stats.key is not None and cfg.share_budget:
             self._step_stats[stats.key] = (d, F64)
         return build_plan(

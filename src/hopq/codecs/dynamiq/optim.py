@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from hopq.numerics.div import div_
+from hopq.numerics.div import div
 from hopq.numerics.sqrt import sqrt_
 
 #: The optimizers whose step size per coordinate ``step_sizes`` knows.
@@ -93,7 +93,7 @@ def _scale(opt: Any, group: dict[str, Any], st: dict[str, Any], out: torch.Tenso
             return False
         v = "max_exp_avg_sq" if group.get("amsgrad") and "max_exp_avg_sq" in st else "exp_avg_sq"
         beta2 = float(group["betas"][1])
-        sqrt_(div_(out.copy_(flat(v)), 1 - beta2 ** float(st["step"])))
+        sqrt_(div(flat(v), 1 - beta2 ** float(st["step"]), out=out))
     out.add_(eps).reciprocal_().mul_(lr)
     return True
 
