@@ -9,7 +9,7 @@ measured on the fused hop, 4 ranks, one core of the development machine):
 ``error_model="numpy"`` (numba's default Python error model guards every float
 division with a ZeroDivisionError branch, which leaves those loops scalar:
 2-bit 126 -> 247, 4-bit 119 -> 215 M coordinates/s with the int32 changes), and
-int32 arithmetic through the intrinsics of ``_u32`` where numba would widen it
+int32 arithmetic through the intrinsics of :mod:`hopq.numerics.u32` where numba would widen it
 to int64 (the correlated-rounding permutation: 4 lanes of emulated 64-bit
 multiplies before). Table lookups stay scalar loads inside those loops, so
 tables hold two values per 64-bit entry (a level and its gap; a bucket's first
@@ -30,7 +30,7 @@ import numpy as np
 from numba import njit
 
 from hopq.kernels import Mode
-from hopq.kernels._u32 import U32, add32, hash32, iadd32, iand32, imul32, lshr32, uniform
+from hopq.numerics.u32 import U32, add32, hash32, iadd32, iand32, imul32, lshr32, uniform
 
 I32 = np.int32
 

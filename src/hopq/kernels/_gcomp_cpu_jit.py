@@ -9,7 +9,7 @@ levels of each 16 values are joined into one record of at most 32 bits, by
 pairs in four vectorized rounds, and the exponent and mantissa records of each
 two values into one 64-bit record (at most 36 and 48 bits). A second loop
 appends the joined records to their streams, so it runs once per two values. The
-first loop's integer work goes through :mod:`hopq.kernels._u32`'s 32-bit
+first loop's integer work goes through :mod:`hopq.numerics.u32`'s 32-bit
 operations (numba widens ``uint32`` arithmetic to 64 bits, which halves the
 vector lanes): the encoder ran 13-20% faster for it. A
 writer is a 64-bit accumulator and the stream's total bit count ``P``: after
@@ -40,7 +40,7 @@ from llvmlite import ir as _ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from hopq.kernels._u32 import add32, and32, lshr32, ltu32, mul32, neu32, or32, shl32, sub32
+from hopq.numerics.u32 import add32, and32, lshr32, ltu32, mul32, neu32, or32, shl32, sub32
 
 _O = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"}
 

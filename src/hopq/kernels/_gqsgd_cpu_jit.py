@@ -6,8 +6,8 @@ numba is installed); module-level so that numba's on-disk cache finds it."""
 import numpy as np
 from numba import njit
 
-from hopq.kernels._u32 import U32, add32, hash32, iadd32, isub32, lshr32
-from hopq.kernels._u32 import uniform as _uniform
+from hopq.numerics.u32 import U32, add32, hash32, iadd32, isub32, lshr32
+from hopq.numerics.u32 import uniform as _uniform
 
 I32 = np.int32
 
@@ -19,7 +19,7 @@ def exp_reduce(acc, body, k0, k1, start, emin, out):
     lowbias32(lowbias32((start + i) ^ k0) ^ k1) (indices < 2^32, as the
     reference's). Branch-free so that the loop vectorizes: every case is
     computed and selected. All arithmetic is int32/uint32 through the
-    intrinsics of ``_u32`` (numba's own int32 arithmetic widens to int64: four
+    intrinsics of :mod:`hopq.numerics.u32` (numba's own int32 arithmetic widens to int64: four
     lanes instead of eight and a scalar int -> float32 conversion, 2.2x slower).
     An event of probability 2^-j is "the top j bits of h are zero" (j = 0:
     always; j > 32: never), the reference's "h < 2^32 >> j". Returns the

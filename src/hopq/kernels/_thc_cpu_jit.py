@@ -1,6 +1,6 @@
 """The numba functions behind :mod:`hopq.kernels.thc_cpu` (imported only when
 numba is installed): THC's random signs and uniforms (the lowbias32 hash of
-:mod:`hopq.numerics.rng` in 32-bit lanes, ``_u32``) and the Walsh-Hadamard
+:mod:`hopq.numerics.rng` in 32-bit lanes, :mod:`hopq.numerics.u32`) and the Walsh-Hadamard
 butterflies of :func:`hopq.codecs.thc.fwht`, in place, one cache-sized block
 at a time instead of one pass over the whole vector per butterfly level.
 
@@ -17,7 +17,7 @@ once (rotate 32 -> 24 ms, unrotate 24 -> 18 ms)."""
 import numpy as np
 from numba import njit
 
-from hopq.kernels._u32 import U32, add32, hash32, uniform
+from hopq.numerics.u32 import U32, add32, hash32, uniform
 
 
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
