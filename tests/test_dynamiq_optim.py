@@ -53,9 +53,9 @@ def _f32(x):
 def test_step_sizes_are_correctly_rounded_so_a_gpu_gives_the_same_bits():
     """Every operation of the step size is IEEE's correctly rounded float32 one,
     as on a GPU: torch's CPU float32 sqrt is not (0.7% one ulp off), and torch's
-    CUDA division by a Python number multiplies by its reciprocal. The seventh
-    GPU lease found 7% of AdamW's step sizes differing between an H100 and the
-    CPU before both went through hopq.numerics (examples/gpu_check.py)."""
+    CUDA division by a Python number multiplies by its reciprocal. Without
+    hopq.numerics, 7% of AdamW's step sizes differed between an H100 and the
+    CPU (tools/gpu_check.py)."""
     g = torch.Generator().manual_seed(3)
     p = torch.nn.Parameter(torch.zeros(200_000))
     opt = torch.optim.AdamW([p], lr=3e-4, betas=(0.9, 0.999), eps=1e-8)

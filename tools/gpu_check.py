@@ -1,6 +1,6 @@
-"""What one CUDA GPU can check of hopq, in one run (the device tool's lease).
+"""What one CUDA GPU can check of hopq, in one run.
 
-    python examples/gpu_check.py --out DIR
+    python tools/gpu_check.py --out DIR
 
 1. every registered codec through ``hopq.simulate`` on CUDA tensors (its
    default backend there): virtual ranks bit-identical, finite where the CPU
@@ -364,8 +364,8 @@ def _gloo_fsdp(rank: int, n: int, names: list[str], dev: str) -> dict[str, objec
     and DynamiQ with ``optimizer=``): each rank's first reduce-scatter (key, input, output,
     op), its parameter shards, the calls per step and the losses, or the error.
     The shards leave as local tensors: ``full_tensor()`` of a CUDA DTensor over
-    Gloo crashed the process (a segmentation fault in torch's functional
-    all-gather, H200 lease of 2026-11-26)."""
+    Gloo crashes the process (a segmentation fault in torch's functional
+    all-gather, seen on an H200 with torch 2.11)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
