@@ -9,12 +9,12 @@ STAMP := $(VENV)/.installed
 TVENV ?= .venv-torch
 TSTAMP := $(TVENV)/.installed
 
-.PHONY: setup train test test-torch-only
+.PHONY: setup train test test-torch-only docs
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench,cpu,triton,integrations]"
+	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench,cpu,triton,integrations,docs]"
 	touch $@
 
 $(TSTAMP): pyproject.toml constraints-dev.txt
@@ -28,7 +28,12 @@ train: setup
 test-torch-only: $(TSTAMP)
 	$(TVENV)/bin/python tests/torch_only.py
 
-test: setup test-torch-only
+# The documentation site with its API reference; --strict fails on any warning
+# (a broken link between pages, a docstring mkdocstrings cannot read).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
+test: setup test-torch-only docs
 	$(BIN)/ruff check src tests examples
 	$(BIN)/ruff format --check src tests examples
 	$(BIN)/mypy src
