@@ -71,7 +71,21 @@ def register(
 
 
 def available_codecs() -> list[str]:
-    """Names of every registered codec, in registration order."""
+    """Names of every registered codec, in registration order.
+
+    Any of them may be passed as ``codec=`` to :func:`hopq.all_reduce`,
+    :func:`hopq.simulate`, :class:`hopq.HookState` and the other entry points;
+    ``hopq codecs`` on the command line lists them with their options. It
+    takes no arguments and raises nothing.
+
+    Returns:
+        A new list of names, e.g. ``"dynamiq"``, ``"bf16"``, ``"mxfp8"``.
+
+    Example:
+        >>> import hopq
+        >>> "dynamiq" in hopq.available_codecs()
+        True
+    """
     return list(_REGISTRY)
 
 
@@ -108,7 +122,37 @@ def codec_choices() -> list[str]:
 
 
 def get_codec(codec: str | Codec[Any], **config: Any) -> Codec[Any]:
-    """A codec instance from a name (fresh, with ``config``) or an instance (as is)."""
+    """A codec instance from a name (fresh, with ``config``) or an instance (as is).
+
+    Options are validated when the codec is built: their type and range, and
+    the error names the option. Keep the instance to carry its state (round
+    counter, adaptive parameters) across calls.
+
+    Args:
+        codec: A registered name (see :func:`available_codecs`) or a
+            :class:`hopq.Codec` instance, returned as it is.
+        **config: Options of the codec's configuration dataclass (e.g.
+            DynamiQ's ``budget``); only with a name.
+
+    Returns:
+        The codec instance.
+
+    Raises:
+        TypeError: ``codec`` is neither a name nor a Codec, or an option is
+            unknown to the codec or has the wrong type.
+        ValueError: An unknown name, an option out of range, or options passed
+            with an instance.
+
+    Example:
+        >>> import hopq
+        >>> codec = hopq.get_codec("mxfp8", block=32)
+        >>> codec.name, codec.config.block
+        ('mxfp8', 32)
+        >>> hopq.get_codec("dynamiq", bits=3)
+        Traceback (most recent call last):
+        ...
+        TypeError: codec 'dynamiq' has no option 'bits'; ...
+    """
     if isinstance(codec, Codec):
         if config:
             raise ValueError("pass config overrides only with a codec name")

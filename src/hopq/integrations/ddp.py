@@ -59,26 +59,71 @@ __all__ = ["MAX_KEPT_CALLS", "HookState", "StepMetrics", "ddp_hook"]
 
 
 class HookState(CallRecords):
-    """State of the hopq DDP hook.
+    """State of the hopq DDP hook: ``ddp_model.register_comm_hook(state, hopq.ddp_hook)``.
 
-    ``process_group`` may be None (the default group) and is resolved at the
-    first call, so the state can be built before ``init_process_group``. It
-    must be the DDP model's group: the hook averages over it, whatever group
-    DDP was given (the integrations check this: :func:`check_same_group`). One
-    codec instance lives here for the whole training, so adaptive codecs keep
-    their state and the round counter (part of the RNG key) advances.
-    ``overlap`` (default True): run the buckets on a communication thread while
-    the backward pass goes on (see the module's docstring). ``own_group``:
-    whether the thread talks on a process group of its own. None (default):
-    where NCCL carries the buckets and the DDP group holds every rank; True or
-    False to choose. hopq makes that group at the first bucket, with every
-    rank, the group's backends and timeout. For a DDP group of some ranks only,
-    pass a second group of the same ranks, in the same order, made by every
-    rank with ``dist.new_group`` as torch asks. ``optimizer``: the optimizer
-    that steps the model's parameters, for codecs that read its state before
-    each bucket: GComp's truncation needs it; DynamiQ weighs its bit allocation
-    by the optimizer's step sizes (Adam: lr / (sqrt(v) + eps)), which trains
-    closer to uncompressed with adaptive optimizers (docs/codecs/dynamiq.md).
+    One codec instance lives here for the whole training, so adaptive codecs
+    keep their state and the round counter (part of the RNG key) advances.
+    The state keeps every bucket's :class:`~hopq.RunStats`;
+    :meth:`step_metrics` sums a step's into scalars for any logger. It is a
+    ``torch.distributed.checkpoint`` Stateful (:meth:`state_dict`), so a
+    resumed job continues bit for bit. A state that is never called while
+    training goes on warns with :class:`hopq.HookNotEngagedWarning`.
+
+    Args:
+        codec: A registered name (built with ``codec_config``) or a
+            :class:`hopq.Codec` instance.
+        topology: The schedule, as in :func:`hopq.all_reduce`.
+        process_group: The DDP model's group (None: the default group),
+            resolved at the first call, so the state can be built before
+            ``init_process_group``. The hook averages over it, whatever group
+            DDP was given (the framework integrations check that they match).
+        seed: Seeds the RNG of stochastic codecs; the same on every rank.
+        timeout: Seconds to wait for a peer; None: the group's own timeout.
+        gather_codec: Codes the all-gather stage with another codec, as in
+            :func:`hopq.all_reduce`.
+        overlap: Run the buckets on a communication thread while the backward
+            pass goes on (the hook returns a pending future); False: each
+            bucket inside the hook. Both give the same bits.
+        own_group: Whether the thread talks on a process group of its own.
+            None: where NCCL carries the buckets and the DDP group holds every
+            rank (hopq then makes that group at the first bucket, with every
+            rank, the group's backends and timeout); True or False to choose.
+            For a DDP group of some ranks only, pass a second group of the same
+            ranks, in the same order, made by every rank with
+            ``dist.new_group`` as torch asks.
+        optimizer: The optimizer that steps the model's parameters, for codecs
+            that read its state before each bucket: GComp's truncation needs
+            it; DynamiQ weighs its bit allocation by the optimizer's step sizes
+            (Adam: lr / (sqrt(v) + eps)), which trains closer to uncompressed
+            with adaptive optimizers (docs/codecs/dynamiq.md).
+        **codec_config: Options of the codec, when ``codec`` is a name.
+
+    Raises:
+        TypeError: ``group=`` instead of ``process_group=``, an option the
+            codec does not have, or an argument of the wrong type
+            (``overlap``, ``own_group``, ``seed``).
+        ValueError: An unknown codec or topology, an optimizer the codec does
+            not use or has no rule for, ``own_group`` with ``overlap=False``,
+            a ``gather_codec`` that cannot code a gather stage, or an option
+            out of range.
+
+    Example:
+        Under ``torchrun``, after ``init_process_group``:
+
+        ```python
+        import hopq
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ddp_model = DDP(model)
+        opt = torch.optim.AdamW(ddp_model.parameters())
+        state = hopq.HookState(codec="dynamiq", topology="ring", optimizer=opt)
+        ddp_model.register_comm_hook(state, hopq.ddp_hook)
+        for batch in loader:
+            loss_fn(ddp_model(batch)).backward()
+            opt.step()
+            opt.zero_grad()
+            logger.log(state.step_metrics())  # {"hopq/bits_per_coordinate": 4.9, ...}
+        ```
     """
 
     def __init__(
@@ -220,7 +265,20 @@ class HookState(CallRecords):
         structure grows during training and DCP loads only the keys a fresh
         state has; it is the same on every rank, so DCP keeps one copy.
         Counters that are each rank's own (MX's saturations since the last plan,
-        THC's overflow tally) go under ``codec_local/<rank>``, one per rank."""
+        THC's overflow tally) go under ``codec_local/<rank>``, one per rank.
+
+        Returns:
+            ``{"codec_name", "seed", "codec"}`` (the codec's shared state,
+            packed as bytes) and, where the codec has rank-local counters,
+            ``"codec_local"``.
+
+        Example:
+            ```python
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"model": model.state_dict(), "hopq": state}, checkpoint_id=path)
+            ```
+        """
         full = self.codec.state_dict()
         agreed = self.codec.agreed_state()
         shared, local = full, {}
@@ -242,7 +300,22 @@ class HookState(CallRecords):
         rank's entry; when it is missing (a checkpoint that one rank saved for
         all), they keep their current values: the results stay correct and
         agreed, but are bit-identical to an uninterrupted run only for codecs
-        without such counters."""
+        without such counters.
+
+        Args:
+            state: What :meth:`state_dict` returned (on any rank).
+
+        Raises:
+            ValueError: The checkpoint holds another codec than this state runs.
+            KeyError: ``state`` lacks ``"codec"`` or ``"seed"``.
+
+        Example:
+            ```python
+            state = hopq.HookState(codec="dynamiq")
+            to_load = {"model": model.state_dict(), "hopq": state}
+            dcp.load(to_load, checkpoint_id=path)  # calls state.load_state_dict
+            ```
+        """
         name = state.get("codec_name")
         if name is not None and name != self.codec.name:
             raise ValueError(
@@ -456,9 +529,35 @@ def _run(
 def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket's gradients over the group with hopq's compressed all-reduce.
 
-    Returns a pending future (``state.overlap``, the default) that the
-    communication thread completes, or a completed one. An error inside the
-    all-reduce is raised by DDP in the training step's backward pass.
+    DDP calls it once per gradient bucket during the backward pass; register it
+    with ``ddp_model.register_comm_hook(state, hopq.ddp_hook)``. The bucket's
+    index is the call's ``key``, so DynamiQ can share a step's bit budget
+    across buckets. A codec that reads the optimizer gets its state for the
+    bucket's parameters first.
+
+    Args:
+        state: The :class:`HookState` holding the codec, topology and
+            statistics.
+        bucket: DDP's gradient bucket; its buffer is averaged in place.
+
+    Returns:
+        A future of the averaged buffer: pending (``state.overlap``, the
+        default), completed by the communication thread, or already completed.
+
+    Raises:
+        RuntimeError: With ``overlap`` (the default), any error of the
+            all-reduce (a :class:`hopq.MismatchError`,
+            :class:`hopq.TransportError`, ...) reaches the training step's
+            backward pass as a RuntimeError whose message starts with
+            ``hopq.ddp_hook:`` and the original error's name. With
+            ``overlap=False`` the hook raises the original error itself (the
+            errors of :func:`hopq.all_reduce`).
+
+    Example:
+        ```python
+        state = hopq.HookState(codec="dynamiq")
+        ddp_model.register_comm_hook(state, hopq.ddp_hook)
+        ```
     """
     buf = bucket.buffer()
     if not state._optimizer_checked:  # the first bucket: the optimizer is set by now if ever

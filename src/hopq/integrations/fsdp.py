@@ -124,17 +124,53 @@ class _Shared(CallRecords):
 class FSDPReduceScatter(_ReduceScatterBase):
     """hopq's compressed reduce-scatter in FSDP2's place.
 
-    ``codec`` (a registered name with ``codec_config`` options, or a Codec
-    instance), ``topology`` and ``seed`` as in :func:`hopq.all_reduce`.
-    ``optimizer``: for GComp, the optimizer of the sharded parameters, whose
-    state sets the truncation thresholds (exchanged every
-    ``thresholds_every`` calls of a module, one byte per coordinate; see the
-    module's docstring); it needs :meth:`install`. Use
-    :meth:`install` to hand every FSDP module of a model its own keyed view
+    Use :meth:`install` to hand every FSDP module of a model its own keyed view
     (``module.set_custom_reduce_scatter(comm)`` on one module works too; its
-    calls then carry ``key``, None by default). Bits per coordinate in
+    calls then carry ``key``, None by default). Every view shares one codec
+    instance and one list of call records. Bits per coordinate in
     :meth:`step_metrics` count a reduce-scatter's (n-1)/n x d coordinates, so
-    that bf16 is 16.
+    that bf16 is 16. Needs torch >= 2.9 (``FSDPModule.set_custom_reduce_scatter``).
+
+    Args:
+        codec: A registered name (built with ``codec_config``) or a
+            :class:`hopq.Codec` instance, as in :func:`hopq.all_reduce`.
+        topology: The schedule, as in :func:`hopq.all_reduce`.
+        seed: Seeds the RNG of stochastic codecs; the same on every rank.
+        timeout: Seconds to wait for a peer; None: the group's own timeout.
+        key: The calls' key when this object is set on one module by hand
+            (:meth:`install` keys the modules itself and refuses one).
+        optimizer: The optimizer of the sharded parameters, for GComp (its
+            state sets the truncation thresholds, exchanged every
+            ``thresholds_every`` calls of a module, one byte per coordinate)
+            and DynamiQ (its step sizes weigh the bit allocation, exchanged
+            before every call); it needs :meth:`install`.
+        thresholds_every: Calls of a module between refreshes of GComp's
+            thresholds; only with GComp and ``optimizer``.
+        **codec_config: Options of the codec, when ``codec`` is a name.
+
+    Raises:
+        ImportError: torch is older than 2.9.
+        TypeError: An option the codec does not have, or an argument of the
+            wrong type.
+        ValueError: An unknown codec or topology, an ``optimizer`` with a codec
+            other than GComp or DynamiQ, ``thresholds_every`` without GComp and
+            an optimizer, or an option out of range.
+
+    Example:
+        Under ``torchrun``, with torch >= 2.9:
+
+        ```python
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters())
+        comm = hopq.FSDPReduceScatter("dynamiq", topology="ring", optimizer=opt)
+        comm.install(model)  # every FSDP module's reduce-scatter
+        ...
+        logger.log(comm.step_metrics())  # once per step
+        ```
     """
 
     def __init__(
@@ -187,14 +223,17 @@ class FSDPReduceScatter(_ReduceScatterBase):
     # -- what the views share --------------------------------------------------
     @property
     def codec(self) -> Codec[Any]:
+        """The codec instance every view shares."""
         return self._shared.codec
 
     @property
     def topology(self) -> str:
+        """The schedule's name."""
         return self._shared.topology
 
     @property
     def seed(self) -> int:
+        """The RNG seed of stochastic codecs."""
         return self._shared.seed
 
     def for_key(self, key: int | None) -> FSDPReduceScatter:
@@ -208,7 +247,24 @@ class FSDPReduceScatter(_ReduceScatterBase):
     def install(self, module: torch.nn.Module) -> int:
         """Set a keyed view as the reduce-scatter of every FSDP module in
         ``module`` (itself included), key i for the i-th in ``module.modules()``
-        order, which is the same on every rank. Returns how many were set."""
+        order, which is the same on every rank.
+
+        Args:
+            module: A model on which ``fully_shard`` was called.
+
+        Returns:
+            How many FSDP modules were set.
+
+        Raises:
+            ValueError: This object has a ``key`` (install keys the modules
+                itself), or ``module`` holds no FSDP module.
+
+        Example:
+            ```python
+            fully_shard(model)
+            n = hopq.FSDPReduceScatter("dynamiq").install(model)
+            ```
+        """
         from torch.distributed.fsdp import FSDPModule
 
         if self.key is not None:
@@ -442,13 +498,53 @@ class FSDPReduceScatter(_ReduceScatterBase):
     def step_metrics(self, prefix: str = "hopq/") -> dict[str, float]:
         """This step's reduce-scatters as flat scalars for any logger (and
         popped), the keys of ``HookState.step_metrics()``: call it once per
-        training step."""
+        training step.
+
+        Args:
+            prefix: Prepended to every key.
+
+        Returns:
+            Per-step means over every view's calls since the last pop:
+            ``bits_per_coordinate`` (over (n-1)/n x d coordinates),
+            ``bytes_sent``, ``codec_seconds``, ``comm_seconds``,
+            ``cpu_seconds``, ``buckets`` (reduce-scatters) and ``numel``.
+
+        Example:
+            ```python
+            opt.step()
+            logger.log(comm.step_metrics())  # {"hopq/bits_per_coordinate": 5.0, ...}
+            ```
+        """
         return self._shared.step_metrics(prefix)
 
     def state_dict(self) -> dict[str, Any]:
+        """What a resumed job needs to continue bit for bit.
+
+        Returns:
+            ``{"codec": <the codec's state_dict()>, "seed": seed}``, shared by
+            every view.
+
+        Example:
+            ```python
+            torch.save({"hopq": comm.state_dict()}, path)
+            ```
+        """
         return {"codec": self.codec.state_dict(), "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (for every view).
+
+        Args:
+            state: What :meth:`state_dict` returned.
+
+        Raises:
+            KeyError: ``state`` lacks ``"codec"`` or ``"seed"``.
+
+        Example:
+            ```python
+            comm.load_state_dict(torch.load(path)["hopq"])
+            ```
+        """
         self.codec.load_state_dict(state["codec"])
         self._shared.seed = int(state["seed"])
 

@@ -18,7 +18,41 @@ class StepMetrics:
     """This rank's communication in one training step, summed over its calls
     (DDP buckets, FSDP reduce-scatters), or over several steps: ``a + b``.
     ``as_dict()`` gives the flat scalars that ``step_metrics()`` returns, ready
-    for any logger."""
+    for any logger.
+
+    Returned by ``pop_step()`` of :class:`hopq.HookState` and
+    :class:`hopq.FSDPReduceScatter`.
+
+    Attributes:
+        steps: Training steps summed here (1 for one ``pop_step()``).
+        buckets: Calls summed here (DDP buckets or FSDP reduce-scatters).
+        numel: Coordinates reduced, over the calls.
+        bytes_sent: Bytes this rank sent (payload and statistics).
+        seconds: Seconds the communication thread (or the hook) worked on the
+            calls.
+        comm_seconds: Of those, seconds spent waiting on the network.
+        coords_moved: The coordinates an uncompressed ring would have sent
+            for these calls (2(n-1)/n x d per all-reduce, (n-1)/n x d per
+            reduce-scatter).
+        err_sq: Squared error against the exact average, summed over calls
+            (``HookState.measure_error``; 0 when not measured).
+        ref_sq: Squared norm of the exact average, summed over calls.
+        cpu_seconds: CPU seconds the communication thread (or the hook) used
+            on the calls (waiting is not counted).
+        uerr_sq: ``err_sq`` with every coordinate weighed by the optimizer's
+            step size (``HookState.error_optimizer``); 0 when not measured.
+        uref_sq: ``ref_sq`` weighed the same way.
+
+    Example:
+        >>> import hopq
+        >>> a = hopq.StepMetrics(buckets=2, numel=1000, bytes_sent=2000.0, coords_moved=1000.0)
+        >>> b = hopq.StepMetrics(buckets=1, numel=1000, bytes_sent=1000.0, coords_moved=1000.0)
+        >>> total = a + b  # two steps
+        >>> total.steps, total.bits_per_coordinate
+        (2, 12.0)
+        >>> total.as_dict()["hopq/bytes_sent"]  # per step
+        1500.0
+    """
 
     #: Training steps summed here (1 for one ``pop_step()``).
     steps: int = 1
@@ -71,6 +105,7 @@ class StepMetrics:
 
     @property
     def codec_seconds(self) -> float:
+        """Seconds not spent waiting on the network (the codec's work)."""
         return self.seconds - self.comm_seconds
 
     @property
@@ -176,8 +211,25 @@ class CallRecords:
 
     def step_metrics(self, prefix: str = "hopq/") -> dict[str, float]:
         """This step's communication as flat scalars for any logger (and popped):
-        call it once per training step, after the optimizer step. Keys (with
-        ``prefix``): ``bits_per_coordinate``, ``bytes_sent``, ``codec_seconds``,
-        ``comm_seconds``, ``buckets``, ``numel``, and ``vnmse`` (``update_vnmse``)
-        when measured. ``pop_step()`` gives the same as a record."""
+        call it once per training step, after the optimizer step.
+        ``pop_step()`` gives the same as a :class:`~hopq.StepMetrics` record.
+
+        Args:
+            prefix: Prepended to every key.
+
+        Returns:
+            Per-step means over the calls since the last pop. Keys (with
+            ``prefix``): ``bits_per_coordinate``, ``bytes_sent``,
+            ``codec_seconds``, ``comm_seconds``, ``cpu_seconds``, ``buckets``,
+            ``numel``, and ``vnmse`` (``update_vnmse``) when measured.
+            ``bits_per_coordinate`` is NaN for a step without calls (a
+            gradient-accumulation micro-step).
+
+        Example:
+            ```python
+            loss.backward()
+            opt.step()
+            wandb.log(state.step_metrics())  # {"hopq/bits_per_coordinate": 4.9, ...}
+            ```
+        """
         return self.pop_step().as_dict(prefix)
