@@ -315,7 +315,52 @@ P = TypeVar("P", bound=Plan)
 
 
 class Codec(ABC, Generic[P]):
-    """A compression scheme usable inside multi-hop all-reduce; ``P`` is its plan type."""
+    """A compression scheme usable inside multi-hop all-reduce; ``P`` is its plan type.
+
+    A codec is the quantizer plus its hop operations. Per call ("round") the
+    engine calls, on every rank: :meth:`plan` (statistics exchanged into a plan
+    identical on every rank), :meth:`prepare` (the working vector), then per
+    chunk :meth:`encode` (a leaf), :meth:`decode_accumulate` and the fused
+    :meth:`decode_accumulate_encode` (inner hops), :meth:`decode` (the
+    all-gather), and finally :meth:`finish` and :meth:`end_round`. Payloads
+    are contiguous ``uint8`` tensors that a receiver validates before reading
+    (:class:`hopq.PayloadError`). A new codec subclasses this class, takes a
+    frozen ``config_class``, and registers itself by name with
+    ``hopq.codecs.register`` (docs/design.md says where it goes).
+
+    Build instances with :func:`hopq.get_codec` (or the class itself); pass
+    one instance to every call of a training run so that its state (the round
+    counter that keys the RNG, adaptive parameters) carries across calls.
+
+    Args:
+        config: An instance of the codec's ``config_class``; None: the
+            defaults, with ``overrides`` applied.
+        **overrides: Options of ``config_class`` that replace the config's
+            (or the defaults').
+
+    Raises:
+        TypeError: An option the codec does not have, or a config of another
+            class.
+        ValueError: An option out of range (the config's validation names it).
+
+    Example:
+        One rank's round trip through the contract, outside the engine:
+
+        >>> import torch, hopq
+        >>> from hopq.codecs.base import HopContext, LocalStats, ReduceOp
+        >>> codec = hopq.get_codec("bf16")
+        >>> x = torch.tensor([1.0, 2.5, -3.0])
+        >>> plan = codec.plan(x, LocalStats())  # a world of one rank
+        >>> work = codec.prepare_all(plan, x)
+        >>> ctx = HopContext(seed=0, round=0, chunk=0, hop=0, rank=0, world_size=1)
+        >>> payload = codec.encode(plan, plan.chunk_view(work, 0), ctx)
+        >>> payload.dtype, payload.numel()  # three bf16 values
+        (torch.uint8, 6)
+        >>> out = torch.empty(plan.work_numel)
+        >>> codec.decode(plan, payload, ctx, out)
+        >>> codec.finish(plan, out, ReduceOp.SUM, 1)
+        tensor([ 1.0000,  2.5000, -3.0000])
+    """
 
     #: Registry name, e.g. "bf16".
     name: ClassVar[str]
@@ -375,7 +420,28 @@ class Codec(ABC, Generic[P]):
 
     # -- the contract -----------------------------------------------------
     @abstractmethod
-    def plan(self, x: torch.Tensor, stats: StatsExchange) -> P: ...
+    def plan(self, x: torch.Tensor, stats: StatsExchange) -> P:
+        """This round's plan, identical on every rank.
+
+        Computes local statistics of ``x``, exchanges them through
+        ``stats.all_reduce`` / ``stats.all_gather`` (bit-identical results on
+        every rank), and turns them into a plan: how the working vector splits
+        into ``stats.n_chunks * stats.microshards`` chunks (honouring
+        ``stats.bounds`` where the codec is ``chunk_local``) and how many
+        payload bytes each chunk takes.
+
+        Args:
+            x: This rank's input, flattened, in the caller's dtype.
+            stats: The statistics exchange and what the codec may know of the
+                call (rank, world size, seed, round, key).
+
+        Returns:
+            The plan (a :class:`~hopq.codecs.base.Plan` or a subclass).
+
+        Raises:
+            ValueError: ``stats.bounds`` do not cut ``x`` into the schedule's
+                chunks.
+        """
 
     @abstractmethod
     def prepare(self, plan: P, x: torch.Tensor, scratch: bool = False) -> torch.Tensor: ...
@@ -409,12 +475,36 @@ class Codec(ABC, Generic[P]):
         return work
 
     @abstractmethod
-    def encode(self, plan: P, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor: ...
+    def encode(self, plan: P, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
+        """Leaf compression of one chunk of the working vector.
+
+        Args:
+            plan: This round's plan.
+            chunk: ``plan.chunk_view(work, ctx.chunk)``: float32 values in the
+                plan's layout.
+            ctx: Where the encoding happens (round, chunk, hop, rank), which
+                keys the counter-based RNG and correlated rounding.
+
+        Returns:
+            The payload: a contiguous 1-D ``uint8`` tensor of
+            ``plan.payload_nbytes[ctx.chunk]`` bytes (at most that many for a
+            ``variable_size`` codec). It may be a view of ``chunk``.
+        """
 
     def decode_accumulate(
         self, plan: P, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext
     ) -> None:
-        """acc += decode(payload); codecs override it with a fused version."""
+        """``acc += decode(payload)``; codecs override it with a fused version.
+
+        Args:
+            plan: This round's plan.
+            payload: A received payload of chunk ``ctx.chunk``.
+            acc: The chunk's float32 partial sum, updated in place.
+            ctx: Where the payload was encoded.
+
+        Raises:
+            hopq.PayloadError: The payload fails validation.
+        """
         tmp = torch.empty_like(acc)
         self.decode(plan, payload, ctx, tmp)
         acc.add_(tmp)
@@ -422,18 +512,57 @@ class Codec(ABC, Generic[P]):
     def decode_accumulate_encode(
         self, plan: P, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
     ) -> torch.Tensor:
-        """The fused hop; codecs override it with a fused version. ``local`` may be
-        overwritten with the accumulated sum."""
+        """The fused hop: decompress a received partial sum, add the local chunk,
+        recompress. Codecs override it with a fused version (or one that
+        combines codes without decoding).
+
+        Args:
+            plan: This round's plan.
+            payload: The received partial sum's payload.
+            local: This rank's chunk (float32); may be overwritten with the
+                accumulated sum.
+            ctx: Where the new payload is encoded.
+
+        Returns:
+            The payload of the new partial sum, as :meth:`encode` returns it.
+
+        Raises:
+            hopq.PayloadError: The received payload fails validation.
+        """
         self.decode_accumulate(plan, payload, local, ctx)
         return self.encode(plan, local, ctx)
 
     @abstractmethod
-    def decode(
-        self, plan: P, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor
-    ) -> None: ...
+    def decode(self, plan: P, payload: torch.Tensor, ctx: HopContext, out: torch.Tensor) -> None:
+        """Decode a payload into ``out`` (the all-gather receive, and the sink
+        decoding its own final payload, so that every rank holds the same bits).
+
+        Args:
+            plan: This round's plan.
+            payload: The chunk's final payload.
+            ctx: Where the payload was encoded.
+            out: The chunk's float32 view of the working vector, overwritten.
+
+        Raises:
+            hopq.PayloadError: The payload fails validation.
+        """
 
     @abstractmethod
-    def finish(self, plan: P, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor: ...
+    def finish(self, plan: P, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
+        """Undo the plan's transform (inverse permutation, means added back,
+        scale) and apply ``op``: the result in the caller's layout.
+
+        Args:
+            plan: This round's plan.
+            y: The working vector holding the decoded final sums.
+            op: ``ReduceOp.SUM`` or ``ReduceOp.AVG`` (divide by ``world_size``).
+            world_size: The number of ranks.
+
+        Returns:
+            A flat tensor of ``plan.numel`` entries in the caller's layout,
+            float32 or the caller's dtype (the collectives cast it); it may be
+            ``y`` itself.
+        """
 
     def nonfinite_block(self) -> int:
         """A NaN or Inf at position i makes the output non-finite at i on every rank,
@@ -461,9 +590,25 @@ class Codec(ABC, Generic[P]):
         self.round += 1
 
     def state_dict(self) -> dict[str, Any]:
+        """The codec's state across rounds, for checkpoints.
+
+        Returns:
+            A dict with the round counter (part of the RNG key) and, in
+            adaptive codecs, their parameters; what :meth:`load_state_dict`
+            takes back.
+        """
         return {"round": self.round}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output, so that the next round gives
+        the same bits as an uninterrupted run.
+
+        Args:
+            state: What :meth:`state_dict` returned.
+
+        Raises:
+            KeyError: A key the codec needs is missing.
+        """
         self.round = int(state["round"])
 
     def agreed_state(self) -> Any:

@@ -137,29 +137,75 @@ def all_reduce(
 ) -> engine.RunStats:
     """Compressed all-reduce of ``tensor`` in place over ``group`` (default: WORLD).
 
-    ``codec`` is a registered name (a fresh instance per call) or a Codec instance
-    (its state, e.g. the round counter that keys the RNG, carries across calls).
-    ``op`` is ``"sum"`` (the default) or ``"avg"``, or torch's
-    ``dist.ReduceOp.SUM``, ``AVG`` or ``PREMUL_SUM(factor)``. Every rank ends
-    with bit-identical values. Returns this rank's statistics.
+    Every rank ends with bit-identical values. Before any payload moves, the
+    ranks check that they all make the same call (size, dtype, codec and its
+    configuration and state, topology, op, seed, key, call number), so a
+    disagreement is an error on every rank, never a wrong sum.
 
-    Before any payload moves, the ranks check that they all make the same call;
-    if not, :class:`hopq.MismatchError` is raised on every rank and the group
-    stays usable. A peer that does not answer within ``timeout`` seconds raises
-    :class:`hopq.TransportError` naming it. None (the default): the group's own
-    timeout, the ``timeout=`` it was created with (torch's default: 30 minutes
-    on Gloo; 10 on NCCL, where hopq takes 90% of it so that it raises before
-    NCCL's watchdog). After a timeout the group is unusable (Gloo closes the
-    connection it waited on), as after torch's own collectives time out.
+    Args:
+        tensor: The floating-point tensor (float32, bfloat16, float16 or
+            float64) to reduce, the same shape and dtype on every rank;
+            overwritten with the result. Non-contiguous tensors work (through
+            a copy).
+        codec: A registered name (a fresh instance per call; see
+            :func:`hopq.available_codecs`) or a :class:`hopq.Codec` instance,
+            whose state (e.g. the round counter that keys the RNG) carries
+            across calls.
+        topology: The schedule: ``"ring"``, ``"butterfly"``, ``"semiloop"``,
+            ``"biring"`` or ``"tree"``.
+        op: ``"sum"`` or ``"avg"``, or torch's ``dist.ReduceOp.SUM``,
+            ``AVG`` or ``PREMUL_SUM(factor)``.
+        group: The process group; None: the default group.
+        seed: Seeds the counter-based RNG of stochastic codecs; the same on
+            every rank.
+        key: Names the tensor when a step reduces several (the DDP hook
+            passes the bucket index): the same on every rank, stable from step
+            to step. DynamiQ then splits the step's bit budget across the keys
+            (``share_budget``).
+        timeout: Seconds to wait for a peer. None: the group's own timeout
+            (torch's default: 30 minutes on Gloo; 10 on NCCL, where hopq takes
+            90% of it so that it raises before NCCL's watchdog).
+        gather_codec: Codes the all-gather stage with another codec (e.g.
+            ``"bf16"``: only the reduce-scatter is compressed); None: ``codec``.
+        pipeline: Overlap codec work with transfers (the same bits either
+            way) on Gloo; on NCCL every step's messages go as one batched group
+            after their codec work, so it changes nothing there.
+        microshards: Messages per schedule chunk and step; None: chosen by
+            size. The bits do not depend on it.
 
-    ``key`` names the tensor when a step reduces several (the DDP hook passes the
-    bucket index): the same key on every rank, stable from step to step. DynamiQ
-    then splits the step's bit budget across the keys (``share_budget``).
-    ``gather_codec`` codes the all-gather stage with another codec (e.g. "bf16":
-    only the reduce-scatter is compressed). ``pipeline`` overlaps codec work with
-    transfers (the same bits either way) on Gloo; on NCCL every step's messages
-    go as one batched group after their codec work, so ``pipeline`` changes
-    nothing there.
+    Returns:
+        This rank's :class:`hopq.RunStats`: bytes sent, bits per coordinate,
+        seconds.
+
+    Raises:
+        TypeError: ``tensor`` is not a floating-point tensor, its dtype is one
+            the codec does not take, ``codec`` is neither a name nor a Codec,
+            or an option has the wrong type.
+        ValueError: An unknown codec or topology, a codec that refuses the
+            device or topology, a ``gather_codec`` that cannot code a gather
+            stage, an ``op`` other than a sum or average, or an option out of
+            range.
+        RuntimeError: ``torch.distributed`` is not initialized.
+        hopq.MismatchError: The ranks make different calls; raised on every
+            rank before any payload moves, and the group stays usable.
+        hopq.TransportError: A peer did not answer within ``timeout``, left,
+            or failed (the message names it). After a timeout the group is
+            unusable (Gloo closes the connection it waited on), as after
+            torch's own collectives time out.
+        hopq.PayloadError: A received payload failed validation.
+        hopq.CodecError: The codec broke its contract on this rank.
+
+    Example:
+        Under ``torchrun --nproc_per_node 4``:
+
+        ```python
+        import torch, torch.distributed as dist, hopq
+
+        dist.init_process_group("gloo")
+        grad = torch.randn(1_000_000)
+        info = hopq.all_reduce(grad, codec="dynamiq", topology="butterfly", op="avg")
+        print(info.bits_per_coord, info.seconds)  # about 5 bits per coordinate
+        ```
     """
     call = check_call(tensor, codec, topology, op, seed, key, timeout, gather_codec)
     transport = _transport(group)
@@ -192,6 +238,43 @@ def reduce_scatter(
     """Compressed reduce-scatter: this rank's shard of the reduced, flattened tensor,
     in the tensor's dtype.
 
+    The shard equals that slice of :func:`all_reduce`'s result over the same
+    chunks bit for bit (``hopq.simulate(..., shards=...)``).
+    :func:`reduce_scatter_with_stats` also returns this rank's
+    :class:`~hopq.RunStats`.
+
+    Args:
+        tensor: The floating-point tensor to reduce, the same shape and dtype
+            on every rank; left unchanged.
+        codec: A registered name or a :class:`hopq.Codec` instance, as in
+            :func:`all_reduce`.
+        topology: The schedule, as in :func:`all_reduce`.
+        op: ``"sum"``, ``"avg"`` or torch's ``SUM``, ``AVG``,
+            ``PREMUL_SUM(factor)``, as in :func:`all_reduce`.
+        group: The process group; None: the default group.
+        seed: Seeds the RNG of stochastic codecs; the same on every rank.
+        key: Names the tensor across steps, as in :func:`all_reduce`.
+        timeout: Seconds to wait for a peer; None: the group's own timeout.
+        shards: Which slice this rank gets (see below): ``"equal"``, n + 1
+            offsets, or ``"topology"``.
+
+    Returns:
+        This rank's shard, a 1-D tensor in ``tensor``'s dtype (empty for a
+        rank that owns nothing under ``shards="topology"``).
+
+    Raises:
+        TypeError: As in :func:`all_reduce`.
+        ValueError: As in :func:`all_reduce`; also ``shards`` that are not
+            ``"equal"``, ``"topology"`` or n + 1 non-decreasing offsets from 0
+            to the tensor's size, and ``shards="topology"`` with a codec that
+            permutes the vector across chunks.
+        RuntimeError: ``torch.distributed`` is not initialized.
+        hopq.MismatchError: The ranks make different calls (every rank).
+        hopq.TransportError: A peer did not answer within ``timeout``, left,
+            or failed.
+        hopq.PayloadError: A received payload failed validation.
+        hopq.CodecError: The codec broke its contract on this rank.
+
     ``shards`` says which shard:
 
     * ``"equal"`` (the default, as in :func:`hopq.simulate_reduce_scatter`):
@@ -211,10 +294,14 @@ def reduce_scatter(
       tensor), with nothing sent after the reduce phase. Needs a
       layout-preserving codec (one that does not permute across chunks).
 
-    The shard equals that slice of :func:`all_reduce`'s result over the same
-    chunks bit for bit (``hopq.simulate(..., shards=...)``). ``op`` as in
-    :func:`all_reduce`. :func:`reduce_scatter_with_stats` also returns this
-    rank's :class:`~hopq.RunStats`.
+    Example:
+        Under ``torchrun --nproc_per_node 4``, with a tensor of 1000 entries:
+
+        ```python
+        shard = hopq.reduce_scatter(grad, codec="dynamiq", op="avg")
+        # rank r holds entries 250 r to 250 (r + 1) of the average
+        assert shard.numel() == 250
+        ```
     """
     return reduce_scatter_with_stats(
         tensor, codec, topology, op, group, seed, key=key, timeout=timeout, shards=shards

@@ -110,7 +110,43 @@ def auto_microshards(numel: int, n_chunks: int, world_size: int, coords: int = 1
 
 @dataclass
 class RunStats:
-    """What one rank did in one call."""
+    """What one rank did in one call.
+
+    Returned by :func:`hopq.all_reduce`, kept per call by the DDP hook and
+    :class:`hopq.FSDPReduceScatter` (``pop_stats()``), and per virtual rank in
+    :attr:`hopq.SimResult.stats`. Bits per coordinate count every byte this
+    rank sent, statistics included, relative to an uncompressed ring, so that
+    bf16 is 16 on any topology (DESIGN.md, "Stated bit budget").
+
+    Attributes:
+        rank: This rank's index in the group.
+        world_size: The group's size n.
+        numel: Entries d of the reduced tensor.
+        payload_bytes: Payload bytes this rank sent in the main all-reduce.
+        stats_bytes: Bytes of the codec's statistics exchange, counted as if it
+            ran as a ring all-reduce.
+        frame_bytes: Framing and agreement bytes (transport overhead, not in
+            bits per coordinate).
+        hops_per_chunk: Longest chain of compressions any contribution went
+            through.
+        phases: ``("reduce", "gather")`` for an all-reduce, ``("reduce",)`` for
+            a reduce-scatter.
+        seconds: Wall-clock seconds of the whole call on this rank (agreement,
+            statistics, codec, transfers).
+        comm_seconds: Of those, seconds spent waiting on the transport.
+        cpu_seconds: CPU seconds of the calling thread over the call (codec
+            kernels, hopq's Python, socket calls; not time spent waiting).
+        microshards: Microshards per schedule chunk (messages per chunk and
+            step).
+        owned: ``[start, end)`` ranges of the working vector whose final sum
+            this rank owns (a reduce-scatter: this rank's shard).
+
+    Example:
+        >>> import torch, hopq
+        >>> s = hopq.simulate([torch.ones(1000), torch.ones(1000)], codec="bf16").stats[0]
+        >>> s.payload_bytes, s.bits_per_coord  # 500 bf16 entries sent per phase
+        (2000, 16.0)
+    """
 
     rank: int
     world_size: int
@@ -144,10 +180,12 @@ class RunStats:
 
     @property
     def bytes_sent(self) -> float:
+        """Payload and statistics bytes: what bits per coordinate count."""
         return self.payload_bytes + self.stats_bytes
 
     @property
     def codec_seconds(self) -> float:
+        """Seconds of the call not spent waiting on the transport (codec work)."""
         return self.seconds - self.comm_seconds
 
     @property
@@ -158,6 +196,8 @@ class RunStats:
 
     @property
     def bits_per_coord(self) -> float:
+        """8 x :attr:`bytes_sent` / :attr:`coords_moved`: 16 for bf16; NaN when
+        nothing needs to move (one rank, or an empty tensor)."""
         m = self.coords_moved
         return 8 * self.bytes_sent / m if m else float("nan")
 
