@@ -238,6 +238,10 @@ class HookState(CallRecords):
         super()._record(info, **errors)
 
     def pop_step(self) -> StepMetrics:
+        """The buckets since the last ``pop_step()`` / :meth:`step_metrics`
+        summed into one :class:`~hopq.StepMetrics` record, and popped (warns
+        with :class:`hopq.HookNotEngagedWarning` when there is none after an
+        optimizer step because the hook was never registered)."""
         out = super().pop_step()
         if out.buckets == 0 and self._steps_unengaged > 0:
             _check_engaged(self, "state.step_metrics() found no bucket after an optimizer step")
