@@ -351,7 +351,7 @@ def test_stages_real_run_equals_simulator():
 
 # -- the numba kernel ---------------------------------------------------------------------
 def _kernel_or_skip() -> None:
-    from hopq.kernels import equarx_cpu
+    from hopq.codecs.equarx import kernels_cpu as equarx_cpu
 
     if not equarx_cpu.available():
         pytest.skip("numba not installed")  # the torch-only environment
@@ -412,9 +412,9 @@ def test_cpu_kernel_fp8_cast_is_torchs_at_every_tie(element):
     _kernel_or_skip()
     import numpy as np
 
-    from hopq.codecs.equarx import _ELEMENT_DTYPE, _QMAX, Element
-    from hopq.kernels import _equarx_cpu_jit as jit
-    from hopq.kernels.equarx_cpu import CODES
+    from hopq.codecs.equarx import _kernels_cpu_jit as jit
+    from hopq.codecs.equarx.codec import _ELEMENT_DTYPE, _QMAX, Element
+    from hopq.codecs.equarx.kernels_cpu import CODES
 
     dtype, q = _ELEMENT_DTYPE[Element(element)], _QMAX[Element(element)]
     el = CODES[dtype]

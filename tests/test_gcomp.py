@@ -25,13 +25,13 @@ def _grad(n, seed=0, zeros=0.4):
 
 
 def _both(fn):
-    from hopq.kernels import gcomp_cpu
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     return [fn(ref), fn(gcomp_cpu)]
 
 
 def _encode_both(x, th, fixed, t):
-    from hopq.kernels import gcomp_cpu
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     return ref.encode(x, th, fixed, t, C), gcomp_cpu.encode(x, th, fixed, t, C)
 
@@ -103,7 +103,7 @@ def test_huffman_canonical_limited_escape():
 
 def test_kernel_equals_reference():
     pytest.importorskip("numba")
-    from hopq.kernels import gcomp_cpu
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     for seed, n in enumerate((0, 1, 7, 999, 1000, 1001, 5003)):
         x = _grad(n, seed=seed)
@@ -126,7 +126,8 @@ def test_kernel_equals_reference_on_chunks_of_several_sub_blocks():
     across sub-blocks; the levels go 16 values per record, the last group
     short): encode, decode and the fused hop give the reference's bits."""
     pytest.importorskip("numba")
-    from hopq.kernels import _gcomp_cpu_jit, gcomp_cpu
+    from hopq.codecs.gcomp import _kernels_cpu_jit as _gcomp_cpu_jit
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     big = 2 * _gcomp_cpu_jit.SUB + 905  # neither a multiple of SUB nor of 16
     n = 2 * big + 37
@@ -153,7 +154,7 @@ def test_kernels_equal_reference_on_random_shapes_and_bit_patterns():
     appends two values' records at once (up to 48 bits), so long codes and
     untruncated mantissas side by side are the case to hit."""
     pytest.importorskip("numba")
-    from hopq.kernels import gcomp_cpu
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     g = torch.Generator().manual_seed(5)
     for case in range(24):
@@ -188,7 +189,7 @@ def test_accumulating_kernels_keep_signed_zeros_and_nan_bits():
     -0.0, +0.0 and signalling NaNs, zeros among the sent values (which travel
     as zeros) and codes too long to pair give the reference's bits."""
     pytest.importorskip("numba")
-    from hopq.kernels import gcomp_cpu
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     g = torch.Generator().manual_seed(9)
     n = 4099
@@ -264,7 +265,7 @@ def test_header_fields_validated():
 def test_stream_fuzzing_kernel_and_reference_agree():
     """Random bit flips in the streams: both decoders raise PayloadError or
     return the same values (a flip can still leave a valid stream)."""
-    from hopq.kernels import gcomp_cpu
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     x = _grad(3000, seed=4)
     t = build_table(ref.histogram(x), 10)
@@ -390,7 +391,7 @@ def test_fused_hop_kernel_equals_reference_hop():
     reference's decode-accumulate-then-encode bits, sums included, and refuses
     corrupt payloads like the decoder."""
     pytest.importorskip("numba")
-    from hopq.kernels import gcomp_cpu
+    from hopq.codecs.gcomp import kernels_cpu as gcomp_cpu
 
     for seed, n in enumerate((1, 7, 1000, 2501)):
         x, w = _grad(n, seed=seed), _grad(n, seed=seed + 50)

@@ -276,7 +276,7 @@ def test_variance_growth_within_nine_eighths_per_level(n):
 
 # -- the numba kernel ---------------------------------------------------------------------
 def _cpu_kernels():
-    from hopq.kernels import gqsgd_cpu
+    from hopq.codecs.gqsgd import kernels_cpu as gqsgd_cpu
 
     if not gqsgd_cpu.available():
         pytest.skip("numba not installed")  # the torch-only environment

@@ -12,8 +12,8 @@ import torch
 import hopq
 from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.dynamiq import DynamiQ
-from hopq.kernels import dynamiq_cpu as cpu_kernels
-from hopq.kernels import dynamiq_triton as triton_kernels
+from hopq.codecs.dynamiq import kernels_cpu as cpu_kernels
+from hopq.codecs.dynamiq import kernels_triton as triton_kernels
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: 0/0 in where()
 
@@ -309,7 +309,7 @@ def test_triton_kernels_compile_for_cuda_without_a_gpu():
     import subprocess
     import sys
 
-    code = "from hopq.kernels import dynamiq_triton as k; print(len(k.compile_all(90)))"
+    code = "from hopq.codecs.dynamiq import kernels_triton as k; print(len(k.compile_all(90)))"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr[-3000:]

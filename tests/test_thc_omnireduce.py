@@ -10,7 +10,7 @@ import torch
 import hopq
 from hopq.codecs.base import ReduceOp
 from hopq.codecs.thc import THC, THCConfig, fwht
-from hopq.kernels import thc_cpu
+from hopq.codecs.thc import kernels_cpu as thc_cpu
 from hopq.sim import virtual_ranks
 
 

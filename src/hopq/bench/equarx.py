@@ -274,7 +274,7 @@ def kernel_table(o: EquarxOptions) -> str:
     from hopq.bench.kernels import one_thread, timer
     from hopq.codecs.base import HopContext
     from hopq.codecs.equarx import Element, EQuARX
-    from hopq.kernels import equarx_cpu
+    from hopq.codecs.equarx import kernels_cpu as equarx_cpu
 
     if not equarx_cpu.available():
         raise RuntimeError("hopq bench equarx --parts kernels needs numba: pip install 'hopq[cpu]'")

@@ -194,7 +194,7 @@ def kernel_rows(o: GQSGDOptions) -> list[list[object]]:
         x, y = torch.rand(n), torch.rand(n)
         add = n / _best(lambda: x.add_(y), o.repeats) / 1e6
         rows: list[list[object]] = [["float32 add (torch, the ceiling)", f"{add:.0f}", "1.00"]]
-        from hopq.kernels import gqsgd_cpu
+        from hopq.codecs.gqsgd import kernels_cpu as gqsgd_cpu
 
         if gqsgd_cpu.available():
             out = torch.empty(n, dtype=torch.uint8)
@@ -227,7 +227,7 @@ def _other_kernels(n: int, repeats: int, only: str | None = None) -> list[tuple[
     (``only``: just the one with that label)."""
     from hopq.codecs.base import HopContext, LocalStats
     from hopq.codecs.gqsgd import GQSGDLinear
-    from hopq.kernels import gqsgd_cpu
+    from hopq.codecs.gqsgd import kernels_cpu as gqsgd_cpu
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, generator=g)
@@ -279,7 +279,7 @@ def _one_core_rates(n: int = 1 << 22) -> dict[str, float]:
         raise RuntimeError(
             "hopq bench gqsgd --parts costmodel times the numba kernels: pip install 'hopq[cpu]'"
         )
-    from hopq.kernels import gqsgd_cpu
+    from hopq.codecs.gqsgd import kernels_cpu as gqsgd_cpu
 
     with one_thread():
         g = torch.Generator().manual_seed(0)

@@ -1,25 +1,27 @@
-"""Kernel backends: one interface, a small registry, one module per codec and device.
+"""Kernel backends: the table of which backends each codec has and how one is chosen.
 
 A codec's PyTorch reference is its specification; a kernel backend reproduces it
-bit for bit, faster, on some devices. Backends are optional: each names the
-packages it needs (checked without importing them, so a torch-only install
-never imports numpy or numba) and the codec falls back to its reference when
-none is available.
+bit for bit, faster, on some devices. The kernels themselves live beside their
+codec (``hopq/codecs/<codec>/kernels_cpu.py``, ``kernels_triton.py``); this
+package holds no codec logic, only what selection needs. Backends are optional:
+each names the packages it needs (checked without importing them, so a
+torch-only install never imports numpy or numba) and the codec falls back to
+its reference when none is available.
 
 Registered here (a new codec with kernels adds its rows):
 
-============  ==========  ========================================  ===================
-codec          backend     module                                     needs
-============  ==========  ========================================  ===================
-dynamiq        ``cpu``     :mod:`hopq.kernels.dynamiq_cpu` (numba)     ``hopq[cpu]``
-gcomp          ``cpu``     :mod:`hopq.kernels.gcomp_cpu` (numba)       ``hopq[cpu]``
-dynamiq        ``triton``  :mod:`hopq.kernels.dynamiq_triton`          ``hopq[triton]``
-equarx         ``cpu``     :mod:`hopq.kernels.equarx_cpu` (numba)      ``hopq[cpu]``
-gqsgd-exp      ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
-gqsgd-linear   ``cpu``     :mod:`hopq.kernels.gqsgd_cpu` (numba)       ``hopq[cpu]``
-mxfp8/6/4      ``cpu``     :mod:`hopq.kernels.mx_cpu` (numba)          ``hopq[cpu]``
-thc            ``cpu``     :mod:`hopq.kernels.thc_cpu` (numba)         ``hopq[cpu]``
-============  ==========  ========================================  ===================
+============  ==========  ==============================================  ===============
+codec         backend     module                                          needs
+============  ==========  ==============================================  ===============
+dynamiq       ``triton``  :mod:`hopq.codecs.dynamiq.kernels_triton`       ``hopq[triton]``
+dynamiq       ``cpu``     :mod:`hopq.codecs.dynamiq.kernels_cpu` (numba)  ``hopq[cpu]``
+equarx        ``cpu``     :mod:`hopq.codecs.equarx.kernels_cpu` (numba)   ``hopq[cpu]``
+gcomp         ``cpu``     :mod:`hopq.codecs.gcomp.kernels_cpu` (numba)    ``hopq[cpu]``
+gqsgd-exp     ``cpu``     :mod:`hopq.codecs.gqsgd.kernels_cpu` (numba)    ``hopq[cpu]``
+gqsgd-linear  ``cpu``     :mod:`hopq.codecs.gqsgd.kernels_cpu` (numba)    ``hopq[cpu]``
+mxfp8/6/4     ``cpu``     :mod:`hopq.codecs.mx.kernels_cpu` (numba)       ``hopq[cpu]``
+thc           ``cpu``     :mod:`hopq.codecs.thc.kernels_cpu` (numba)      ``hopq[cpu]``
+============  ==========  ==============================================  ===============
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ import warnings
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from types import ModuleType
-from typing import Protocol
-
-import torch
 
 
 class CpuBackend(str, Enum):
@@ -95,26 +94,25 @@ class KernelBackend:
         return importlib.import_module(self.module)
 
 
+def _numba(codec: str, module: str) -> KernelBackend:
+    """A codec's numba kernels for CPU tensors (``hopq[cpu]``)."""
+    return KernelBackend(codec, "cpu", module, ("cpu",), ("numba", "numpy"), "cpu")
+
+
+#: The backends, by codec in order of preference. Modules are named, not imported:
+#: a codec's kernels live in its own folder (``hopq.codecs.<codec>``), above this
+#: package, and are imported only when that codec asks for them (:func:`resolve`).
 _BACKENDS: list[KernelBackend] = [
     KernelBackend(
-        "dynamiq", "triton", "hopq.kernels.dynamiq_triton", ("cuda",), ("triton",), "triton"
+        "dynamiq", "triton", "hopq.codecs.dynamiq.kernels_triton", ("cuda",), ("triton",), "triton"
     ),
-    KernelBackend(
-        "dynamiq", "cpu", "hopq.kernels.dynamiq_cpu", ("cpu",), ("numba", "numpy"), "cpu"
-    ),
-    KernelBackend("equarx", "cpu", "hopq.kernels.equarx_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
-    KernelBackend("gcomp", "cpu", "hopq.kernels.gcomp_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
-    KernelBackend(
-        "gqsgd-exp", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
-    ),
-    KernelBackend(
-        "gqsgd-linear", "cpu", "hopq.kernels.gqsgd_cpu", ("cpu",), ("numba", "numpy"), "cpu"
-    ),
-    *(
-        KernelBackend(mx, "cpu", "hopq.kernels.mx_cpu", ("cpu",), ("numba", "numpy"), "cpu")
-        for mx in ("mxfp8", "mxfp6", "mxfp4")
-    ),
-    KernelBackend("thc", "cpu", "hopq.kernels.thc_cpu", ("cpu",), ("numba", "numpy"), "cpu"),
+    _numba("dynamiq", "hopq.codecs.dynamiq.kernels_cpu"),
+    _numba("equarx", "hopq.codecs.equarx.kernels_cpu"),
+    _numba("gcomp", "hopq.codecs.gcomp.kernels_cpu"),
+    _numba("gqsgd-exp", "hopq.codecs.gqsgd.kernels_cpu"),
+    _numba("gqsgd-linear", "hopq.codecs.gqsgd.kernels_cpu"),
+    *(_numba(mx, "hopq.codecs.mx.kernels_cpu") for mx in ("mxfp8", "mxfp6", "mxfp4")),
+    _numba("thc", "hopq.codecs.thc.kernels_cpu"),
 ]
 
 
@@ -181,149 +179,8 @@ def resolve(codec: str, choice: str, device_type: str) -> ModuleType | None:
     return chosen.load()
 
 
-class DynamiQKernels(Protocol):
-    """What a DynamiQ kernel module provides (``dynamiq_cpu``, ``dynamiq_triton``).
-    Every function reproduces :mod:`hopq.codecs.dynamiq.reference` bit for bit."""
-
-    def run_segment(
-        self,
-        mode: Mode,
-        width: int,
-        rows: int,
-        S: int,
-        s: int,
-        row0: int,
-        *,
-        payload: torch.Tensor | None,
-        local: torch.Tensor | None,
-        out_rows: torch.Tensor | None,
-        out_payload: torch.Tensor | None,
-        gamma_key: tuple[int, int],
-        perm_key: tuple[int, int],
-        peers: int,
-        peer: int,
-        units: tuple[int, ...],
-        scale_key: tuple[int, int],
-        eps: float,
-    ) -> None:
-        """One width-uniform segment of ``rows`` super-groups in ``mode``."""
-
-    def supergroup_stats(self, x: torch.Tensor, S: int) -> torch.Tensor:
-        """[2, m] float32: per super-group mean and sum of squares (tree order)."""
-        ...
-
-    def gather_rows(
-        self, x: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int
-    ) -> torch.Tensor:
-        """The working vector: rows reordered by ``perm``, means subtracted."""
-        ...
-
-    def scatter_rows(
-        self,
-        y: torch.Tensor,
-        perm: torch.Tensor,
-        mu: torch.Tensor,
-        S: int,
-        n: int,
-        avg: bool,
-        d: int,
-    ) -> torch.Tensor:
-        """The inverse reorder with the means added back (sum or average)."""
-        ...
-
-
-class GQSGDExpKernels(Protocol):
-    """What a Global-QSGD kernel module provides (``gqsgd_cpu``): both codecs'
-    leaf quantization and the exponential reduce of :mod:`hopq.codecs.gqsgd`,
-    bit for bit."""
-
-    def linear_quantize(
-        self,
-        x: torch.Tensor,
-        factor: float,
-        levels: int,
-        key: tuple[int, int],
-        start: int = 0,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """gqsgd-linear's leaf integers (float32) of element indices start..,
-        into ``out`` (may be ``x``) when given."""
-        ...
-
-    def exp_quantize(
-        self,
-        x: torch.Tensor,
-        scale: float,
-        chain: int,
-        key: tuple[int, int],
-        start: int = 0,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """gqsgd-exp's leaf codes (signed exponents, float32)."""
-        ...
-
-    def linear_hop(
-        self,
-        acc: torch.Tensor,
-        body: torch.Tensor,
-        bits: int,
-        limit: int,
-        out: torch.Tensor | None = None,
-    ) -> int:
-        """gqsgd-linear's hop on 4-, 8- or 16-bit lanes; returns the number of
-        out-of-range lanes or sums."""
-        ...
-
-    def linear_unpack(self, body: torch.Tensor, bits: int, limit: int, out: torch.Tensor) -> int:
-        """gqsgd-linear's lanes as float32 into ``out``; returns the number beyond
-        +-limit."""
-        ...
-
-    def linear_pack(self, x: torch.Tensor, bits: int) -> torch.Tensor:
-        """gqsgd-linear's float32 integers packed into lanes."""
-        ...
-
-    def linear_finish(
-        self,
-        y: torch.Tensor,
-        factor: float,
-        divisor: float,
-        limit: float,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """gqsgd-linear's decode of the integer sums."""
-        ...
-
-    def exp_finish(
-        self,
-        y: torch.Tensor,
-        scale: float,
-        chain: int,
-        divisor: float,
-        limit: float,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """gqsgd-exp's decode of the signed exponent codes."""
-        ...
-
-    def exp_reduce(
-        self,
-        acc: torch.Tensor,
-        body: torch.Tensor,
-        key: tuple[int, int],
-        start: int,
-        emin: int,
-        out: torch.Tensor | None = None,
-    ) -> int:
-        """acc <- exp_reduce(acc, codes of body) in place, out <- its bytes; returns
-        the number of invalid codes in body."""
-        ...
-
-
 __all__ = [
     "CpuBackend",
-    "DynamiQKernels",
-    "GQSGDExpKernels",
     "KernelBackend",
     "Mode",
     "auto_backend",

@@ -25,8 +25,9 @@ from hopq.codecs.dynamiq.allocation import allocate, split_budget
 from hopq.codecs.dynamiq.config import Backend, DynamiQConfig, Scales
 from hopq.codecs.dynamiq.layout import DynamiQPlan, Segment, build_plan
 from hopq.codecs.dynamiq.optim import check_optimizer, step_sizes
+from hopq.codecs.dynamiq.segment import DynamiQKernels, SegmentCall, Streams
 from hopq.codecs.registry import register
-from hopq.kernels import DynamiQKernels, Mode, resolve
+from hopq.kernels import Mode, resolve
 from hopq.numerics.levels import search_tables
 from hopq.numerics.rows import gather_rows, scatter_rows
 
@@ -421,21 +422,14 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         return torch.cat(parts) if parts else y[:0]
 
     # -- the four hop operations ---------------------------------------------
-    def _run_segment(
-        self, kern: DynamiQKernels, mode: Mode, sg: Segment, ctx: HopContext, **tensors: Any
-    ) -> None:
-        cfg = self.config
-        kern.run_segment(
-            mode,
-            sg.width,
-            sg.hi - sg.lo,
-            cfg.supergroup_size,
-            cfg.group_size,
-            sg.lo,
-            eps=cfg.eps_for(sg.width),
-            **tensors,
-            **reference.streams(cfg, ctx)._asdict(),
-        )
+    def _segment_call(
+        self, mode: Mode, sg: Segment, streams: Streams, **tensors: torch.Tensor | None
+    ) -> SegmentCall:
+        """The kernel call for segment ``sg`` in ``mode`` with ``tensors``
+        (payload, local, out_rows, out_payload: see :class:`SegmentCall`)."""
+        cfg, w = self.config, sg.width
+        S, s, eps = cfg.supergroup_size, cfg.group_size, cfg.eps_for(w)
+        return SegmentCall(mode, w, sg.hi - sg.lo, S, s, sg.lo, eps, streams, **tensors)
 
     def _kernel_encode(
         self,
@@ -453,20 +447,21 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
             _check_payload(
                 payload, plan.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload"
             )
+        mode = Mode.ENCODE if payload is None else Mode.DAR
+        streams = reference.streams(self.config, ctx)
         for sg in segs:
             if sg.width == 0:
                 continue
             a, b = (sg.lo - lo) * S, (sg.hi - lo) * S
-            self._run_segment(
-                kern,
-                Mode.ENCODE if payload is None else Mode.DAR,
+            call = self._segment_call(
+                mode,
                 sg,
-                ctx,
+                streams,
                 payload=None if payload is None else payload[sg.offset : sg.offset + sg.nbytes],
                 local=local[a:b],
-                out_rows=None,
                 out_payload=out[sg.offset : sg.offset + sg.nbytes],
             )
+            kern.run_segment(call)
         return out
 
     def _kernel_decode(
@@ -483,22 +478,22 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
             payload, plan.payload_nbytes[ctx.chunk], f"dynamiq chunk {ctx.chunk} payload"
         )
         S = self.config.supergroup_size
+        streams = reference.streams(self.config, ctx)
         for sg in segs:
             a, b = (sg.lo - lo) * S, (sg.hi - lo) * S
             if sg.width == 0:
                 if mode is Mode.DECODE:
                     out[a:b] = 0
                 continue
-            self._run_segment(
-                kern,
+            call = self._segment_call(
                 mode,
                 sg,
-                ctx,
+                streams,
                 payload=payload[sg.offset : sg.offset + sg.nbytes],
                 local=out[a:b] if mode is Mode.DECODE_ACC else None,
                 out_rows=out[a:b],
-                out_payload=None,
             )
+            kern.run_segment(call)
 
     def encode(self, plan: DynamiQPlan, chunk: torch.Tensor, ctx: HopContext) -> torch.Tensor:
         kern = self.kernels(chunk.device)

@@ -52,9 +52,9 @@ class Backend(str, Enum):
     #: (:mod:`hopq.kernels`), else the reference.
     AUTO = "auto"
     REFERENCE = "reference"
-    #: hopq.kernels.dynamiq_triton (CUDA tensors; on CPU only under TRITON_INTERPRET=1).
+    #: hopq.codecs.dynamiq.kernels_triton (CUDA tensors; on CPU only under TRITON_INTERPRET=1).
     TRITON = "triton"
-    #: hopq.kernels.dynamiq_cpu (CPU tensors, numba).
+    #: hopq.codecs.dynamiq.kernels_cpu (CPU tensors, numba).
     CPU = "cpu"
 
 

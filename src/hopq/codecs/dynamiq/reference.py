@@ -15,13 +15,13 @@ field: 0 for ``path``, depth + 1 for ``correlated``), tag 2 group-scale rounding
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
 from hopq.codecs.base import HopContext, check_payload
 from hopq.codecs.dynamiq.config import DynamiQConfig, Rounding, Scales
 from hopq.codecs.dynamiq.layout import DynamiQPlan
+from hopq.codecs.dynamiq.segment import Streams
 from hopq.errors import PayloadError
 from hopq.numerics.bitpack import pack_bits, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
@@ -33,17 +33,6 @@ from hopq.numerics.rng import hash32, stream_key, uniform
 
 #: Stream tags (see the module docstring).
 TAG_GAMMA, TAG_PERM, TAG_SCALE = 0, 1, 2
-
-
-class Streams(NamedTuple):
-    """The random streams of one encoding, as the kernels take them."""
-
-    gamma_key: tuple[int, int]
-    perm_key: tuple[int, int]
-    peers: int
-    peer: int
-    units: tuple[int, ...]
-    scale_key: tuple[int, int]
 
 
 def _units(n: int) -> tuple[int, ...]:

@@ -60,7 +60,7 @@ from hopq.kernels import CpuBackend, resolve
 from hopq.numerics.div import div_
 from hopq.options import check_int, coerce_enums, option
 
-Backend = CpuBackend  # auto: hopq.kernels.gcomp_cpu when numba is installed
+Backend = CpuBackend  # auto: hopq.codecs.gcomp.kernels_cpu when numba is installed
 
 
 @dataclass(frozen=True)

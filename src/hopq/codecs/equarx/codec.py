@@ -220,7 +220,7 @@ class EQuARXCodec(Codec[Plan]):
 
     # -- kernels -------------------------------------------------------------
     def kernels(self, device: torch.device) -> Any:
-        """The kernel module on ``device`` (:mod:`hopq.kernels.equarx_cpu`), or None
+        """The kernel module on ``device`` (:mod:`hopq.codecs.equarx.kernels_cpu`), or None
         for the reference (the naive cast, no numba)."""
         cfg = self.config
         if cfg.scale is ScaleFormat.NONE:

@@ -1,4 +1,4 @@
-"""The numba function behind :mod:`hopq.kernels.equarx_cpu` (imported only when
+"""The numba function behind :mod:`hopq.codecs.equarx.kernels_cpu` (imported only when
 numba is installed); module-level so that numba's on-disk cache finds it.
 
 Inner loops index row slices (``row[c]``, c from ``range``) rather than the
@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 ENCODE, DECODE, DECODE_ACC, DAR = 0, 1, 2, 3  # hopq.kernels.Mode
-INT8, E4M3, E5M2 = 0, 1, 2  # element formats (hopq.kernels.equarx_cpu.CODES)
+INT8, E4M3, E5M2 = 0, 1, 2  # element formats (hopq.codecs.equarx.kernels_cpu.CODES)
 
 _F0 = np.float32(0.0)
 _INF = np.float32(np.inf)

@@ -31,6 +31,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from hopq.codecs.dynamiq.segment import SegmentCall, Streams
 from hopq.kernels import Mode, backend
 from hopq.numerics.levels import search_tables
 
@@ -46,7 +47,7 @@ def _np_tables(width: int, eps: float) -> tuple[np.ndarray, np.ndarray, int, int
 
 
 def _get():
-    from hopq.kernels._dynamiq_cpu_jit import SEGMENT  # compiled or loaded on first use
+    from hopq.codecs.dynamiq._kernels_cpu_jit import SEGMENT  # compiled or loaded on first use
 
     return SEGMENT
 
@@ -60,68 +61,50 @@ _EMPTY_U8 = np.empty(0, np.uint8)
 _EMPTY_F32 = np.empty(0, np.float32)
 
 
-def run_segment(
-    mode: Mode,
-    width: int,
-    rows: int,
-    S: int,
-    s: int,
-    row0: int,
-    *,
-    payload: torch.Tensor | None,
-    local: torch.Tensor | None,
-    out_rows: torch.Tensor | None,
-    out_payload: torch.Tensor | None,
-    gamma_key: tuple[int, int],
-    perm_key: tuple[int, int],
-    peers: int,
-    peer: int,
-    units: tuple[int, ...],
-    scale_key: tuple[int, int],
-    eps: float,
-) -> None:
-    """One width-uniform segment of ``rows`` super-groups (see the module docstring
-    for the modes). Tensors are contiguous CPU tensors: ``payload``/``out_payload``
-    uint8 (the segment's bytes), ``local``/``out_rows`` float32 of rows * S."""
+def run_segment(call: SegmentCall) -> None:
+    """One width-uniform segment (see the module docstring for the modes and
+    :class:`~hopq.codecs.dynamiq.segment.SegmentCall` for the tensors), on CPU."""
     kern = _get()
-    mode = int(mode)  # type: ignore[assignment]  # numba takes a plain int
-    inb = payload.detach().numpy() if payload is not None else _EMPTY_U8
-    loc = local.detach().numpy() if local is not None else _EMPTY_F32
-    outf = out_rows.detach().numpy() if out_rows is not None else _EMPTY_F32
-    outb = out_payload.detach().numpy() if out_payload is not None else _EMPTY_U8
-    gk = np.array(gamma_key, np.uint64)
-    pk = np.array(perm_key, np.uint64)
-    un = _units_array(units)
-    if width == 16:
-        kern[16](mode, rows, S, row0, inb, loc, outf, outb, gk, pk, peers, peer, un)
+    mode = int(call.mode)  # numba takes a plain int
+    inb = call.payload.detach().numpy() if call.payload is not None else _EMPTY_U8
+    loc = call.local.detach().numpy() if call.local is not None else _EMPTY_F32
+    outf = call.out_rows.detach().numpy() if call.out_rows is not None else _EMPTY_F32
+    outb = call.out_payload.detach().numpy() if call.out_payload is not None else _EMPTY_U8
+    st = call.streams
+    gk = np.array(st.gamma_key, np.uint64)
+    pk = np.array(st.perm_key, np.uint64)
+    un = _units_array(st.units)
+    rows, S, row0 = call.rows, call.S, call.row0
+    if call.width == 16:
+        kern[16](mode, rows, S, row0, inb, loc, outf, outb, gk, pk, st.peers, st.peer, un)
         return
-    tab, bucket, nb_log, steps = _np_tables(width, eps)
-    sk = np.array(scale_key, np.uint64)
-    kern[width](
-        mode, rows, S, s, row0, inb, loc, outf, outb,
-        gk, pk, peers, peer, un, sk, tab, bucket, nb_log, steps,
+    tab, bucket, nb_log, steps = _np_tables(call.width, call.eps)
+    sk = np.array(st.scale_key, np.uint64)
+    kern[call.width](
+        mode, rows, S, call.s, row0, inb, loc, outf, outb,
+        gk, pk, st.peers, st.peer, un, sk, tab, bucket, nb_log, steps,
     )  # fmt: skip
 
 
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) the kernels of every width."""
     x = torch.randn(512)
+    streams = Streams(
+        gamma_key=(1, 2), perm_key=(3, 4), peers=1, peer=0, units=(1,), scale_key=(5, 6)
+    )
     for w in (2, 4, 8, 16):
         nb = 2 * 512 if w == 16 else 2 * (2 + 16 + 256 * w // 8)
         out = torch.empty(nb, dtype=torch.uint8)
         for mode in (Mode.ENCODE, Mode.DAR):
-            run_segment(
-                mode, w, 2, 256, 16, 0,
-                payload=None if mode is Mode.ENCODE else out.clone(), local=x, out_rows=None,
-                out_payload=out, gamma_key=(1, 2), perm_key=(3, 4), peers=1, peer=0,
-                units=(1,), scale_key=(5, 6), eps=0.0,
-            )  # fmt: skip
+            payload = None if mode is Mode.ENCODE else out.clone()
+            # 2 super-groups of 256 entries in groups of 16, from row 0, eps 0
+            run_segment(SegmentCall(mode, w, 2, 256, 16, 0, 0.0, streams, payload, x, None, out))
 
 
 def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
     """[2, m] float32: per super-group mean (over its real entries) and sum of
     squares, bit-identical to the reference plan's before the bfloat16 rounding."""
-    from hopq.kernels._dynamiq_cpu_jit import supergroup_stats as kernel
+    from hopq.codecs.dynamiq._kernels_cpu_jit import supergroup_stats as kernel
 
     x = x.detach().reshape(-1).contiguous()
     m = -(-x.numel() // S)
@@ -136,7 +119,7 @@ def gather_rows(
     """The reference ``prepare``: rows reordered by ``perm``, means subtracted;
     into ``out`` (contiguous float32 of len(perm) * S) when given: with a slice
     of ``perm``, a part of the working vector (:meth:`DynamiQ.prepare_part`)."""
-    from hopq.kernels._dynamiq_cpu_jit import gather_rows as kernel
+    from hopq.codecs.dynamiq._kernels_cpu_jit import gather_rows as kernel
 
     if out is None:
         out = torch.empty(perm.numel() * S, dtype=torch.float32)
@@ -159,7 +142,7 @@ def scatter_rows(
     part of the working vector lands in the result (:meth:`DynamiQ.finish_part`).
     ``saturate``: also :func:`~hopq.codecs.dynamiq.codec.saturate_finite_rows`
     on the rows written (the result of a whole finish, a part at a time)."""
-    from hopq.kernels._dynamiq_cpu_jit import scatter_rows as kernel
+    from hopq.codecs.dynamiq._kernels_cpu_jit import scatter_rows as kernel
 
     if out is None:
         out = torch.empty(d, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The numba functions behind :mod:`hopq.kernels.dynamiq_cpu` (imported only when
+"""The numba functions behind :mod:`hopq.codecs.dynamiq.kernels_cpu` (imported only when
 numba is installed). Module-level so that numba's on-disk cache finds them
 again in every process (closures miss it). The width is a compile-time constant
 of each ``segmentW`` (one specialised function per width), so unpacking and

@@ -74,10 +74,11 @@ from hopq.codecs.base import (
     check_payload,
     plan_chunks,
 )
+from hopq.codecs.gqsgd.protocol import GQSGDExpKernels
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
-from hopq.kernels import CpuBackend, GQSGDExpKernels, resolve
+from hopq.kernels import CpuBackend, resolve
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_bits
 from hopq.numerics.div import div
 from hopq.numerics.fp_formats import keep_finite
@@ -226,7 +227,7 @@ class _PartwiseFinish:
         return y
 
 
-#: auto: the numba kernels (:mod:`hopq.kernels.gqsgd_cpu`) when numba is installed.
+#: auto: the numba kernels (:mod:`hopq.codecs.gqsgd.kernels_cpu`) when numba is installed.
 Backend = CpuBackend
 
 

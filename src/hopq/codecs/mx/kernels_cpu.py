@@ -25,9 +25,9 @@ def available() -> bool:
 
 
 def _jit() -> Any:
-    from hopq.kernels import _mx_cpu_jit  # compiled or loaded on first use
+    from hopq.codecs.mx import _kernels_cpu_jit  # compiled or loaded on first use
 
-    return _mx_cpu_jit
+    return _kernels_cpu_jit
 
 
 def supports(fmt: fpf.ElementFormat, block: int) -> bool:

@@ -433,7 +433,7 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     escaped short code, -3 non-zero count, -4 mantissa length.
 
     Exponents are decoded up to three at a time where their codes fit in the
-    next ``pw`` bits (the table ``plut`` of :func:`hopq.kernels.gcomp_cpu._multi_table`:
+    next ``pw`` bits (the table ``plut`` of :func:`hopq.codecs.gcomp.kernels_cpu._multi_table`:
     the symbols in bytes 0-2, their lengths' sum << 24, the count of codes
     after the first << 29; ``_MULTI_RARE`` where the first code is not in
     ``lut``), so the loop's serial chain, lookup -> shift, runs once per two or

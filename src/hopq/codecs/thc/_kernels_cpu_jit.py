@@ -1,4 +1,4 @@
-"""The numba functions behind :mod:`hopq.kernels.thc_cpu` (imported only when
+"""The numba functions behind :mod:`hopq.codecs.thc.kernels_cpu` (imported only when
 numba is installed): THC's random signs and uniforms (the lowbias32 hash of
 :mod:`hopq.numerics.rng` in 32-bit lanes, :mod:`hopq.numerics.u32`) and the Walsh-Hadamard
 butterflies of :func:`hopq.codecs.thc.fwht`, in place, one cache-sized block

@@ -1,4 +1,4 @@
-"""The numba function behind :mod:`hopq.kernels.gqsgd_cpu` (imported only when
+"""The numba function behind :mod:`hopq.codecs.gqsgd.kernels_cpu` (imported only when
 numba is installed); module-level so that numba's on-disk cache finds it."""
 
 # mypy: ignore-errors

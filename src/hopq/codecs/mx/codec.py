@@ -202,7 +202,7 @@ class MXCodec(Codec[MXPlan]):
         return self._scales(plan, c, t.numel())
 
     def kernels(self, device: torch.device) -> Any:
-        """The kernel module (:mod:`hopq.kernels.mx_cpu`) on ``device``, or None
+        """The kernel module (:mod:`hopq.codecs.mx.kernels_cpu`) on ``device``, or None
         for the reference (the same bits). A block whose codes do not end on a
         byte has no kernel: ``backend="cpu"`` then raises rather than run the
         reference unasked."""

@@ -175,7 +175,7 @@ class THC(Codec[THCPlan]):
 
     # -- kernels -------------------------------------------------------------
     def kernels(self, device: torch.device) -> Any:
-        """The kernel module on ``device`` (:mod:`hopq.kernels.thc_cpu`), or None
+        """The kernel module on ``device`` (:mod:`hopq.codecs.thc.kernels_cpu`), or None
         for the reference (the same bits)."""
         return _resolve(self.config.backend.value, device.type)
 

@@ -32,9 +32,9 @@ def available() -> bool:
 
 
 def _jit() -> Any:
-    from hopq.kernels import _gcomp_cpu_jit  # compiled or loaded on first use
+    from hopq.codecs.gcomp import _kernels_cpu_jit  # compiled or loaded on first use
 
-    return _gcomp_cpu_jit
+    return _kernels_cpu_jit
 
 
 #: Bits the decoder's code table reads at once (at least n_theta).

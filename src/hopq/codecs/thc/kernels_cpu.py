@@ -35,7 +35,7 @@ def available() -> bool:
 
 def signs(n: int, key: tuple[int, int]) -> torch.Tensor:
     """float32 +-1 of elements 0 .. n-1 (``THC._signs``)."""
-    from hopq.kernels._thc_cpu_jit import signs as kernel
+    from hopq.codecs.thc._kernels_cpu_jit import signs as kernel
 
     out = torch.empty(n, dtype=torch.float32)
     kernel(out.numpy(), np.uint32(key[0]), np.uint32(key[1]))
@@ -44,7 +44,7 @@ def signs(n: int, key: tuple[int, int]) -> torch.Tensor:
 
 def uniform(n: int, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
     """:func:`hopq.numerics.rng.uniform` of elements offset .. offset + n - 1."""
-    from hopq.kernels._thc_cpu_jit import uniforms as kernel
+    from hopq.codecs.thc._kernels_cpu_jit import uniforms as kernel
 
     if offset < 0 or offset + n > 2**32:
         raise ValueError(f"element indices [{offset}, {offset + n}) exceed the 32-bit counter")
@@ -55,7 +55,7 @@ def uniform(n: int, key: tuple[int, int], offset: int = 0) -> torch.Tensor:
 
 def fwht(x: torch.Tensor) -> torch.Tensor:
     """:func:`hopq.codecs.thc.fwht` (float32 or float64, CPU): a new tensor."""
-    from hopq.kernels._thc_cpu_jit import fwht_rows
+    from hopq.codecs.thc._kernels_cpu_jit import fwht_rows
 
     H = x.shape[-1]
     y = x.detach().reshape(-1, H).clone(memory_format=torch.contiguous_format)
@@ -73,7 +73,7 @@ def _scale(H: int) -> np.float32:
 def rotate(x: torch.Tensor, H: int, work: int, key: tuple[int, int]) -> tuple[torch.Tensor, float]:
     """``THC._rotate`` of the float32 vector x padded to ``work`` entries, in one
     fused pass per tile of Hadamard blocks; also max |rotated|."""
-    from hopq.kernels._thc_cpu_jit import rotate as kernel
+    from hopq.codecs.thc._kernels_cpu_jit import rotate as kernel
 
     out = torch.empty(work, dtype=torch.float32)
     top = kernel(
@@ -85,7 +85,7 @@ def rotate(x: torch.Tensor, H: int, work: int, key: tuple[int, int]) -> tuple[to
 
 def quantize(rot: torch.Tensor, step: float, key: tuple[int, int], levels: int) -> torch.Tensor:
     """``THC.prepare``'s stochastic rounding of rot / step to integers in [-L, L]."""
-    from hopq.kernels._thc_cpu_jit import quantize as kernel
+    from hopq.codecs.thc._kernels_cpu_jit import quantize as kernel
 
     out = torch.empty_like(rot)
     kernel(rot.numpy(), np.float32(step), np.uint32(key[0]), np.uint32(key[1]), levels, out.numpy())
@@ -95,8 +95,8 @@ def quantize(rot: torch.Tensor, step: float, key: tuple[int, int], levels: int) 
 def unrotate(y: torch.Tensor, step: float, H: int, key: tuple[int, int], d: int) -> torch.Tensor:
     """``THC.finish``'s inverse rotation of the integer sums y (times ``step``):
     the first d entries in the caller's layout."""
-    from hopq.kernels._thc_cpu_jit import _TILE
-    from hopq.kernels._thc_cpu_jit import unrotate as kernel
+    from hopq.codecs.thc._kernels_cpu_jit import _TILE
+    from hopq.codecs.thc._kernels_cpu_jit import unrotate as kernel
 
     out = torch.empty(d, dtype=torch.float32)
     buf = np.empty(_TILE * H, np.float32)
@@ -110,7 +110,7 @@ def unrotate(y: torch.Tensor, step: float, H: int, key: tuple[int, int], d: int)
 def pack8(ints: torch.Tensor, top: int) -> tuple[torch.Tensor, int]:
     """``THC._pack`` for 8-bit lanes: (the integers clamped to +-top as int8
     bytes, how many were clamped) in one pass."""
-    from hopq.kernels._thc_cpu_jit import pack8 as kernel
+    from hopq.codecs.thc._kernels_cpu_jit import pack8 as kernel
 
     out = torch.empty(ints.numel(), dtype=torch.int8)
     sat = kernel(ints.detach().reshape(-1).contiguous().numpy(), top, out.numpy())

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from hopq.codecs.dynamiq.segment import SegmentCall
 from hopq.kernels import Mode, interpreting
 from hopq.numerics.levels import search_tables
 from hopq.numerics.rng import M1, M2
@@ -109,7 +110,7 @@ if triton is not None:
             uu = nu.to(tl.uint32)
             if CORR == _FASTMOD:
                 # a % d for a, d < 2**16 as two multiplications, c = ceil(2**32 / d)
-                # (Lemire, Kaser and Kurz 2019; kernels/_dynamiq_cpu_jit.fastmod16)
+                # (Lemire, Kaser and Kurz 2019; _kernels_cpu_jit.fastmod16)
                 cu = tl.full((), 0xFFFFFFFF, tl.uint32) // uu + 1
                 cn = tl.full((), 0xFFFFFFFF, tl.uint32) // un + 1
                 ui = tl.umulhi(cu * (h >> 16), uu)
@@ -351,57 +352,38 @@ def _dummies(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def run_segment(
-    mode: Mode,
-    width: int,
-    rows: int,
-    S: int,
-    s: int,
-    row0: int,
-    *,
-    payload: torch.Tensor | None,
-    local: torch.Tensor | None,
-    out_rows: torch.Tensor | None,
-    out_payload: torch.Tensor | None,
-    gamma_key: tuple[int, int],
-    perm_key: tuple[int, int],
-    peers: int,
-    peer: int,
-    units: tuple[int, ...],
-    scale_key: tuple[int, int],
-    eps: float,
-) -> None:
-    """The same contract as :func:`hopq.kernels.dynamiq_cpu.run_segment`."""
-    ref = next(t for t in (payload, local, out_rows, out_payload) if t is not None)
-    dev = str(ref.device)
+def run_segment(call: SegmentCall) -> None:
+    """The same contract as :func:`hopq.codecs.dynamiq.kernels_cpu.run_segment`."""
+    tensors = (call.payload, call.local, call.out_rows, call.out_payload)
+    dev = str(next(t for t in tensors if t is not None).device)
     dummy_b, dummy_f = _dummies(dev)
-    inb = payload if payload is not None else dummy_b
-    loc = local if local is not None else dummy_f
-    outf = out_rows if out_rows is not None else dummy_f
-    outb = out_payload if out_payload is not None else dummy_b
-    un = _units(units, peers, peer, dev)
-    corr = _corr(peers, len(units))
+    inb = call.payload if call.payload is not None else dummy_b
+    loc = call.local if call.local is not None else dummy_f
+    outf = call.out_rows if call.out_rows is not None else dummy_f
+    outb = call.out_payload if call.out_payload is not None else dummy_b
+    st = call.streams
+    un = _units(st.units, st.peers, st.peer, dev)
+    keys = (*st.gamma_key, *st.perm_key, st.peers, st.peer, un.numel())
+    corr = _corr(st.peers, len(st.units))
+    mode, width, rows, S, G = int(call.mode), call.width, call.rows, call.S, call.s
     with _INTERPRETER_LOCK:
         if width == 16:
-            total = rows * S
-            block = 1024
+            total, block = rows * S, 1024
             _segment16_kernel[(triton.cdiv(total, block),)](
-                inb, loc, outf, outb, un, total, row0 * S,
-                *gamma_key, *perm_key, peers, peer, un.numel(),
-                MODE=int(mode), BLOCK=block, CORR=corr, **_LAUNCH,
+                inb, loc, outf, outb, un, total, call.row0 * S, *keys,
+                MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
             )  # fmt: skip
             return
-        tab, dtab, bucket, nb_log, steps = _tables(width, eps, dev)
+        tab, dtab, bucket, nb_log, steps = _tables(width, call.eps, dev)
         if mode in (Mode.DECODE, Mode.DECODE_ACC):
             _decode_kernel[(triton.cdiv(rows, _DECODE_SGS),)](
                 inb, loc, outf, tab, rows,
-                W=width, MODE=int(mode), S=S, G=s, B=_DECODE_SGS, **_LAUNCH, **_DECODE_WARPS,
+                W=width, MODE=mode, S=S, G=G, B=_DECODE_SGS, **_LAUNCH, **_DECODE_WARPS,
             )  # fmt: skip
             return
         _segment_kernel[(rows,)](
-            inb, loc, outf, outb, un, tab, dtab, bucket,
-            rows, row0, *gamma_key, *perm_key, peers, peer, un.numel(), *scale_key,
-            W=width, MODE=int(mode), S=S, G=s, NB_LOG=nb_log, STEPS=steps, CORR=corr,
+            inb, loc, outf, outb, un, tab, dtab, bucket, rows, call.row0, *keys, *st.scale_key,
+            W=width, MODE=mode, S=S, G=G, NB_LOG=nb_log, STEPS=steps, CORR=corr,
             **_LAUNCH, **_ONE_WARP,
         )  # fmt: skip
 

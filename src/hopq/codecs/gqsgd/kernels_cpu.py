@@ -36,7 +36,7 @@ def exp_reduce(
     signed exponent codes, body: uint8 codes); ``out`` (uint8) receives the
     result's bytes. Element i draws its hash at index ``start + i``. Returns the
     number of invalid codes in ``body`` (negative zero, or 0 < e < ``emin``)."""
-    from hopq.kernels._gqsgd_cpu_jit import exp_reduce as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import exp_reduce as jit
 
     if not (acc.is_contiguous() and acc.dtype == torch.float32 and body.dtype == torch.uint8):
         raise TypeError("gqsgd_cpu.exp_reduce: contiguous float32 acc and uint8 body")
@@ -82,7 +82,7 @@ def linear_quantize(
     """gqsgd-linear's leaf integers (float32): x * factor rounded stochastically
     with the uniforms of ``key`` at element indices start.., clamped to +-levels;
     into ``out`` (contiguous float32, may be ``x`` itself) when given."""
-    from hopq.kernels._gqsgd_cpu_jit import linear_quantize as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import linear_quantize as jit
 
     a, fresh = _leaf_args(x)
     _check_indices(start, a.size)
@@ -102,7 +102,7 @@ def exp_quantize(
     """gqsgd-exp's leaf codes (signed exponents, float32) of x / scale scaled by
     2^-chain, with the uniforms of ``key`` at element indices start..; into
     ``out`` (may be ``x``) when given."""
-    from hopq.kernels._gqsgd_cpu_jit import exp_quantize as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import exp_quantize as jit
 
     a, fresh = _leaf_args(x)
     _check_indices(start, a.size)
@@ -122,7 +122,7 @@ def linear_hop(
     float32 integers) += the lanes of ``body`` in place; ``out`` (uint8, the
     packed size), when given, <- the sums' lanes. Returns the number of lanes or
     sums beyond +-limit (a corrupt payload)."""
-    from hopq.kernels._gqsgd_cpu_jit import linear_hop as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import linear_hop as jit
 
     _check_lanes(acc, body, bits)
     a = acc.numpy()
@@ -133,7 +133,7 @@ def linear_hop(
 def linear_unpack(body: torch.Tensor, bits: int, limit: int, out: torch.Tensor) -> int:
     """``out`` (contiguous float32) <- the ``bits``-bit lanes of ``body``; returns
     the number of lanes beyond +-limit."""
-    from hopq.kernels._gqsgd_cpu_jit import linear_unpack as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import linear_unpack as jit
 
     _check_lanes(out, body, bits)
     return int(jit(body.contiguous().numpy(), bits, limit, out.numpy()))
@@ -141,7 +141,7 @@ def linear_unpack(body: torch.Tensor, bits: int, limit: int, out: torch.Tensor) 
 
 def linear_pack(x: torch.Tensor, bits: int) -> torch.Tensor:
     """The float32 integers of ``x`` (contiguous) packed as ``bits``-bit lanes."""
-    from hopq.kernels._gqsgd_cpu_jit import linear_pack as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import linear_pack as jit
 
     _check_bits(bits)
     out = torch.empty(packed_nbytes(x.numel(), bits), dtype=torch.uint8)
@@ -178,7 +178,7 @@ def linear_finish(
 ) -> torch.Tensor:
     """float32(y * factor / divisor) in float64 arithmetic, saturated at +-limit;
     into ``out`` (contiguous float32, may be ``y`` itself) when given."""
-    from hopq.kernels._gqsgd_cpu_jit import linear_finish as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import linear_finish as jit
 
     a, fresh = _finish_args(y)
     out = _into(a, fresh, out, "linear_finish")
@@ -196,7 +196,7 @@ def exp_finish(
 ) -> torch.Tensor:
     """The values of signed exponent codes y, sign 2^(chain - e) scale / divisor,
     as float32 saturated at +-limit; into ``out`` (may be ``y``) when given."""
-    from hopq.kernels._gqsgd_cpu_jit import exp_finish as jit
+    from hopq.codecs.gqsgd._kernels_cpu_jit import exp_finish as jit
 
     a, fresh = _finish_args(y)
     out = _into(a, fresh, out, "exp_finish")

@@ -68,7 +68,7 @@ def run(
     x / A * Q); the codec holds both.
     Returns the number of invalid scales in ``payload`` (negative, NaN or Inf),
     in which case nothing was written."""
-    from hopq.kernels._equarx_cpu_jit import hop
+    from hopq.codecs.equarx._kernels_cpu_jit import hop
 
     inb = payload.detach().numpy() if payload is not None else _EMPTY_U8
     loc = local.detach().numpy() if local is not None else _EMPTY_F32
