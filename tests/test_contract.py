@@ -429,8 +429,8 @@ def test_engine_prepares_each_part_once_before_its_first_use(codec, topology, n)
             return super().decode_accumulate_encode(plan, payload, local, ctx)
 
     class UpFront(base):
-        def prepare(self, plan, x, scratch=False):
-            work = super().prepare(plan, x, scratch)
+        def prepare(self, plan, x, overwrite=False):
+            work = super().prepare(plan, x, overwrite)
             for m in range(len(plan.chunks)):
                 super().prepare_part(plan, work, m)
             return work

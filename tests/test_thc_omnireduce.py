@@ -81,8 +81,8 @@ class _Capture(THC):
     """THC that records this rank's integers (prepare) and the integer sums it
     decodes (finish)."""
 
-    def prepare(self, plan, x, scratch=False):  # type: ignore[no-untyped-def]
-        work = super().prepare(plan, x, scratch)
+    def prepare(self, plan, x, overwrite=False):  # type: ignore[no-untyped-def]
+        work = super().prepare(plan, x, overwrite)
         self.local = work.clone()  # the engine accumulates into work
         return work
 

@@ -129,8 +129,8 @@ class _Leaves(GQSGDExp):
 
     leaves: dict[int, torch.Tensor] = {}
 
-    def prepare(self, plan: GQSGDExpPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        w = super().prepare(plan, x, scratch)
+    def prepare(self, plan: GQSGDExpPlan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        w = super().prepare(plan, x, overwrite)
         for m in range(len(plan.chunks)):  # every part's leaf codes now
             super().prepare_part(plan, w, m)
         _Leaves.leaves[plan.rank] = self.finish(plan, w.clone(), ReduceOp.SUM, 1).double()

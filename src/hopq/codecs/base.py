@@ -6,10 +6,11 @@ A codec is the quantizer plus its four hop operations. Per all-reduce call (a
 1. ``plan = codec.plan(x, stats)``: local statistics, exchanged through
    ``stats.all_reduce``, turned into a plan identical on all ranks: how the
    working vector splits into chunks and how many payload bytes each takes.
-   ``work = codec.prepare(plan, x, scratch)`` then gives this rank's working
-   vector (float32, in the plan's layout); it may reuse ``x``'s memory only
-   when the engine passes ``scratch=True`` (an in-place all-reduce of a
-   contiguous float32 tensor), otherwise it is fresh memory. Per part the
+   ``work = codec.prepare(plan, x, overwrite)`` then gives this rank's working
+   vector (float32, in the plan's layout); it may use ``x``'s memory as the
+   working buffer only when the engine passes ``overwrite=True`` (an in-place
+   all-reduce of a contiguous float32 tensor, or the engine's own copy),
+   otherwise it is fresh memory. Per part the
    engine then calls ``prepare_part(plan, work, part)`` just before it first
    uses this rank's values of the part (by default nothing).
 2. ``encode(plan, chunk, ctx)``: leaf compression of a chunk.
@@ -444,7 +445,7 @@ class Codec(ABC, Generic[P]):
         """
 
     @abstractmethod
-    def prepare(self, plan: P, x: torch.Tensor, scratch: bool = False) -> torch.Tensor: ...
+    def prepare(self, plan: P, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor: ...
 
     def prepare_part(self, plan: P, work: torch.Tensor, part: int) -> None:
         """Finish preparing part ``part`` (``plan.chunks[part]``) of the working
@@ -466,10 +467,10 @@ class Codec(ABC, Generic[P]):
         most once per part, never for a part whose payloads are views of
         ``work``. Default: nothing (``finish`` does everything)."""
 
-    def prepare_all(self, plan: P, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare_all(self, plan: P, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         """``prepare`` and then ``prepare_part`` of every part: the working vector
         as the hops see it, for callers outside the engine (tests, benchmarks)."""
-        work = self.prepare(plan, x, scratch)
+        work = self.prepare(plan, x, overwrite)
         for m in range(len(plan.chunks)):
             self.prepare_part(plan, work, m)
         return work

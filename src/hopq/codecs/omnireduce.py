@@ -173,9 +173,9 @@ class OmniReduce(WireCodec[OmniPlan]):
             return plan.blocks[:-1], tail
         return plan.blocks, 0
 
-    def prepare(self, plan: OmniPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare(self, plan: OmniPlan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         if plan.work_numel == plan.numel:  # every block selected: plain bf16
-            return working_copy(x, scratch)
+            return working_copy(x, overwrite)
         flat = x.reshape(-1).to(torch.float32)
         if plan.index is not None:
             return flat[plan.index.to(x.device)]

@@ -29,11 +29,11 @@ from hopq.numerics.div import div_
 from hopq.numerics.fp_formats import keep_finite
 
 
-def working_copy(x: torch.Tensor, scratch: bool) -> torch.Tensor:
+def working_copy(x: torch.Tensor, overwrite: bool) -> torch.Tensor:
     """``x`` flattened as float32: ``x``'s own memory when the engine allows it
-    (``scratch``) and no conversion is needed, else a copy."""
+    (``overwrite``) and no conversion is needed, else a copy."""
     flat = x.reshape(-1)
-    if scratch and flat.dtype == torch.float32:
+    if overwrite and flat.dtype == torch.float32:
         return flat
     return flat.to(torch.float32, copy=True)
 
@@ -118,8 +118,8 @@ class Uncompressed(WireCodec[Plan]):
         size = torch.empty((), dtype=self.wire_dtype).element_size()
         return Plan(d, d, chunks, tuple((e - s) * size for s, e in chunks))
 
-    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        return working_copy(x, scratch)
+    def prepare(self, plan: Plan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        return working_copy(x, overwrite)
 
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         return div_(y, world_size) if op is ReduceOp.AVG else y

@@ -56,7 +56,7 @@ def fastmod16(a, c, d):
 @njit(inline="always")
 def uniforms(ubuf, count, first, g0, g1, p0, p1, n, me, pm, ib, tb):
     """u of the reference's _uniforms for entries first .. first + count, into ubuf[:count].
-    ``pm[u] = (units[u] * me) % n``; ``ib``/``tb`` are int32 scratch. Split into
+    ``pm[u] = (units[u] * me) % n``; ``ib``/``tb`` are int32 temporary buffers. Split into
     simple loops so that each vectorizes (the hashes in 8 uint32 lanes)."""
     idx = U32(first)
     for j in range(count):
@@ -316,8 +316,8 @@ def segment8(mode, k, S, s, row0, inb, local, outf, outb, gk, pk, n, me, units, 
 
 @njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 def segment16(mode, k, S, row0, inb, local, outf, outb, gk, pk, n, me, units):
-    """bf16 with stochastic rounding, in blocks of B entries whose scratch stays
-    in cache (whole-segment scratch cost page faults on every call)."""
+    """bf16 with stochastic rounding, in blocks of B entries whose temporary buffers stay
+    in cache (whole-segment buffers cost page faults on every call)."""
     g0, g1 = U32(gk[0]), U32(gk[1])
     p0, p1 = U32(pk[0]), U32(pk[1])
     pm = unit_multiples(units, n, me)

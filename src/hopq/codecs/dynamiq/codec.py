@@ -329,13 +329,13 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
             and plan.bounds is None
         )
 
-    def prepare(self, plan: DynamiQPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare(self, plan: DynamiQPlan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         S = self.config.supergroup_size
         if self._partwise(plan, x):
             # gathered a part at a time (prepare_part), each just before its
             # first use: all but the first part's overlap the transfers
             plan.source = x.detach().reshape(-1).contiguous()
-            if scratch and plan.source.data_ptr() == x.data_ptr():
+            if overwrite and plan.source.data_ptr() == x.data_ptr():
                 # the result goes back into x, part by part: a part's rows are
                 # read (prepare_part) before that part is finished, and no
                 # other part reads them

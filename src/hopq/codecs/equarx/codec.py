@@ -212,8 +212,8 @@ class EQuARXCodec(Codec[Plan]):
         here the bits follow that codec's microshard cuts)."""
         return self._plan(work_numel, chunks)
 
-    def prepare(self, plan: Plan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        return working_copy(x, scratch)
+    def prepare(self, plan: Plan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        return working_copy(x, overwrite)
 
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         return div_(y, world_size) if op is ReduceOp.AVG else y

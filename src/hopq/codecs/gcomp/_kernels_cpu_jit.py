@@ -26,7 +26,7 @@ one-code table packs ``symbol << 8 | length`` and one compare sends the escape
 and the codes the table does not know to a rare branch. The levels are first
 unpacked one per byte, and a mantissa field is peeked at its bit position with
 one unaligned big-endian 32-bit load and a shift. Reads past a stream's end
-stay inside the scratch buffers (each sized for a chunk's worst case), and the
+stay inside the workspace buffers (each sized for a chunk's worst case), and the
 counts are checked once at the end of the chunk against the header.
 Accumulating decoders add each value to the local one in the decoder's loop (no
 decoded buffer, no second pass). The fused hop works chunk by chunk while the
@@ -47,7 +47,7 @@ _O = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"
 _U64 = np.uint64
 _U32 = np.uint32
 
-#: Values per encoder sub-block: their records and scratch stay in L1.
+#: Values per encoder sub-block: their records and temporary buffers stay in L1.
 SUB = 2048
 #: Lookup-table entries at or above this (symbol >= 256) are the escape or a
 #: code the table does not know (symbol 257).
@@ -253,9 +253,9 @@ def _flush(wbuf, nbits, out, pos):
 
 
 @njit(**_O)
-def _enc_scratch(C, n_theta):
+def _enc_workspace(C, n_theta):
     """(exponent, level, mantissa byte buffers with 16 bytes of slack for the
-    writers' 8-byte stores, level scratch, three record buffers (one value
+    writers' 8-byte stores, a level buffer, three record buffers (one value
     longer: a lone last value pairs with an empty record), two pairing buffers,
     writer state, the two joined-record buffers) for chunks of at most C
     values."""
@@ -276,10 +276,10 @@ def _enc_scratch(C, n_theta):
 
 
 @njit(**_O)
-def _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, scr, out, pos):
+def _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, ws, out, pos):
     """Encode values s..e of xu (uint32 bits; xf the same memory as float32) as
     one chunk at out[pos:]; returns (bytes, nnz, exponent bits, mantissa bits)."""
-    ew, lw, mw, lvs, re, rl, rm, tb, tw, st, pe, pm = scr
+    ew, lw, mw, lvs, re, rl, rm, tb, tw, st, pe, pm = ws
     st[:] = 0
     for b in range(s, e, SUB):
         m = min(SUB, e - b)
@@ -325,11 +325,11 @@ def encode_block(xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head):
     n = xu.shape[0]
     k = (n + C - 1) // C
     pos = 32 + 24 * k
-    scr = _enc_scratch(min(C, max(n, 1)), n_theta)
+    ws = _enc_workspace(min(C, max(n, 1)), n_theta)
     for c in range(k):
         s = c * C
         e = min(n, s + C)
-        nb, nnz, eb, mb = _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, scr, out, pos)
+        nb, nnz, eb, mb = _encode_chunk(xu, xf, thr, has_thr, fixed, etab, s, e, ws, out, pos)
         _chunk_header(out, c, pos, nb, e - s, nnz, eb, mb)
         pos += nb
     _block_header(out, head, pos)
@@ -340,7 +340,7 @@ def encode_block(xu, xf, thr, has_thr, fixed, etab, n_theta, C, out, head):
 
 
 @njit(**_O)
-def _dec_scratch(C, n_theta):
+def _dec_workspace(C, n_theta):
     """(exponent words, levels one per byte, mantissa bytes with room for an
     8-byte load past any position a chunk can reach) for chunks of at most C
     values."""
@@ -426,7 +426,7 @@ def _put_by_type(dst, i, n, k, v1, v2, v3):
 
 
 @njit(**_O)
-def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
+def _decode_chunk(p, heads, c, ws, lut, plut, pw, lengths, n_theta, dst):
     """Chunk c's values into dst (the chunk's length): their float32 bits when
     dst is uint32, added to it when it is float32 (the accumulation fused into
     the decoder's loop, where it hides behind the exponent chain). Returns 0, or -1 bad exponent stream, -2
@@ -443,7 +443,7 @@ def _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, dst):
     codes take the one-value ``lut`` path, and so do the chunk's last two
     values. The values are stored without a branch on how many codes there
     were (see :func:`_put`)."""
-    E, L, M = scr
+    E, L, M = ws
     off = heads[c, 0]
     vals = heads[c, 2]
     nnz = heads[c, 3]
@@ -512,14 +512,14 @@ def decode_chunks(p, heads, C, lut, plut, pw, lengths, n_theta, out, out_u, acc)
     """Decode (acc=False) or accumulate (acc=True) every chunk into out (float32;
     out_u: the same memory as uint32). Returns 0 or an error code of
     :func:`_decode_chunk`."""
-    scr = _dec_scratch(C, n_theta)
+    ws = _dec_workspace(C, n_theta)
     for c in range(heads.shape[0]):
         s = c * C
         e = s + heads[c, 2]
         if acc:
-            err = _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, out[s:e])
+            err = _decode_chunk(p, heads, c, ws, lut, plut, pw, lengths, n_theta, out[s:e])
         else:
-            err = _decode_chunk(p, heads, c, scr, lut, plut, pw, lengths, n_theta, out_u[s:e])
+            err = _decode_chunk(p, heads, c, ws, lut, plut, pw, lengths, n_theta, out_u[s:e])
         if err:
             return err
     return 0
@@ -537,16 +537,16 @@ def hop_block(
     k = (n + C - 1) // C
     pos = 32 + 24 * k
     cm = min(C, max(n, 1))
-    dscr = _dec_scratch(cm, n_theta)
-    escr = _enc_scratch(cm, n_theta)
+    dws = _dec_workspace(cm, n_theta)
+    ews = _enc_workspace(cm, n_theta)
     for c in range(k):
         vals = heads[c, 2]
         s = c * C
-        err = _decode_chunk(p, heads, c, dscr, lut, plut, pw, lengths, n_theta, xf[s : s + vals])
+        err = _decode_chunk(p, heads, c, dws, lut, plut, pw, lengths, n_theta, xf[s : s + vals])
         if err:
             return err
         nb, nnz, eb, mb = _encode_chunk(
-            xu, xf, thr, has_thr, fixed, etab, s, s + vals, escr, out, pos
+            xu, xf, thr, has_thr, fixed, etab, s, s + vals, ews, out, pos
         )
         _chunk_header(out, c, pos, nb, vals, nnz, eb, mb)
         pos += nb

@@ -200,8 +200,8 @@ class GComp(ReadsOptimizer, Codec[GCompPlan]):
         lengths, uses = self.tables[plan.key]
         self.tables[plan.key] = (lengths, uses + 1)
 
-    def prepare(self, plan: GCompPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
-        return working_copy(x, scratch)
+    def prepare(self, plan: GCompPlan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        return working_copy(x, overwrite)
 
     # -- hops -------------------------------------------------------------------
     def _thr(self, plan: GCompPlan, ctx: HopContext) -> torch.Tensor | None:

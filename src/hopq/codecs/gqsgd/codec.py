@@ -324,14 +324,14 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         )
 
     def prepare(
-        self, plan: GQSGDLinearPlan, x: torch.Tensor, scratch: bool = False
+        self, plan: GQSGDLinearPlan, x: torch.Tensor, overwrite: bool = False
     ) -> torch.Tensor:
         """This rank's values as float32; :meth:`prepare_part` turns each part into
         its integers when the engine first needs it, so that the rounding of one
         part overlaps the transfer of the ones before it."""
         if not math.isfinite(plan.scale) or plan.scale == 0 or not plan.numel:
             return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
-        return working_copy(x, scratch)
+        return working_copy(x, overwrite)
 
     def prepare_part(self, plan: GQSGDLinearPlan, work: torch.Tensor, part: int) -> None:
         """Part ``part`` of ``work`` in place: its integers in [-L, L] (as float32),
@@ -585,14 +585,14 @@ class GQSGDExp(_PartwiseFinish, Codec[GQSGDExpPlan]):
             rank=stats.rank,
         )
 
-    def prepare(self, plan: GQSGDExpPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare(self, plan: GQSGDExpPlan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         """This rank's values as float32; :meth:`prepare_part` turns each part into
         its leaf codes when the engine first needs it (overlapping the transfers)."""
         N = plan.scale
         plan.depth.clear()
         if not math.isfinite(N) or N == 0 or not plan.numel:
             return torch.zeros(plan.numel, dtype=torch.float32, device=x.device)
-        return working_copy(x, scratch)
+        return working_copy(x, overwrite)
 
     def prepare_part(self, plan: GQSGDExpPlan, work: torch.Tensor, part: int) -> None:
         """Part ``part`` of ``work`` in place: its leaf codes (signed exponents, as

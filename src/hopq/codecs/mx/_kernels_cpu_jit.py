@@ -35,7 +35,7 @@ _O = {"nogil": True, "cache": True, "boundscheck": False, "error_model": "numpy"
 _U32 = np.uint32
 _U64 = np.uint64
 #: Values per span that the kernels work on at once: whole blocks, about this
-#: many (their scratch stays in L1).
+#: many (their temporary buffers stay in L1).
 SPAN = 2048
 #: 1.5 * 2^23: (t + _RINT) - _RINT is t rounded half to even, for |t| < 2^22.
 _RINT = np.float32(12582912.0)

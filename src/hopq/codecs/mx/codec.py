@@ -170,7 +170,7 @@ class MXCodec(Codec[MXPlan]):
             bounds=bounds,
         )
 
-    def prepare(self, plan: MXPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare(self, plan: MXPlan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         if plan.bounds is not None:
             return to_segments(x, plan.bounds, self.config.block)
         out = torch.zeros(plan.work_numel, dtype=torch.float32, device=x.device)

@@ -222,7 +222,7 @@ def quantize(rot, step, k0, k1, levels, out):
 def unrotate(y, step, H, k0, k1, scale, d, out, buf):
     """The inverse of :func:`rotate` on the integer sums y (m * H entries): each
     block times ``step``, its FWHT, back to positions j + i m, times the sign;
-    the first d entries into out. buf: _TILE * H float32 of scratch."""
+    the first d entries into out. buf: a workspace of _TILE * H float32."""
     m = y.shape[0] // H
     a, b = U32(k0), U32(k1)
     tile = np.empty(_TILE * _TILE, np.float32)

@@ -300,7 +300,7 @@ class THC(Codec[THCPlan]):
             starts=starts,
         )
 
-    def prepare(self, plan: THCPlan, x: torch.Tensor, scratch: bool = False) -> torch.Tensor:
+    def prepare(self, plan: THCPlan, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
         """This rank's integers, as float32: stochastic rounding of rotated / step."""
         rot = plan.rotated
         if not math.isfinite(plan.step):  # non-finite input: finish() multiplies by it
