@@ -1,6 +1,6 @@
 """Faults on real Gloo groups (DESIGN: agreement before bytes move, hopq's own
 timeouts, a transport that checks every size). Generated from the codec
-registry; ``hopq bench faults`` runs the same code for docs/reliability.md."""
+registry; ``hopq bench faults`` runs the same code for docs/reliability/faults.md."""
 
 import os
 import signal
@@ -59,8 +59,8 @@ def test_a_dead_or_silent_rank_makes_every_survivor_raise_in_time(kind, n, topo)
     o = faults.FaultOptions(timeout=3.0)
     codec = "dynamiq" if kind == "dies in the statistics exchange" else "bf16"
     r = faults.run_death(o, kind, n, topo, codec)
-    verdict = faults.survivor_verdicts(r, o.timeout)
-    assert verdict == {"TransportError in time": n - 1}, (verdict, [x.error for x in r.outcomes])
+    outcome = faults.survivor_outcomes(r, o.timeout)
+    assert outcome == {"TransportError in time": n - 1}, (outcome, [x.error for x in r.outcomes])
     for out in r.outcomes:
         if out.rank != r.victim:
             assert "rank" in out.result[2]  # the message names a peer

@@ -21,7 +21,7 @@ import torch
 
 from hopq.codecs.registry import get_codec
 from hopq.comm import engine
-from hopq.comm.topology import get_schedule
+from hopq.comm.call import Call
 from hopq.comm.transport import InProcessTransport, _Hub
 
 Op = tuple[str, int, int, int]  # kind, sender, receiver, bytes
@@ -121,7 +121,6 @@ def replay(groups: list[list[list[Op]]]) -> tuple[bool, list[str]]:
 def _run(codec: str, topo: str, n: int, gather: bool = True, fail_rank: int = -1):
     hub = _Hub(n)
     ts = [_NcclLike(hub, r) for r in range(n)]
-    schedule = get_schedule(topo, n)
     errors: list[BaseException | None] = [None] * n
 
     def work(r: int) -> None:
@@ -138,7 +137,8 @@ def _run(codec: str, topo: str, n: int, gather: bool = True, fail_rank: int = -1
             c.encode = failing  # type: ignore[method-assign]
         x = torch.randn(6000, generator=torch.Generator().manual_seed(r))
         try:
-            engine.run(c, x, schedule, ts[r], seed=1, gather=gather, microshards=2, timeout=60)
+            call = Call(c, topo, seed=1, gather=gather, microshards=2, timeout=60)
+            engine.run(call, x, ts[r])
         except BaseException as e:  # noqa: BLE001 - reported below
             errors[r] = e
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -285,14 +285,18 @@ def _simulate(
     for t in tensors:
         if t.shape != shape or t.dtype != dtype or t.device != tensors[0].device:
             raise ValueError("all worker tensors must share shape, dtype and device")
-    call = check_call(tensors[0], codec, topology, op, seed, key, timeout, gather_codec)
+    call = check_call(
+        tensors[0], codec, topology, op, seed, key, timeout, gather_codec,
+        gather=gather, microshards=microshards, pipeline=pipeline,
+    )  # fmt: skip
     proto, gproto, red = call.codec, call.gather_codec, call.op
-    schedule = get_schedule(topology, n)
+    get_schedule(topology, n)  # a topology that cannot serve n ranks raises here
     bounds = None
     if shards is not None:
         bounds = resolve_shards(shards, tensors[0].numel(), n)
         if bounds is None:
             raise ValueError("the simulator takes shards='equal' or n + 1 offsets")
+        call = replace(call, shards=bounds)
     transports = make_inprocess_group(n)
     codecs = _RANKS.get(proto, [])
     if len(codecs) != n or digest(codecs[0].state_dict()) != digest(proto.state_dict()):
@@ -304,22 +308,10 @@ def _simulate(
 
     def work(r: int) -> None:
         try:
-            results[r] = engine.run(
-                codecs[r],
-                tensors[r].reshape(-1),
-                schedule,
-                transports[r],
-                seed=call.seed,
-                op=red,
-                key=call.key,
-                timeout=call.timeout,
-                gather_codec=None if gcodecs is None else gcodecs[r],
-                microshards=microshards,
-                pipeline=pipeline,
-                gather=gather,
-                shards=bounds,
-                premul=call.premul,
+            mine = replace(
+                call, codec=codecs[r], gather_codec=None if gcodecs is None else gcodecs[r]
             )
+            results[r] = engine.run(mine, tensors[r].reshape(-1), transports[r])
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
             transports[r].hub.abort()

@@ -1,5 +1,5 @@
 """``hopq bench faults``: hopq against mismatched calls and dying ranks, on real
-Gloo groups; the table of outcomes in docs/reliability.md comes from here, and
+Gloo groups; the table of outcomes in docs/reliability/faults.md comes from here, and
 ``tests/test_faults.py`` asserts the same outcomes on a subset.
 
 Mismatches (generated from the codec registry): for every codec, topology and
@@ -226,7 +226,7 @@ def death_worker(
         if kind == "dies in the statistics exchange":
             engine._StatsExchange.all_reduce = lambda *a, **k: _die()  # type: ignore[method-assign,assignment]
         if kind == "dies after its first send":
-            build = engine._Call.build_and_post
+            build = engine._Hops.build_and_post
 
             def build_then_die(self: Any, s: int, j: int) -> None:
                 build(self, s, j)
@@ -235,10 +235,10 @@ def death_worker(
                         h.wait(engine.Deadline(5.0), where)
                     _die()
 
-            engine._Call.build_and_post = build_then_die  # type: ignore[method-assign]
+            engine._Hops.build_and_post = build_then_die  # type: ignore[method-assign]
         if kind == "dies mid-step":
             # it received a partial sum, and dies before passing it on
-            engine._Call.process_payload = lambda *a, **k: _die()  # type: ignore[method-assign]
+            engine._Hops.process_payload = lambda *a, **k: _die()  # type: ignore[method-assign]
     t0 = time.perf_counter()
     err: BaseException | None = None
     try:
@@ -279,7 +279,7 @@ def run_death(o: FaultOptions, kind: str, n: int, topo: str, codec: str) -> Deat
     return DeathResult(kind, n, topo, codec, outs, victim)
 
 
-def survivor_verdicts(r: DeathResult, timeout: float) -> Counter[str]:
+def survivor_outcomes(r: DeathResult, timeout: float) -> Counter[str]:
     """Per survivor: "TransportError in time", or what went wrong."""
     c: Counter[str] = Counter()
     for out in r.outcomes:
@@ -350,7 +350,7 @@ def run(o: FaultOptions) -> str:
             for topo in o.topologies:
                 codec = "dynamiq" if kind == "dies in the statistics exchange" else "bf16"
                 r = run_death(o, kind, n, topo, codec)
-                verdict = survivor_verdicts(r, o.timeout)
+                outcome = survivor_outcomes(r, o.timeout)
                 worst = max(
                     (out.result[1] for out in r.outcomes if out.rank != r.victim and out.result),
                     default=float("nan"),
@@ -361,7 +361,7 @@ def run(o: FaultOptions) -> str:
                         n,
                         topo,
                         codec,
-                        ", ".join(f"{v} x {k}" for k, v in sorted(verdict.items())),
+                        ", ".join(f"{v} x {k}" for k, v in sorted(outcome.items())),
                         f"{worst:.1f}",
                     ]
                 )

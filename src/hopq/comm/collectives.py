@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -12,6 +12,7 @@ import torch
 from hopq.codecs.base import FLOAT_DTYPES, Codec, ReduceOp
 from hopq.codecs.registry import codec_info, get_codec
 from hopq.comm import engine
+from hopq.comm.call import Call
 from hopq.comm.topology import equal_shards, get_schedule
 from hopq.comm.transport import DistTransport
 from hopq.options import check_finite, check_int, check_timeout
@@ -67,21 +68,6 @@ def parse_op(op: Op) -> tuple[ReduceOp, float | None]:
     )
 
 
-@dataclass(frozen=True)
-class Call:
-    """A validated call: everything but the process group and the tensor's data."""
-
-    codec: Codec[Any]
-    gather_codec: Codec[Any] | None
-    topology: str
-    op: ReduceOp
-    seed: int
-    key: int | None
-    timeout: float | None
-    #: torch's PREMUL_SUM factor (op is then SUM), or None.
-    premul: float | None = None
-
-
 def check_call(
     tensor: torch.Tensor,
     codec: str | Codec[Any],
@@ -91,9 +77,14 @@ def check_call(
     key: int | None,
     timeout: float | None,
     gather_codec: str | Codec[Any] | None = None,
+    *,
+    gather: bool = True,
+    microshards: int | None = None,
+    pipeline: bool = True,
 ) -> Call:
-    """Refuse bad input before anything is sent: TypeError for types and dtypes,
-    ValueError otherwise."""
+    """The :class:`~hopq.comm.call.Call` of these arguments (``gather=False``: a
+    reduce-scatter). Refuses bad input before anything is sent: TypeError for
+    types and dtypes, ValueError otherwise."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
@@ -118,7 +109,11 @@ def check_call(
         key = check_int("key", key, lo=0, hi=(1 << 62) - 1)
     timeout = check_timeout(timeout)
     red, premul = parse_op(op)
-    return Call(c, g, topology, red, seed, key, timeout, premul)
+    return Call(
+        codec=c, topology=topology, op=red, seed=seed, key=key, timeout=timeout,
+        gather_codec=g, premul=premul, gather=gather, microshards=microshards,
+        pipeline=pipeline,
+    )  # fmt: skip
 
 
 def all_reduce(
@@ -207,16 +202,14 @@ def all_reduce(
         print(info.bits_per_coord, info.seconds)  # about 5 bits per coordinate
         ```
     """
-    call = check_call(tensor, codec, topology, op, seed, key, timeout, gather_codec)
+    call = check_call(
+        tensor, codec, topology, op, seed, key, timeout, gather_codec,
+        microshards=microshards, pipeline=pipeline,
+    )  # fmt: skip
     transport = _transport(group)
-    schedule = get_schedule(call.topology, transport.world_size)
     flat = tensor.detach().reshape(-1)  # a view when contiguous: then the work can be in place
     in_place = tensor.is_contiguous()
-    y, info = engine.run(
-        call.codec, flat, schedule, transport, seed=call.seed, op=call.op, scratch=in_place,
-        key=call.key, timeout=call.timeout, gather_codec=call.gather_codec, pipeline=pipeline,
-        premul=call.premul, microshards=microshards,
-    )  # fmt: skip
+    y, info = engine.run(replace(call, in_place=in_place), flat, transport)
     if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
         with torch.no_grad():
             tensor.copy_(y.view(tensor.shape))
@@ -322,7 +315,7 @@ def reduce_scatter_with_stats(
 ) -> tuple[torch.Tensor, engine.RunStats]:
     """:func:`reduce_scatter`, and this rank's statistics (bits per coordinate of
     a reduce-scatter count (n-1)/n x d coordinates, so that bf16 is 16)."""
-    call = check_call(tensor, codec, topology, op, seed, key, timeout)
+    call = check_call(tensor, codec, topology, op, seed, key, timeout, gather=False)
     if shards == "topology" and not call.codec.layout_preserving:
         raise ValueError(
             f"codec {call.codec.name!r} permutes the vector across chunks, so a rank's shard of "
@@ -330,14 +323,8 @@ def reduce_scatter_with_stats(
             "(every codec works there) or all_reduce"
         )
     transport = _transport(group)
-    n = transport.world_size
-    schedule = get_schedule(call.topology, n)
-    bounds = resolve_shards(shards, tensor.numel(), n)
-    y, stats = engine.run(
-        call.codec, tensor.detach().reshape(-1), schedule, transport, seed=call.seed,
-        op=call.op, gather=False, key=call.key, timeout=call.timeout, shards=bounds,
-        premul=call.premul,
-    )  # fmt: skip
+    bounds = resolve_shards(shards, tensor.numel(), transport.world_size)
+    y, stats = engine.run(replace(call, shards=bounds), tensor.detach().reshape(-1), transport)
     if not stats.owned:
         return tensor.new_empty(0), stats
     return torch.cat([y[s:e] for s, e in stats.owned]).to(tensor.dtype), stats

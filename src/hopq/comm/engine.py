@@ -1,6 +1,6 @@
 """The engine: runs any schedule with any codec on one rank.
 
-A call goes through four phases:
+:func:`run` takes one :class:`~hopq.comm.call.Call` and goes through four steps:
 
 1. **Agreement** (:mod:`hopq.comm.agreement`): all ranks check that they make the
    same call; any difference raises :class:`~hopq.MismatchError` on every rank
@@ -10,7 +10,8 @@ A call goes through four phases:
    agreement's) and its plan, identical on every rank. The plan cuts the
    working vector into ``n_chunks * u`` parts: *microshard* j of schedule
    chunk c is part ``c * u + j``.
-3. **Hops**: per chunk, a rank plays one role per phase, read off the schedule:
+3. **Stages** (the hops): per chunk, a rank plays one role per phase, read off
+   the schedule:
 
    * leaf: it sends the chunk before receiving any of it -> ``encode``;
    * inner node: it receives partial sums from its children, then sends ->
@@ -31,7 +32,7 @@ A call goes through four phases:
 and in the simulator, the receives of the next step are posted while this one
 runs, a microshard's next-step message is encoded and sent as soon as it is
 processed, and the codec works on one microshard while the others travel. With
-``pipeline=False`` the same messages run one after another (each waited before
+``Call.pipeline=False`` the same messages run one after another (each waited before
 the next is coded). Both give the same bits, and the bits do not depend on u:
 the plan's schedule chunks are the same for every u, and microshards draw from
 their schedule chunk's random streams (``HopContext.stream``).
@@ -46,7 +47,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -56,8 +56,16 @@ import torch
 from hopq.codecs.base import Codec, HopContext, Plan, ReduceOp, StatsOp
 from hopq.comm import agreement, framing
 from hopq.comm.agreement import digest
+from hopq.comm.call import Call
 from hopq.comm.framing import Deadline, Where
-from hopq.comm.topology import Phase, Schedule, Transfer, shard_layout
+from hopq.comm.topology import (
+    Phase,
+    Schedule,
+    ShardLayout,
+    Transfer,
+    get_schedule,
+    shard_layout,
+)
 from hopq.comm.transport import (
     DIRECT_EXCHANGE_MAX,
     TAIL_BYTES,
@@ -438,7 +446,7 @@ def _last_reduce_recv(schedule: Schedule, rank: int) -> dict[int, tuple[int, int
     return last
 
 
-class _Call:
+class _Hops:
     """One rank's state during the hops of one call."""
 
     def __init__(
@@ -695,39 +703,12 @@ class _Call:
         self.pending_by_part.clear()
 
 
-def run(
-    codec: Codec[Any],
-    x: torch.Tensor,
-    schedule: Schedule,
-    transport: Transport,
-    *,
-    seed: int = 0,
-    op: ReduceOp = ReduceOp.SUM,
-    gather: bool = True,
-    scratch: bool = False,
-    key: int | None = None,
-    timeout: float | None = None,
-    gather_codec: Codec[Any] | None = None,
-    microshards: int | None = None,
-    pipeline: bool = True,
-    what: str | None = None,
-    on_plan: Callable[[Plan], None] | None = None,
-    shards: tuple[int, ...] | None = None,
-    premul: float | None = None,
-) -> tuple[torch.Tensor, RunStats]:
-    """One compressed all-reduce (or, with ``gather=False``, reduce-scatter) of the
-    flat tensor ``x`` on this rank. Returns the float32 result in ``x``'s layout
+def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor, RunStats]:
+    """One compressed all-reduce (or, with ``call.gather=False``, reduce-scatter) of
+    the flat tensor ``x`` on this rank. Returns the float32 result in ``x``'s layout
     (for reduce-scatter, valid only on the chunks this rank owns) and the stats.
 
-    ``scratch``: the codec may work in ``x``'s memory (and return it). ``key``
-    names the tensor across steps (``StatsExchange.key``). ``timeout``: seconds
-    the whole call may take before a missing peer raises TransportError (None:
-    the transport's, for a process group its own timeout).
-    ``gather_codec``: the codec of the all-gather stage (default: ``codec``).
-    ``microshards``: messages per schedule chunk and step (default: by size).
-    ``pipeline``: overlap codec work with transfers (the same bits either way).
-
-    ``shards`` (n + 1 offsets into ``x``) lays the schedule over rank shards:
+    ``call.shards`` (n + 1 offsets into ``x``) lays the schedule over rank shards:
     rank r's result is ``shards[r]:shards[r + 1]`` of the reduced vector
     (:func:`~hopq.comm.topology.shard_layout`): the codec is asked to cut its
     schedule chunks there (``StatsExchange.bounds``), a reduce-scatter
@@ -736,48 +717,121 @@ def run(
     ``chunk_local`` runs the whole all-reduce instead (each rank then holds
     everything). With ``gather=True`` the all-reduce runs over those chunks
     (its result, cut to a shard, is what the reduce-scatter gives that rank).
-    ``premul``: reduce ``premul * x`` (torch's PREMUL_SUM), scaled before
+    ``call.premul``: reduce ``premul * x`` (torch's PREMUL_SUM), scaled before
     anything else.
     """
     t_start = time.perf_counter()
     cpu_start = time.thread_time()
-    rank, n = transport.rank, transport.world_size
-    if schedule.world_size != n:
-        raise ValueError(f"schedule is for {schedule.world_size} ranks, the group has {n}")
-    gcodec = codec if gather_codec is None else gather_codec
+    r = _resolve(call, x, transport)
+    agreed = _agreement(r)
+    stats, plan, gplan = _plan(r, agreed)
+    st = _stages(r, plan, gplan)
+    y = _finish(r, st, stats, agreed)
+    r.info.seconds = time.perf_counter() - t_start
+    r.info.cpu_seconds = time.thread_time() - cpu_start
+    return y, r.info
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """A call as this rank runs it: the call's options resolved against the input
+    and the transport (schedule, shard layout, microshards, call number)."""
+
+    call: Call
+    codec: Codec[Any]
+    #: The all-gather stage's codec (``codec`` itself when there is none).
+    gcodec: Codec[Any]
+    #: The input (premultiplied when the call says so).
+    x: torch.Tensor
+    #: Whether the codec may work in ``x``'s memory.
+    in_place: bool
+    transport: Transport
+    #: The topology's schedule for this world size.
+    schedule: Schedule
+    #: The schedule whose steps run: ``schedule``, or for a reduce-scatter over
+    #: rank shards the layout's (the reduce phase, then the deliveries).
+    steps: Schedule
+    layout: ShardLayout | None
+    #: The schedule chunks' bounds the codec is asked for (rank shards), or None.
+    bounds: tuple[int, ...] | None
+    #: False for a reduce-scatter (a codec without chunk_local runs an all-reduce).
+    gather: bool
+    #: The kind of call the ranks agree on ("all_reduce", "reduce_scatter", with the shards).
+    kind: str
+    #: The reduction the ranks agree on (with the PREMUL_SUM factor).
+    op_name: str
+    #: The transport's call number (every rank's same call has the same number).
+    number: int
+    label: str
+    deadline: Deadline
+    #: Microshards per schedule chunk.
+    u: int
+    info: RunStats
+
+
+def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
+    """Check the call against the input and settle what the engine runs: refusals
+    raise here, before the transport numbers the call."""
+    codec, gcodec = call.codec, call.stage_codec
+    n = transport.world_size
+    schedule = get_schedule(call.topology, n)
     if gcodec is not codec and not gcodec.gather_stage:
         gcodec.plan_gather(0, ())  # raises its reason
-    layout = None
+    gather, layout, shards = call.gather, None, call.shards
     if shards is not None:
-        shards = tuple(int(s) for s in shards)
         if shards[-1:] != (x.numel(),):
             raise ValueError(f"shards {shards} do not end at the tensor's {x.numel()} entries")
         layout = shard_layout(schedule, shards)
         if not codec.chunk_local:  # the fallback: an all-reduce, each rank keeps its shard
             gather = True
+    bounds = layout.bounds if layout is not None and codec.chunk_local else None
+    steps = schedule
+    if layout is not None and bounds is not None and not gather:
+        steps = layout.reduce_scatter
     kind = "all_reduce" if gather else "reduce_scatter"
-    # what the ranks must agree on: the kind of call and the shards
-    agreed_kind = kind if shards is None else f"{kind} over shards #{digest(shards):x}"
+    in_place, premul = call.in_place, call.premul
     if premul is not None:
         premul = float(premul)
         x = x.to(torch.float32) * premul
-        scratch = True  # our own copy
-    op_name = ReduceOp(op).value if premul is None else f"premul_sum({premul!r})"
-    call = transport.next_call()
-    label = what or f"{kind}({codec.name}, {schedule.topology}, key={key})"
-    deadline = Deadline(transport.call_timeout(timeout))
-    info = RunStats(rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains()))
-    if microshards is not None and not (isinstance(microshards, int) and microshards >= 1):
-        raise ValueError(f"microshards must be a positive int or None, got {microshards!r}")
+        in_place = True  # our own copy
+    number = transport.next_call()
     u = (
-        microshards
-        if microshards is not None
+        call.microshards
+        if call.microshards is not None
         else auto_microshards(x.numel(), schedule.n_chunks, n, codec.microshard_coords)
     )
-    # 1. agreement (it may ride with the codec's first statistics)
+    return _Resolved(
+        call=call,
+        codec=codec,
+        gcodec=gcodec,
+        x=x,
+        in_place=in_place,
+        transport=transport,
+        schedule=schedule,
+        steps=steps,
+        layout=layout,
+        bounds=bounds,
+        gather=gather,
+        kind=kind if shards is None else f"{kind} over shards #{digest(shards):x}",
+        op_name=ReduceOp(call.op).value if premul is None else f"premul_sum({premul!r})",
+        number=number,
+        label=f"{kind}({codec.name}, {schedule.topology}, key={call.key})",
+        deadline=Deadline(transport.call_timeout(call.timeout)),
+        u=u,
+        info=RunStats(
+            transport.rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains())
+        ),
+    )
+
+
+def _agreement(r: _Resolved) -> _Agreement:
+    """Step 1: what every rank must make the same of this call. It runs when the
+    codec's statistics first move (riding with them) or, for a codec without
+    statistics, on its own right after the plan."""
+    call, codec, x = r.call, r.codec, r.x
     mine = agreement.fingerprint(
-        call=call, x=x, codec=codec, gather_codec=gcodec, topology=schedule.topology,
-        op=op_name, seed=seed, key=key, kind=agreed_kind, microshards=u,
+        call=r.number, x=x, codec=codec, gather_codec=r.gcodec, topology=r.schedule.topology,
+        op=r.op_name, seed=call.seed, key=call.key, kind=r.kind, microshards=r.u,
     )  # fmt: skip
     describe = {
         "numel": str(x.numel()),
@@ -785,42 +839,44 @@ def run(
         "device": x.device.type,
         "codec": codec.name,
         "config": repr(codec.config),
-        "gather codec": gcodec.name,
-        "topology": schedule.topology,
-        "op": op_name,
-        "seed": str(seed),
+        "gather codec": r.gcodec.name,
+        "topology": r.schedule.topology,
+        "op": r.op_name,
+        "seed": str(call.seed),
         "round": str(codec.round),
-        "key": str(key),
-        "kind": agreed_kind,
-        "microshards": str(u),
+        "key": str(call.key),
+        "kind": r.kind,
+        "microshards": str(r.u),
     }
     fold = codec.first_stats_nbytes
-    agreed = _Agreement(
-        transport, mine, deadline, Where(label, call, -1000, 0, "agreement"), describe,
+    return _Agreement(
+        r.transport, mine, r.deadline, Where(r.label, r.number, -1000, 0, "agreement"), describe,
         fold if fold is not None and fold <= agreement.FOLD_BYTES else None,
     )  # fmt: skip
-    # 2. plan
-    info.microshards = u
+
+
+def _plan(r: _Resolved, agreed: _Agreement) -> tuple[_StatsExchange, Plan, Plan]:
+    """Step 2: the codec's statistics exchange and its plan (and the gather
+    stage's), identical on every rank."""
+    call, codec, schedule, u = r.call, r.codec, r.schedule, r.u
+    r.info.microshards = u
     stats = _StatsExchange(
-        transport, schedule.n_chunks, u, seed, codec.round, key, deadline,
-        Where(label, call, -1, 0, "statistics"), agreed,
+        r.transport, schedule.n_chunks, u, call.seed, codec.round, call.key, r.deadline,
+        Where(r.label, r.number, -1, 0, "statistics"), agreed,
     )  # fmt: skip
     stats.reduce_depth = max(schedule.reduce_depths(), default=0)
-    bounds = layout.bounds if layout is not None and codec.chunk_local else None
-    stats.bounds = bounds
-    stats.phases = 2 if gather else 1
-    if layout is not None and bounds is not None and not gather:
-        schedule = layout.reduce_scatter  # the reduce phase, then the deliveries
-    plan = codec.plan(x, stats)
+    stats.bounds = r.bounds
+    stats.phases = 2 if r.gather else 1
+    plan = codec.plan(r.x, stats)
     if not agreed.done:  # a codec without statistics: the agreement on its own
         agreed.run()
-    if len(plan.chunks) != schedule.n_chunks * u:
+    if len(plan.chunks) != r.steps.n_chunks * u:
         raise RuntimeError(
             f"{codec.name} planned {len(plan.chunks)} chunks, the schedule needs "
-            f"{schedule.n_chunks} x {u} microshards"
+            f"{r.steps.n_chunks} x {u} microshards"
         )
-    gplan = plan if gcodec is codec else gcodec.plan_gather(plan.work_numel, plan.chunks)
-    if codec.variable_size and not transport.short_messages and codec.name not in _PADDED:
+    gplan = plan if r.gcodec is codec else r.gcodec.plan_gather(plan.work_numel, plan.chunks)
+    if codec.variable_size and not r.transport.short_messages and codec.name not in _PADDED:
         _PADDED.add(codec.name)
         bits = 8 * sum(plan.payload_nbytes) / max(1, plan.work_numel)
         warnings.warn(
@@ -828,27 +884,36 @@ def run(
             f"variable-size payloads travel padded to their bound, {bits:.0f} bits per "
             "coordinate whatever they compress to; over Gloo they travel at their size",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    if on_plan is not None:
-        on_plan(plan)
-    work = codec.prepare(plan, x, scratch)
-    st = _Call(codec, gcodec, plan, gplan, work, schedule, transport, seed, u, deadline, label, call, info)  # fmt: skip
-    st.op = op
+    return stats, plan, gplan
+
+
+def _stages(r: _Resolved, plan: Plan, gplan: Plan) -> _Hops:
+    """Step 3: the schedule's steps, reduce and gather stages, on the codec's
+    working vector. On a failure this rank tells its peers what it still owes
+    them and drains what they still send, then raises."""
+    codec, gcodec, schedule, transport, u = r.codec, r.gcodec, r.steps, r.transport, r.u
+    work = codec.prepare(plan, r.x, r.in_place)
+    st = _Hops(
+        codec, gcodec, plan, gplan, work, schedule, transport, r.call.seed, u, r.deadline,
+        r.label, r.number, r.info,
+    )  # fmt: skip
+    st.op = r.call.op
+    # a reduce-scatter skips the gather steps, but for the deliveries to rank shards
     active = [
         i
         for i, step in enumerate(schedule.steps)
-        if gather or bounds is not None or any(t.phase is Phase.REDUCE for t in step)
+        if r.gather or r.bounds is not None or any(t.phase is Phase.REDUCE for t in step)
     ]
     transport.reserve(_recv_bytes(st, active), work.device)
-    # 3. hops
     try:
-        for c in schedule.owned_chunks(rank):
+        for c in schedule.owned_chunks(transport.rank):
             if c not in st.last_recv:  # a sink with no children (world size 1)
                 for j in range(u):
                     m = st.part(c, j)
                     st.finalize(m, gcodec.encode(gplan, st.own(m), st.ctxs[m]))
-        _hops(st, active, pipeline and transport.prepost)
+        _hops(st, active, r.call.pipeline and transport.prepost)
     except BaseException as e:
         if not isinstance(e, KeyboardInterrupt):
             if transport.prepost:
@@ -858,29 +923,33 @@ def run(
     st.wait_sends()
     if st.outgoing:
         raise RuntimeError(
-            f"schedule left partial sums unsent on rank {rank}: parts {sorted(st.outgoing)}"
+            f"schedule left partial sums unsent on rank {transport.rank}: "
+            f"parts {sorted(st.outgoing)}"
         )
+    return st
+
+
+def _finish(r: _Resolved, st: _Hops, stats: _StatsExchange, agreed: _Agreement) -> torch.Tensor:
+    """Step 4: account the call in ``r.info``, and let the codec undo its transform."""
+    info, plan, schedule, rank = r.info, st.plan, r.steps, r.transport.rank
     info.stats_bytes = stats.bytes
     info.frame_bytes += stats.frame_bytes + agreed.bytes
     info.comm_seconds += stats.seconds + agreed.seconds
     info.owned = tuple(
-        plan.chunks[st.part(c, j)] for c in schedule.owned_chunks(rank) for j in range(u)
+        plan.chunks[st.part(c, j)] for c in schedule.owned_chunks(rank) for j in range(r.u)
     )
-    if layout is not None:
-        info.owned = ((layout.shards[rank], layout.shards[rank + 1]),)
-    if not gather:
+    if r.layout is not None:
+        info.owned = ((r.layout.shards[rank], r.layout.shards[rank + 1]),)
+    if not r.gather:
         info.phases = ("reduce",)
-    # 4. finish
     for m in range(len(plan.chunks)):
         if m not in st.prepared:  # e.g. parts a reduce-scatter never moves
             st.own(m)
-    y = codec.finish(plan, work, op, n)
-    codec.end_round(plan)
-    if gcodec is not codec:
-        gcodec.end_round(gplan)
-    info.seconds = time.perf_counter() - t_start
-    info.cpu_seconds = time.thread_time() - cpu_start
-    return y, info
+    y = r.codec.finish(plan, st.work, r.call.op, r.transport.world_size)
+    r.codec.end_round(plan)
+    if r.gcodec is not r.codec:
+        r.gcodec.end_round(st.gplan)
+    return y
 
 
 #: Codecs already warned that their payloads travel padded (NCCL).
@@ -893,7 +962,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def _recv_bytes(st: _Call, active: list[int]) -> int:
+def _recv_bytes(st: _Hops, active: list[int]) -> int:
     total = 0
     for s in active:
         for t in st.schedule.recvs(st.rank, s):
@@ -903,7 +972,7 @@ def _recv_bytes(st: _Call, active: list[int]) -> int:
     return total
 
 
-def _hops(st: _Call, active: list[int], pipelined: bool) -> None:
+def _hops(st: _Hops, active: list[int], pipelined: bool) -> None:
     """Run the steps. Pipelined: the next step's receives are posted ahead, every
     message of a step is sent before any of its receives is processed, and a
     microshard's next-step message leaves as soon as that microshard is done.
