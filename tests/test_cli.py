@@ -10,7 +10,6 @@ import torch
 
 import hopq
 from hopq import cli
-from hopq.options import parse_codec_option
 from hopq.reporting import Progress
 
 
@@ -87,12 +86,16 @@ def test_help_names_choices_and_defaults(capsys):
 
 
 def test_codec_options_are_parsed_by_field_type():
-    assert parse_codec_option("dynamiq.budget=4") == ("dynamiq", "budget", 4.0)
-    assert parse_codec_option("dynamiq.widths=2,4,8,16") == ("dynamiq", "widths", (2, 4, 8, 16))
-    assert parse_codec_option("dynamiq.eps=4:0.3,8:0.1") == ("dynamiq", "eps", ((4, 0.3), (8, 0.1)))
-    assert parse_codec_option("dynamiq.zero_class=true")[2] is True
-    assert parse_codec_option("mxfp8.mu_init=none")[2] is None
-    assert parse_codec_option("thc.lane_bits=12")[2] == 12
+    assert cli.parse_codec_option("dynamiq.budget=4") == ("dynamiq", "budget", 4.0)
+    assert cli.parse_codec_option("dynamiq.widths=2,4,8,16") == ("dynamiq", "widths", (2, 4, 8, 16))
+    assert cli.parse_codec_option("dynamiq.eps=4:0.3,8:0.1") == (
+        "dynamiq",
+        "eps",
+        ((4, 0.3), (8, 0.1)),
+    )
+    assert cli.parse_codec_option("dynamiq.zero_class=true")[2] is True
+    assert cli.parse_codec_option("mxfp8.mu_init=none")[2] is None
+    assert cli.parse_codec_option("thc.lane_bits=12")[2] == 12
     from hopq.train.job import TrainOptions
 
     o = TrainOptions(codecs=("dynamiq",), codec_options=(("dynamiq", "budget", 4.0),))

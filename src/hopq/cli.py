@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hopq.options import enum_type, field_types, parse_codec_option, parse_value
+from hopq.options import enum_type, field_types, parse_value
 
 
 def _default_text(v: Any) -> str:
@@ -49,6 +49,22 @@ def _parse_as(hint: Any, what: str, text: str) -> Any:
     except ValueError as e:
         msg = str(e)
         raise ValueError(msg.removeprefix(f"{what}: ")) from None
+
+
+def parse_codec_option(text: str) -> tuple[str, str, Any]:
+    """``--codec-option CODEC.NAME=VALUE`` (e.g. ``dynamiq.budget=4``) -> (codec,
+    name, value), the value parsed by the type of the codec's config field."""
+    from hopq.codecs.registry import codec_info
+
+    key, sep, raw = text.partition("=")
+    codec, dot, name = key.partition(".")
+    if not sep or not dot or not codec or not name:
+        raise ValueError(f"codec option {text!r}: expected CODEC.NAME=VALUE, e.g. dynamiq.budget=4")
+    cfg = codec_info(codec).cls.config_class
+    fields = {f.name for f in dataclasses.fields(cfg)}
+    if name not in fields:
+        raise ValueError(f"codec {codec!r} has no option {name!r}; it has {sorted(fields)}")
+    return codec, name, parse_value(field_types(cfg)[name], raw, f"{codec}.{name}")
 
 
 def add_options(p: argparse.ArgumentParser, cls: type) -> None:

@@ -5,6 +5,9 @@ A field declared with :func:`option` carries its help text (and, where it is
 not an enum, its choices) so that ``hopq.cli`` can build ``--help`` from the
 dataclass itself; ``__post_init__`` methods call :func:`coerce_enums` once
 instead of converting each enum field by hand.
+
+This module is the ground floor: it imports nothing of hopq (the command line's
+``--codec-option``, which needs the codec registry, is parsed in :mod:`hopq.cli`).
 """
 
 from __future__ import annotations
@@ -167,19 +170,3 @@ def parse_value(hint: Any, text: str, what: str) -> Any:
     except ValueError:
         raise ValueError(f"{what}: expected {hint.__name__}, got {text!r}") from None
     return text
-
-
-def parse_codec_option(text: str) -> tuple[str, str, Any]:
-    """``CODEC.NAME=VALUE`` (e.g. ``dynamiq.budget=4``) -> (codec, name, value),
-    the value parsed by the type of the codec's config field."""
-    from hopq.codecs.registry import codec_info
-
-    key, sep, raw = text.partition("=")
-    codec, dot, name = key.partition(".")
-    if not sep or not dot or not codec or not name:
-        raise ValueError(f"codec option {text!r}: expected CODEC.NAME=VALUE, e.g. dynamiq.budget=4")
-    cfg = codec_info(codec).cls.config_class
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    if name not in fields:
-        raise ValueError(f"codec {codec!r} has no option {name!r}; it has {sorted(fields)}")
-    return codec, name, parse_value(field_types(cfg)[name], raw, f"{codec}.{name}")
