@@ -112,7 +112,9 @@ def test_numbers_are_consistent(tiny):
 
 def test_report_names_the_baseline_and_the_interleaving(tiny):
     _, _, text = tiny
-    assert "Verdicts against torch:" in text  # judged against torch's best option
+    assert "Against torch:" in text  # compared with torch's best option
+    for word in ("goal", "meets", "misses", "verdict"):
+        assert word not in text.lower()
     assert "interleaved" in text
     assert "median compute differs by" in text
     assert "DDP's bucket cap: 0.02 MB, so " in text and " buckets per step" in text
@@ -151,25 +153,43 @@ def test_options_are_validated():
     assert "fp32" not in auto
 
 
-def test_goal_verdicts_say_when_a_codec_misses():
-    from hopq.train.report import CodecRun, goal_verdicts
+def test_comparisons_state_ratios_without_judging():
+    from hopq.train.records import CodecRun, StepRecord
+    from hopq.train.report import comparisons
 
-    def run(codec, evals):
-        return CodecRun(codec, 10, [], evals)
+    def run(codec, evals, step_s=None):
+        steps = (
+            []
+            if step_s is None
+            else [StepRecord(i, 1.0, step_s, 0.5, 0.0, 0.0, 1.0, 16.0, exposed_s=step_s / 4)
+                  for i in range(3)]
+        )  # fmt: skip
+        return CodecRun(codec, 10, steps, evals)
 
-    bf16 = run("bf16", [(0.0, 10.0), (50.0, 6.0), (100.0, 5.0)])
-    fast_close = run("a", [(0.0, 10.0), (40.0, 5.04), (80.0, 5.02)])  # 101% at 40 s, +0.40%
+    bf16 = run("bf16", [(0.0, 10.0), (50.0, 6.0), (100.0, 5.0)], step_s=2.0)
+    fast_close = run("a", [(0.0, 10.0), (40.0, 5.04), (80.0, 5.02)], step_s=1.28)
     fast_far = run("b", [(0.0, 10.0), (40.0, 5.04), (80.0, 5.03)])  # +0.60% at the end
     slow = run("c", [(0.0, 10.0), (120.0, 5.0)])
-    lines = goal_verdicts([bf16, fast_close, fast_far, slow])
-    assert "meets the goal" in lines[0] and "0.40x" in lines[0]
-    assert "misses the goal" in lines[1] and "final loss too high" in lines[1]
-    assert "misses the goal" in lines[2] and "slower" in lines[2]
-    assert goal_verdicts([slow]) == []  # no bf16 baseline, no verdict
+    never = run("d", [(0.0, 10.0), (120.0, 5.2)])
+    lines = comparisons([bf16, fast_close, fast_far, slow, never])
+    assert len(lines) == 4
+    # 101% of bf16's final loss at 40 s, bf16 at its final loss at 100 s; +0.40% at the end
+    assert lines[0] == (
+        "- a: 0.64x of bf16's step (exposed synchronization 25% of it), 101% of bf16's final"
+        " loss in 0.40x the time bf16 took to its final loss (40 s vs 100 s), final loss +0.40%"
+    )
+    assert "in 0.40x the time" in lines[1] and "final loss +0.60%" in lines[1]
+    assert "step" not in lines[1]  # no steps recorded: no step ratio
+    assert "in 1.20x the time" in lines[2] and "final loss +0.00%" in lines[2]
+    assert "not reached" in lines[3] and "final loss +4.00%" in lines[3]
+    for line in lines:
+        for word in ("goal", "meets", "misses", "verdict", "slower", "too high"):
+            assert word not in line.lower()
+    assert comparisons([slow]) == []  # no baseline, nothing to compare with
 
 
 def _timed(codec, probes, step_s=1.0):
-    from hopq.train.report import CodecRun, StepRecord
+    from hopq.train.records import CodecRun, StepRecord
 
     steps = [
         StepRecord(i, 1.0, step_s, p, 0.0, 0.0, 1.0, 16.0, probe_s=p, exposed_s=step_s - p)
@@ -179,7 +199,8 @@ def _timed(codec, probes, step_s=1.0):
 
 
 def test_a_last_bucket_holding_most_of_the_gradient_is_named():
-    from hopq.train.report import CodecRun, bucket_line
+    from hopq.train.records import CodecRun
+    from hopq.train.report import bucket_line
 
     # the GPT with DDP's default buckets: 1 MiB, then 11.4 MiB at the backward's end
     default = bucket_line([CodecRun("bf16", bucket_bytes=[1 << 20, 11_950_000])], 0.0)
@@ -190,7 +211,8 @@ def test_a_last_bucket_holding_most_of_the_gradient_is_named():
 
 
 def test_the_least_exposed_share_is_bounded_by_the_last_bucket_and_the_cores():
-    from hopq.train.report import CodecRun, StepRecord, exposure_floor
+    from hopq.train.records import CodecRun, StepRecord
+    from hopq.train.report import exposure_floor
 
     def run(codec, cpu, last):
         # 1.0 s steps, 0.6 s of compute, 10 MB sent, the last bucket 9 of 10 MiB
@@ -227,7 +249,8 @@ def test_the_cpu_bound_counts_this_machines_workers_only(monkeypatch):
 
 
 def test_the_timeline_gives_each_buckets_median_span():
-    from hopq.train.report import CodecRun, StepRecord, timeline_line
+    from hopq.train.records import CodecRun, StepRecord
+    from hopq.train.report import timeline_line
 
     def step(i, ready, done):
         return StepRecord(i, 1.0, 1.0, 0.6, 0.0, 0.0, 1.0, 16.0, bucket_ready_s=ready,
@@ -255,7 +278,8 @@ def test_compute_drift_between_contenders_is_flagged():
 
 
 def test_the_baseline_is_the_best_torch_contender():
-    from hopq.train.report import CodecRun, baseline
+    from hopq.train.records import CodecRun
+    from hopq.train.report import baseline
 
     def run(codec, evals):
         return CodecRun(codec, 10, [], evals)

@@ -9,7 +9,7 @@ workload with every *contender* (a hopq codec, or one of torch's own options:
 weights, the same data order and seeds, and the same dropout masks at every
 step (MiniLM's; the global generator is reseeded before each contender's step):
 
-* ``gpt`` (default, quick): a byte-level GPT trained from scratch on the
+* ``gpt`` (default, quick): a byte-level GPT trained from random weights on the
   standard library's sources;
 * ``minilm``: all-MiniLM-L6-v2 fine-tuned as a masked language model on the
   standard library's docstrings (``pip install 'hopq[bench]'``);
@@ -58,7 +58,8 @@ from hopq.comm.topology import TOPOLOGIES
 from hopq.options import changed_options, option
 from hopq.reporting import Progress
 from hopq.train.contenders import Sync, contender_choices, is_torch, resolve_contenders
-from hopq.train.report import WARMUP_STEPS, CodecRun, StepRecord, report
+from hopq.train.records import WARMUP_STEPS, CodecRun, StepRecord
+from hopq.train.report import report
 from hopq.train.workloads import WORKLOADS, Workload, step_seed
 
 #: The contender the link is calibrated against: torch's fp16 hook, what a

