@@ -445,7 +445,21 @@ class Codec(ABC, Generic[P]):
         """
 
     @abstractmethod
-    def prepare(self, plan: P, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor: ...
+    def prepare(self, plan: P, x: torch.Tensor, overwrite: bool = False) -> torch.Tensor:
+        """This rank's working vector: float32, ``plan.work_numel`` entries, in
+        the plan's layout (permuted, shifted or scaled as the plan says).
+
+        Args:
+            plan: This round's plan.
+            x: This rank's input, flattened.
+            overwrite: Whether the codec may use ``x``'s memory as the working
+                vector (the engine says so for an in-place all-reduce of a
+                contiguous float32 tensor); otherwise it returns fresh memory.
+
+        Returns:
+            The working vector; per-part work may be left to
+            :meth:`prepare_part`.
+        """
 
     def prepare_part(self, plan: P, work: torch.Tensor, part: int) -> None:
         """Finish preparing part ``part`` (``plan.chunks[part]``) of the working
