@@ -1,4 +1,6 @@
-"""Codecs: one module per codec, each registering itself by name."""
+"""Codecs, each registering itself by name: one folder per codec with kernels
+(its config, plan, PyTorch reference and kernels side by side), one module for
+the small ones (omnireduce, uncompressed)."""
 
 from hopq.codecs import dynamiq as _dynamiq  # noqa: F401  (registers dynamiq)
 from hopq.codecs import equarx as _equarx  # noqa: F401  (registers equarx)

@@ -31,9 +31,10 @@ over all n encoders of the path; it is measurably biased (tests/test_dynamiq.py)
 Non-finite input: a NaN or Inf poisons its super-group's mean and scale, so the
 whole super-group (the position included) comes out non-finite on every rank.
 
-Kernels (:mod:`hopq.kernels`): ``backend="auto"`` runs the numba kernels on CPU
-tensors and the Triton kernels on CUDA tensors when installed, the reference
-otherwise; all produce the same bits.
+Kernels (:mod:`.kernels_cpu`, numba; :mod:`.kernels_triton`, Triton; each
+segment handed over as one :class:`~.segment.SegmentCall`): ``backend="auto"``
+runs the numba kernels on CPU tensors and the Triton kernels on CUDA tensors
+when installed, the reference otherwise; all produce the same bits.
 """
 
 from hopq.codecs.dynamiq.codec import DynamiQ

@@ -198,9 +198,17 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         if stats.key is not None and cfg.share_budget:
             self._step_stats[stats.key] = (d, F64)
         return build_plan(
-            cfg, d, widths, stats.n_chunks, mu, budget, stats.microshards, bounds, sg_starts,
+            cfg,
+            d,
+            widths,
+            stats.n_chunks,
+            mu,
+            budget,
+            stats.microshards,
+            bounds,
+            sg_starts,
             weight,
-        )  # fmt: skip
+        )
 
     # -- the optimizer (optim.py) -----------------------------------------------
     @property
@@ -387,9 +395,16 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         s, e = plan.chunks[part]
         kern = self.kernels(work.device)
         kern.scatter_rows(  # type: ignore[union-attr, call-arg]
-            work[s:e], plan.perm[s // S : e // S], plan.mu, S, world_size,
-            op is ReduceOp.AVG, plan.numel, out=plan.out, saturate=True,
-        )  # fmt: skip
+            work[s:e],
+            plan.perm[s // S : e // S],
+            plan.mu,
+            S,
+            world_size,
+            op is ReduceOp.AVG,
+            plan.numel,
+            out=plan.out,
+            saturate=True,
+        )
         plan.finished.add(part)
 
     def finish(
@@ -410,15 +425,11 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         if plan.bounds is None:
             out = scatter(y, plan.perm, plan.mu, S, world_size, avg, plan.numel)
             return saturate_finite_rows(out, plan.mu, S)
-        parts = [
-            saturate_finite_rows(
-                scatter(y[lo * S : hi * S], plan.perm[lo:hi] - lo, plan.mu[lo:hi], S,
-                        world_size, avg, b - a),
-                plan.mu[lo:hi],
-                S,
-            )
-            for (a, b), (lo, hi) in self._segments(plan)
-        ]  # fmt: skip
+        parts = []
+        for (a, b), (lo, hi) in self._segments(plan):
+            perm, mu = plan.perm[lo:hi] - lo, plan.mu[lo:hi]
+            part = scatter(y[lo * S : hi * S], perm, mu, S, world_size, avg, b - a)
+            parts.append(saturate_finite_rows(part, mu, S))
         return torch.cat(parts) if parts else y[:0]
 
     # -- the four hop operations ---------------------------------------------

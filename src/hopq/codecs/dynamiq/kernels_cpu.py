@@ -134,9 +134,16 @@ def gather_rows(
 
 
 def scatter_rows(
-    y: torch.Tensor, perm: torch.Tensor, mu: torch.Tensor, S: int, n: int, avg: bool, d: int,
-    out: torch.Tensor | None = None, saturate: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    y: torch.Tensor,
+    perm: torch.Tensor,
+    mu: torch.Tensor,
+    S: int,
+    n: int,
+    avg: bool,
+    d: int,
+    out: torch.Tensor | None = None,
+    saturate: bool = False,
+) -> torch.Tensor:
     """The reference ``finish``: the inverse reorder, means added back; rows of y
     go to rows ``perm`` of ``out`` (float32 of d entries) when given, so that a
     part of the working vector lands in the result (:meth:`DynamiQ.finish_part`).

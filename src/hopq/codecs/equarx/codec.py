@@ -239,11 +239,17 @@ class EQuARXCodec(Codec[Plan]):
         cfg = self.config
         return int(
             k.run(
-                mode, n, cfg.minishard, cfg.per_minishard, cfg.block,
-                _SCALE_BYTES[cfg.scale], element=_ELEMENT_DTYPE[cfg.element],
-                q=_QMAX[cfg.element], **tensors,
+                mode,
+                n,
+                cfg.minishard,
+                cfg.per_minishard,
+                cfg.block,
+                _SCALE_BYTES[cfg.scale],
+                element=_ELEMENT_DTYPE[cfg.element],
+                q=_QMAX[cfg.element],
+                **tensors,
             )
-        )  # fmt: skip
+        )
 
     def _check_decoded(self, plan: Plan, payload: torch.Tensor, n: int, ctx: HopContext) -> None:
         check_payload(payload, plan.payload_nbytes[ctx.chunk], f"{self.name} part {ctx.chunk}")

@@ -198,9 +198,13 @@ class _PartwiseFinish:
     into values; its plan records the parts done."""
 
     def _values(
-        self, plan: Any, y: torch.Tensor, op: ReduceOp, world_size: int,
+        self,
+        plan: Any,
+        y: torch.Tensor,
+        op: ReduceOp,
+        world_size: int,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         raise NotImplementedError
 
     def finish_part(
@@ -400,9 +404,13 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
         out.copy_(self._unpack(plan, payload, out.numel(), ctx.chunk))
 
     def _hop(
-        self, plan: GQSGDLinearPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext,
+        self,
+        plan: GQSGDLinearPlan,
+        payload: torch.Tensor,
+        acc: torch.Tensor,
+        ctx: HopContext,
         encode: bool,
-    ) -> torch.Tensor | None:  # fmt: skip
+    ) -> torch.Tensor | None:
         """The numba hop on the plan's lanes, or None (the caller runs the reference)."""
         k = _kernels("gqsgd-linear", self.config.backend, acc.device)
         if k is None or not acc.is_contiguous():
@@ -434,9 +442,13 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
             self._beyond(plan, ctx.chunk)
 
     def _values(
-        self, plan: GQSGDLinearPlan, y: torch.Tensor, op: ReduceOp, world_size: int,
+        self,
+        plan: GQSGDLinearPlan,
+        y: torch.Tensor,
+        op: ReduceOp,
+        world_size: int,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The integer sums ``y`` as values (``step`` each, averaged for AVG), into
         ``out`` when given (may be ``y``)."""
         k = _kernels("gqsgd-linear", self.config.backend, y.device)
@@ -659,9 +671,13 @@ class GQSGDExp(_PartwiseFinish, Codec[GQSGDExpPlan]):
         )
 
     def _combine(
-        self, plan: GQSGDExpPlan, payload: torch.Tensor, acc: torch.Tensor, ctx: HopContext,
+        self,
+        plan: GQSGDExpPlan,
+        payload: torch.Tensor,
+        acc: torch.Tensor,
+        ctx: HopContext,
         encode: bool,
-    ) -> torch.Tensor | None:  # fmt: skip
+    ) -> torch.Tensor | None:
         """acc <- exp_reduce(acc, payload's codes); with ``encode``, the result's payload."""
         k = self.kernels(acc.device)
         if k is None or not acc.is_contiguous():
@@ -716,9 +732,13 @@ class GQSGDExp(_PartwiseFinish, Codec[GQSGDExpPlan]):
         return out
 
     def _values(
-        self, plan: GQSGDExpPlan, y: torch.Tensor, op: ReduceOp, world_size: int,
+        self,
+        plan: GQSGDExpPlan,
+        y: torch.Tensor,
+        op: ReduceOp,
+        world_size: int,
         out: torch.Tensor | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    ) -> torch.Tensor:
         """The signed exponent codes ``y`` as values, into ``out`` when given (may
         be ``y``)."""
         N = plan.scale

@@ -70,9 +70,10 @@ class MXConfig(CodecConfig):
     #: Otherwise mu shrinks by this factor per round (FP8-LM's 2^(-1/1000)).
     shrink: float = option(2 ** (-1 / 1000), "per-round shrink factor of mu otherwise")
     backend: CpuBackend = option(
-        CpuBackend.AUTO, "implementation of encode, decode and the fused hop (same bits)",
+        CpuBackend.AUTO,
+        "implementation of encode, decode and the fused hop (same bits)",
         choices=CpuBackend,
-    )  # fmt: skip
+    )
 
     def __post_init__(self) -> None:
         coerce_enums(self, "mx")

@@ -65,9 +65,13 @@ def encode(
 
 
 def decode(
-    payload: torch.Tensor, scale: torch.Tensor, fmt: fpf.ElementFormat, block: int,
-    out: torch.Tensor, acc: bool,
-) -> None:  # fmt: skip
+    payload: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: fpf.ElementFormat,
+    block: int,
+    out: torch.Tensor,
+    acc: bool,
+) -> None:
     """out (contiguous float32) = the payload's values, or += with ``acc``."""
     fmax, safe, table = _consts(fmt)
     _jit().decode(
@@ -77,9 +81,12 @@ def decode(
 
 
 def hop(
-    payload: torch.Tensor, local: torch.Tensor, scale: torch.Tensor, fmt: fpf.ElementFormat,
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: fpf.ElementFormat,
     block: int,
-) -> tuple[torch.Tensor, int]:  # fmt: skip
+) -> tuple[torch.Tensor, int]:
     """The fused hop: local (contiguous float32) += decode(payload); returns the
     sum's payload and the saturated count."""
     n = local.numel()
