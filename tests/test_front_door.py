@@ -15,7 +15,9 @@ TEXT_SUFFIXES = {".md", ".py", ".toml", ".yml", ".yaml", ".txt", ".cfg", ".ini",
 SCANNED = ("README.md", "CHANGELOG.md", "docs", "src", "tests", "examples", "tools", "Makefile")
 
 # Built from pieces so that this file does not match itself.
-_W = "|".join(["sess" + "ions?", "lea" + "s(?:e|es|ed)", "scr" + "atch", "go" + "als?", "ver" + "dicts?"])
+_W = "|".join(
+    ["sess" + "ions?", "lea" + "s(?:e|es|ed)", "scr" + "atch", "go" + "als?", "ver" + "dicts?"]
+)
 #: The words of a project's making, whole words, any case.
 WORDS = re.compile(rf"\b(?:{_W})\b", re.IGNORECASE)
 #: pytest's fixture scope is the one legitimate use of the first word.
@@ -30,7 +32,10 @@ def tracked_files() -> list[Path]:
     try:
         out = subprocess.run(
             ["git", "ls-files", "--cached", "--others", "--exclude-standard", *SCANNED],
-            cwd=ROOT, capture_output=True, text=True, check=True,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         files = [ROOT / line for line in out.splitlines() if line]
     except (OSError, subprocess.CalledProcessError):  # not a git checkout
