@@ -21,8 +21,9 @@ import torch
 from hopq.codecs.base import HopContext, check_payload
 from hopq.codecs.dynamiq.config import DynamiQConfig, Rounding, Scales
 from hopq.codecs.dynamiq.layout import DynamiQPlan
-from hopq.codecs.dynamiq.segment import Streams
+from hopq.codecs.dynamiq.segment import SegmentCall, Streams
 from hopq.errors import PayloadError
+from hopq.kernels import Mode
 from hopq.numerics.bitpack import pack_bits, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
 from hopq.numerics.div import div
@@ -196,6 +197,34 @@ def decode_rows(cfg: DynamiQConfig, seg_bytes: torch.Tensor, w: int, k: int) -> 
     table = level_table(w, cfg.eps_for(w), seg_bytes.device)
     mag = table[code & (top - 1)].view(k, ng, s) * sf[..., None]
     return torch.where((code >= top).view(k, ng, s), -mag, mag).view(k, S)
+
+
+def run_segment(cfg: DynamiQConfig, call: SegmentCall) -> None:
+    """One :class:`~hopq.codecs.dynamiq.segment.SegmentCall` as the reference runs
+    it: what a kernel module's ``run_segment`` reproduces bit for bit. ``cfg``
+    gives the scales (the kernels take hierarchical ones); the call's sizes and
+    level parameter must be its. The fused hop leaves ``local`` as it is, as the
+    kernels do."""
+    k, S, w = call.rows, call.S, call.width
+    if (S, call.s, call.eps) != (cfg.supergroup_size, cfg.group_size, cfg.eps_for(w)):
+        raise ValueError("dynamiq: the segment call's sizes or level table are not the config's")
+
+    def given(t: torch.Tensor | None, name: str) -> torch.Tensor:
+        if t is None:
+            raise ValueError(f"dynamiq: mode {call.mode.name} needs {name}")
+        return t
+
+    if call.mode == Mode.ENCODE:
+        rows = given(call.local, "local").view(k, S)
+    else:
+        rows = decode_rows(cfg, given(call.payload, "payload"), w, k)
+        if call.mode != Mode.DECODE:
+            rows = given(call.local, "local").view(k, S) + rows  # the engine's acc += decode
+        if call.mode != Mode.DAR:
+            given(call.out_rows, "out_rows").view(k, S).copy_(rows)
+            return
+    parts = encode_rows(cfg, rows, w, call.row0, call.streams)
+    given(call.out_payload, "out_payload").copy_(torch.cat(parts))
 
 
 def encode_chunk(

@@ -4,8 +4,9 @@ The codec cuts every chunk into width-uniform segments of whole super-groups
 (:mod:`.layout`) and runs each segment through one of the four fused kernels of
 section 4 (:class:`~hopq.kernels.Mode`). :class:`SegmentCall` is everything such a
 run needs, built once by the codec and handed to whichever backend runs it
-(:mod:`.kernels_cpu`, numba; :mod:`.kernels_triton`, Triton); both reproduce
-:mod:`.reference` bit for bit (``tests/test_kernels.py``).
+(:mod:`.kernels_cpu`, numba; :mod:`.kernels_triton`, Triton). Both reproduce
+:func:`.reference.run_segment`, the reference's reading of the same call, bit
+for bit (``tests/test_kernels.py``).
 """
 
 from __future__ import annotations
