@@ -79,7 +79,7 @@ def save_figure(fig: Any, path: Path) -> Path:
 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # legends placed outside the axes
     plt.close(fig)
     return path
 

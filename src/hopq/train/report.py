@@ -233,17 +233,39 @@ def _plots(runs: list[CodecRun], folder: Path) -> list[str]:
     if plt is None:
         return []
     made = []
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in runs:
-        ax.plot([t for t, _ in r.evals], [v for _, v in r.evals], marker="o", ms=3, label=r.codec)
+    # Left: the whole run; right: the end of it, where the contenders part. One
+    # colour per contender (tab20 past ten), torch's own hooks dashed.
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    cmap = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20")
     base = baseline(runs)
-    if base:
-        ax.axhline(base.evals[-1][1], color="gray", ls="--", lw=1, label=f"{base.codec} final")
-    ax.set_xlabel("training wall-clock (s)")
-    ax.set_ylabel("evaluation loss")
-    ax.set_title("Time to accuracy")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax in axes:
+        for i, r in enumerate(runs):
+            ax.plot(
+                [t for t, _ in r.evals],
+                [v for _, v in r.evals],
+                marker="o",
+                ms=3,
+                color=cmap(i % cmap.N),
+                ls="--" if r.codec.startswith("torch:") else "-",
+                label=r.codec,
+            )
+        if base:
+            ax.axhline(base.evals[-1][1], color="gray", ls=":", lw=1, label=f"{base.codec} final")
+        ax.set_xlabel("training wall-clock (s)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("evaluation loss")
+    axes[0].set_title("Time to accuracy")
+    finals = [r.evals[-1][1] for r in runs if r.evals]
+    if base and finals:
+        ref = base.evals[-1][1]
+        lo, hi = min(min(finals), ref), max(finals + [ref])
+        pad = 0.25 * (hi - lo) + 0.005 * abs(ref)
+        axes[1].set_ylim(lo - pad, hi + pad)
+        axes[1].set_xlim(left=0.5 * max(t for r in runs for t, _ in r.evals))
+    axes[1].set_title("The end of training")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
     made.append(save_figure(fig, folder / "tta.png").name)
 
     fig, ax = plt.subplots(figsize=(max(7, 0.8 * len(runs)), 4))
