@@ -34,7 +34,7 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 test: setup test-torch-only docs
-	$(BIN)/ruff check src tests examples
-	$(BIN)/ruff format --check src tests examples
+	$(BIN)/ruff check src tests examples tools
+	$(BIN)/ruff format --check src tests examples tools
 	$(BIN)/mypy src
 	$(BIN)/python -m pytest tests
