@@ -41,6 +41,8 @@ import torch
 from hopq.bench.kernels import one_thread
 from hopq.codecs.base import HopContext, LocalStats, ReduceOp
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
+from hopq.comm.cost import CodecCost, Network
+from hopq.comm.cost import predict as predict_cluster
 from hopq.options import check_scoped, option
 from hopq.reporting import machine, markdown_table
 
@@ -59,9 +61,24 @@ class ModelOptions:
     validate_rate_mbit: float = option(200.0, "validation: per-worker link in Mbit/s")
     validate_size_mib: float = option(4.0, "validation: tensor size in MiB")
     calib_coords: int = option(1 << 20, "coordinates of the one-core calibration")
+    layouts: tuple[str, ...] = option(
+        ("2x2", "8x8", "32x8", "128x8"),
+        "two-tier prediction: clusters as NODESxWORKERS (nodes x workers per node)",
+    )
+    inter_gbit: float = option(100.0, "two-tier prediction: each node's uplink in Gbit/s")
+    intra_gbit: float = option(
+        900.0, "two-tier prediction: each worker's link inside its node, Gbit/s"
+    )
+    schedules: tuple[str, ...] = option(
+        ("ring", "butterfly", "hier:ring", "hier:butterfly"),
+        "two-tier prediction: flat topologies over all ranks, or hier:<topology> between nodes",
+    )
+    plot: str = option("", "two-tier prediction: write a plot of the predicted times to this PNG")
 
     def __post_init__(self) -> None:
         resolve_codecs(self.codecs)
+        for lay in self.layouts:
+            parse_layout(lay)
         check_scoped(
             self,
             dict.fromkeys(("validate_worlds", "validate_rate_mbit", "validate_size_mib"), ("",)),
@@ -70,16 +87,83 @@ class ModelOptions:
         )
 
 
-@dataclass
-class CodecCost:
-    """Seconds per coordinate on one core, and bits per coordinate on the wire."""
+def parse_layout(text: str) -> tuple[int, int]:
+    """``"NxG"`` -> (N, G): N nodes of G workers."""
+    try:
+        n, g = (int(v) for v in str(text).lower().split("x"))
+    except ValueError:
+        raise ValueError(f"layout {text!r}: expected NODESxWORKERS such as 8x8") from None
+    if n < 1 or g < 1:
+        raise ValueError(f"layout {text!r}: nodes and workers per node must be at least 1")
+    return n, g
 
-    codec: str
-    plan: float
-    enc: float
-    hop: float
-    dec: float
-    bits: float
+
+def cluster_table(
+    costs: dict[str, CodecCost], o: ModelOptions, d: int, exact: CodecCost | None
+) -> tuple[list[str], list[tuple[str, str, int, float]]]:
+    """The two-tier prediction as table lines, and (codec, schedule, ranks,
+    seconds) points for the plot."""
+    rows: list[list[Any]] = []
+    points: list[tuple[str, str, int, float]] = []
+    for lay in o.layouts:
+        n, g = parse_layout(lay)
+        net = Network(n, g, o.inter_gbit, o.intra_gbit, o.latency_us, cores_per_node=g)
+        base = {
+            s: predict_cluster(costs["bf16"], s, net, d, exact).seconds
+            for s in o.schedules
+            if "bf16" in costs
+        }
+        for sched in o.schedules:
+            row: list[Any] = [lay, sched]
+            chain = 0
+            for c, cost in costs.items():
+                p = predict_cluster(cost, sched, net, d, exact)
+                chain = p.recompressions
+                speed = f" ({base[sched] / p.seconds:.2f}x)" if sched in base else ""
+                row.append(f"{p.seconds * 1e3:.1f} ms{speed}")
+                points.append((c, sched, n * g, p.seconds))
+            row.insert(2, chain)
+            rows.append(row)
+    lines = [
+        "",
+        f"### Two tiers: {o.size_mib:g} MiB, uplinks of {o.inter_gbit:g} Gbit/s per node, "
+        f"{o.intra_gbit:g} Gbit/s per worker inside a node, {o.latency_us:g} us per step, "
+        "one core per worker (time, speed-up over bf16 on the same schedule; "
+        "recompressions: the longest chain of compressions a contribution goes through)",
+        "",
+        markdown_table(["layout", "schedule", "recompressions", *costs], rows),
+    ]
+    return lines, points
+
+
+def cluster_plot(points: list[tuple[str, str, int, float]], path: str) -> str | None:
+    """Predicted time against the number of ranks, one panel per codec."""
+    from hopq.reporting import pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return None
+    from pathlib import Path
+
+    codecs = sorted({c for c, *_ in points})
+    fig, axes = plt.subplots(1, len(codecs), figsize=(4 * len(codecs), 3.6), squeeze=False)
+    for ax, c in zip(axes[0], codecs, strict=True):
+        for sched in sorted({s for cc, s, *_ in points if cc == c}):
+            xs = [(p, t) for cc, s, p, t in points if cc == c and s == sched]
+            ax.plot(
+                [p for p, _ in xs],
+                [t * 1e3 for _, t in xs],
+                marker="o",
+                ls="-" if sched.startswith("hier:") else "--",
+                label=sched,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_title(c)
+        ax.set_xlabel("ranks (nodes x workers)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("predicted all-reduce (ms)")
+    axes[0][-1].legend(fontsize=8)
+    return str(save_figure(fig, Path(path)))
 
 
 def _best(fn: Any, reps: int = 3, setup: Any = None) -> float:
@@ -280,6 +364,12 @@ def run(o: ModelOptions) -> str:
         "",
         markdown_table(["n", "topology", *codecs], rows),
     ]
+    exact = calibrate("fp32", o.calib_coords) if o.layouts else None
+    more, points = cluster_table(costs, o, d, exact)
+    lines += more
+    if o.plot:
+        made = cluster_plot(points, o.plot)
+        lines += ["", f"![predicted times]({made})" if made else "(no plot: matplotlib missing)"]
     if o.validate:
         why = unavailable_reason()
         if why:
