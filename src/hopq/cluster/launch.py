@@ -43,6 +43,27 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def layout_env(rank: int, n: int, workers_per_node: int) -> dict[str, str]:
+    """The variables torchrun gives worker ``rank`` of ``n`` when each node runs
+    ``workers_per_node`` of them (rank = node x workers_per_node + local rank):
+    what :mod:`hopq.comm`'s layout detection reads (LOCAL_WORLD_SIZE, GROUP_RANK)
+    and the rest of torchrun's set (RANK, WORLD_SIZE, LOCAL_RANK,
+    GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE). No MASTER_ADDR:
+    :func:`launched_by_torchrun` stays false for the spawned ranks."""
+    if workers_per_node < 1 or n % workers_per_node:
+        raise ValueError(f"workers_per_node must divide {n}, got {workers_per_node}")
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(n),
+        "LOCAL_RANK": str(rank % workers_per_node),
+        "LOCAL_WORLD_SIZE": str(workers_per_node),
+        "GROUP_RANK": str(rank // workers_per_node),
+        "GROUP_WORLD_SIZE": str(n // workers_per_node),
+        "ROLE_RANK": str(rank),
+        "ROLE_WORLD_SIZE": str(n),
+    }
+
+
 @dataclass
 class RankOutcome:
     """How one spawned rank ended."""
@@ -85,8 +106,11 @@ def _entry(
     pg_timeout: float,
     clean_exit: bool,
     parent: int,
+    workers_per_node: int | None = None,
 ) -> None:
     _die_with(parent)
+    if workers_per_node is not None:  # before anything reads the layout
+        os.environ.update(layout_env(rank, n, workers_per_node))
     torch.set_num_threads(threads)
     # a crash, even one at interpreter exit, leaves every thread's Python stack
     # here (the file stays open until the process ends)
@@ -130,14 +154,19 @@ def spawn(
     namespaces: list[str] | None = None,
     pg_timeout: float = PG_TIMEOUT_S,
     clean_exit: bool = True,
+    workers_per_node: int | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, n, *args)`` in n spawned Gloo ranks (one fresh FileStore) and
     report how each ended, whatever happened (the fault tests kill ranks on
     purpose). ``timeout``: seconds to wait for all ranks before killing the rest.
     ``clean_exit=False``: ranks leave right after their function returns or
-    raises, without the final barrier (for groups a fault has broken)."""
+    raises, without the final barrier (for groups a fault has broken).
+    ``workers_per_node``: each rank gets torchrun's layout variables for nodes of
+    that many workers (:func:`layout_env`); None: none are set."""
     if namespaces is not None and len(namespaces) < n:
         raise ValueError(f"{n} ranks need {n} namespaces, got {len(namespaces)}")
+    if workers_per_node is not None:
+        layout_env(0, n, workers_per_node)  # refuse a bad layout before spawning
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="hopq-") as tmp:
         procs = [
@@ -154,6 +183,7 @@ def spawn(
                     pg_timeout,
                     clean_exit,
                     os.getpid(),
+                    workers_per_node,
                 ),
             )  # fmt: skip
             for r in range(n)
@@ -218,12 +248,23 @@ def run_workers(
     timeout: float = 3600,
     threads: int = 1,
     namespaces: list[str] | None = None,
+    workers_per_node: int | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, n, *args)`` in n spawned Gloo ranks (one fresh FileStore);
     return each rank's result. A failing rank's traceback is raised here. With
     ``namespaces`` (an :class:`~hopq.cluster.network.EmulatedNetwork`'s), rank i
-    runs in namespace i and talks over the shaped links."""
-    outcomes = spawn(n, fn, *args, timeout=timeout, threads=threads, namespaces=namespaces)
+    runs in namespace i and talks over the shaped links; with ``workers_per_node``
+    (the network's), each rank also gets torchrun's layout variables
+    (:func:`layout_env`), so that it knows which ranks share its node."""
+    outcomes = spawn(
+        n,
+        fn,
+        *args,
+        timeout=timeout,
+        threads=threads,
+        namespaces=namespaces,
+        workers_per_node=workers_per_node,
+    )
     errors = [f"rank {o.rank}:\n{o.error}" for o in outcomes if o.error]
     hung = [o for o in outcomes if o.exitcode is None]
     dead = [o for o in outcomes if o.exitcode not in (0, None) and not o.error]

@@ -41,15 +41,20 @@ on plain loopback.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import secrets
 import shutil
 import signal
 import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType, TracebackType
+from typing import IO
 
 CLONE_NEWNET = 0x40000000
 #: The worker's interface name inside its namespace (GLOO_SOCKET_IFNAME).
@@ -159,6 +164,27 @@ def _read_sysctl(ns: str, key: str) -> str:
     return r.stdout.strip()
 
 
+#: Seconds a launcher gets to stop its own workers after SIGTERM before SIGKILL.
+STOP_GRACE_S = 5.0
+
+
+def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """End every process still running, and its process group: SIGTERM first (a
+    launcher such as torchrun then stops the workers it started in their own
+    sessions), SIGKILL after :data:`STOP_GRACE_S`."""
+    live = [p for p in procs if p.poll() is None]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in live:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, sig)
+        end = time.monotonic() + STOP_GRACE_S
+        while any(p.poll() is None for p in live) and time.monotonic() < end:
+            time.sleep(0.05)
+        live = [p for p in live if p.poll() is None]
+        if not live:
+            return
+
+
 def enter_namespace(name: str) -> None:
     """Move the calling process's (main) thread into network namespace ``name``.
     Call it before creating sockets or threads that must live there."""
@@ -174,8 +200,18 @@ def enter_namespace(name: str) -> None:
 
 @dataclass
 class EmulatedNetwork:
-    """``with EmulatedNetwork(4, rate_mbit=1000) as net:`` then run worker i in
-    ``net.namespaces[i]`` (see :func:`hopq.cluster.launch.run_workers`)."""
+    """``with EmulatedNetwork(4, rate_mbit=1000) as net:`` then run rank i in
+    ``net.namespaces[i]`` (see :func:`hopq.cluster.launch.run_workers`).
+
+    ``workers_per_node=G`` groups the ranks into ``workers // G`` nodes as a
+    cluster of machines does: ranks ``k*G .. k*G+G-1`` share node k's namespace
+    (``net.namespaces[i] == net.node_namespaces[i // G]``), so their traffic to
+    each other stays on that namespace's loopback, shaped to ``intra_rate_mbit``
+    when given (one token bucket on ``lo``: every byte between the node's
+    workers, all directions together, as on a shared bus); only traffic between
+    nodes crosses node k's uplink, shaped to ``rate_mbit`` each way. The
+    default, one worker per node, is the flat network of the module's docstring.
+    """
 
     workers: int
     rate_mbit: float
@@ -187,8 +223,15 @@ class EmulatedNetwork:
     mtu: int = 1500
     #: TCP congestion control in every worker namespace (see the module's docstring).
     congestion: str = CONGESTION
+    #: Workers per node (namespace); ``workers`` must be a multiple of it.
+    workers_per_node: int = 1
+    #: Rate of each node's loopback in Mbit/s (all its intra-node traffic); 0: unshaped.
+    intra_rate_mbit: float = 0.0
     tag: str = field(default_factory=lambda: secrets.token_hex(2))
+    #: Per rank: the namespace it runs in (its node's).
     namespaces: list[str] = field(default_factory=list)
+    #: Per node: its namespace.
+    node_namespaces: list[str] = field(default_factory=list)
     _created: list[str] = field(default_factory=list)
     _old_term: object = None
 
@@ -197,12 +240,41 @@ class EmulatedNetwork:
             raise ValueError("an emulated network needs at least one worker")
         if not self.rate_mbit > 0:
             raise ValueError(f"rate_mbit must be > 0, got {self.rate_mbit}")
+        if self.workers_per_node < 1 or self.workers % self.workers_per_node:
+            raise ValueError(
+                f"workers_per_node must divide the {self.workers} workers, "
+                f"got {self.workers_per_node}"
+            )
+        if not self.intra_rate_mbit >= 0:
+            raise ValueError(
+                f"intra_rate_mbit must be >= 0 (0: unshaped), got {self.intra_rate_mbit}"
+            )
+        if self.nodes > 254:
+            raise ValueError(f"at most 254 nodes fit the emulated subnet, got {self.nodes}")
         check_mtu(self.mtu)
         check_congestion(self.congestion)
 
+    @property
+    def nodes(self) -> int:
+        """How many nodes (namespaces joined by shaped links)."""
+        return self.workers // self.workers_per_node
+
+    def node_of(self, rank: int) -> int:
+        """The node that rank ``rank`` runs on."""
+        return rank // self.workers_per_node
+
     def describe(self) -> str:
         """The network in a report's words."""
-        return f"{self.rate_mbit:.4g} Mbit/s per worker (tc tbf), MTU {self.mtu}, TCP {self.congestion}"
+        link = (
+            f"{self.rate_mbit:.4g} Mbit/s per {'worker' if self.workers_per_node == 1 else 'node'}"
+        )
+        if self.workers_per_node > 1:
+            lo = f"{self.intra_rate_mbit:.4g} Mbit/s" if self.intra_rate_mbit else "unshaped"
+            link = (
+                f"{self.nodes} nodes x {self.workers_per_node} workers, {link}, "
+                f"loopback inside a node {lo}"
+            )
+        return f"{link} (tc tbf), MTU {self.mtu}, TCP {self.congestion}"
 
     def _congestion(self, ns: str) -> None:
         """Set the namespace's TCP congestion control; refuse one the host does not
@@ -224,13 +296,16 @@ class EmulatedNetwork:
     def switch(self) -> str:
         return f"hq{self.tag}sw"
 
-    def address(self, i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
+    def address(self, node: int) -> str:
+        """Node ``node``'s address on the emulated network (its workers' too)."""
+        return f"{SUBNET}.{node + 1}"
 
-    def _tbf(self, ns: str, dev: str) -> None:
-        rate_bytes = self.rate_mbit * 1e6 / 8
+    def _tbf(self, ns: str, dev: str, rate_mbit: float, packet: int) -> None:
+        """A token bucket at ``rate_mbit`` on ``dev``'s egress; ``packet``: the
+        largest frame it must pass whole (a bucket shallower than a frame drops it)."""
+        rate_bytes = rate_mbit * 1e6 / 8
         burst = self.burst_bytes or max(
-            16 * 1024, int(rate_bytes / 250) + self.mtu + 100, 2 * (self.mtu + 100)
+            16 * 1024, int(rate_bytes / 250) + packet + 100, 2 * (packet + 100)
         )
         _run(
             "ip",
@@ -245,12 +320,21 @@ class EmulatedNetwork:
             "root",
             "tbf",
             "rate",
-            f"{self.rate_mbit}mbit",
+            f"{rate_mbit}mbit",
             "burst",
             str(burst),
             "latency",
             f"{self.latency_ms}ms",
         )
+
+    def _loopback_mtu(self, ns: str) -> int:
+        r = subprocess.run(
+            ["ip", "netns", "exec", ns, "cat", "/sys/class/net/lo/mtu"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        return int(r.stdout.strip() or 65536)
 
     def build(self) -> EmulatedNetwork:
         why = unavailable_reason()
@@ -262,9 +346,9 @@ class EmulatedNetwork:
             _run("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
             _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
             mtu = str(self.mtu)
-            for i in range(self.workers):
-                ns = f"hq{self.tag}w{i}"
-                a, b = f"hq{self.tag}w{i}a", f"hq{self.tag}w{i}b"
+            for k in range(self.nodes):
+                ns = f"hq{self.tag}n{k}"
+                a, b = f"hq{self.tag}n{k}a", f"hq{self.tag}n{k}b"
                 _run("ip", "netns", "add", ns)
                 self._created.append(ns)
                 _run(
@@ -293,7 +377,7 @@ class EmulatedNetwork:
                     "ip",
                     "addr",
                     "add",
-                    f"{self.address(i)}/24",
+                    f"{self.address(k)}/24",
                     "dev",
                     WORKER_IFACE,
                 )
@@ -303,13 +387,82 @@ class EmulatedNetwork:
                 _run("ip", "netns", "exec", self.switch, "ip", "link", "set", b, "master", "br0")
                 _run("ip", "netns", "exec", self.switch, "ip", "link", "set", b, "up")
                 _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "mtu", mtu)
-                self._tbf(ns, WORKER_IFACE)  # upload
-                self._tbf(self.switch, b)  # download
-                self.namespaces.append(ns)
+                self._tbf(ns, WORKER_IFACE, self.rate_mbit, self.mtu)  # upload
+                self._tbf(self.switch, b, self.rate_mbit, self.mtu)  # download
+                if self.intra_rate_mbit > 0:
+                    # traffic between two processes of one namespace goes through
+                    # lo (to any local address, the hq0 one included): one
+                    # bucket there shapes all of it, both directions together
+                    self._tbf(ns, "lo", self.intra_rate_mbit, self._loopback_mtu(ns))
+                self.node_namespaces.append(ns)
+            self.namespaces.extend(
+                self.node_namespaces[self.node_of(r)] for r in range(self.workers)
+            )
         except BaseException:
             self.close()
             raise
         return self
+
+    def run_per_node(
+        self,
+        command: Callable[[int], Sequence[str]],
+        env: Callable[[int], dict[str, str]] | None = None,
+        timeout: float = 600,
+    ) -> list[subprocess.CompletedProcess[str]]:
+        """Run ``command(k)`` in node k's namespace for every node at once (as
+        ``ip netns exec``), with ``env(k)`` added to this process's environment,
+        ``GLOO_SOCKET_IFNAME``/``NCCL_SOCKET_IFNAME`` set to the node's interface,
+        ``NODE_RANK``, ``NNODES`` and ``MASTER_ADDR`` (node 0's address). Wait
+        for all; return each node's outcome (stdout and stderr captured, as
+        text). When one fails or ``timeout`` seconds pass, the others are
+        stopped (a launch that lost a node would otherwise wait on it until its
+        own timeout); a timed-out node's return code is then negative.
+
+        Example:
+            ``net.run_per_node(lambda k: ["torchrun", "--nnodes", str(net.nodes), ...])``
+        """
+        procs: list[subprocess.Popen[bytes]] = []
+        logs: list[tuple[IO[bytes], IO[bytes]]] = []
+        with contextlib.ExitStack() as files:
+            try:
+                for k, ns in enumerate(self.node_namespaces):
+                    e = {
+                        **os.environ,
+                        "GLOO_SOCKET_IFNAME": WORKER_IFACE,
+                        "NCCL_SOCKET_IFNAME": WORKER_IFACE,
+                        "NODE_RANK": str(k),
+                        "NNODES": str(self.nodes),
+                        "MASTER_ADDR": self.address(0),
+                        **(env(k) if env else {}),
+                    }
+                    # files, not pipes: a chatty launcher never blocks on a full pipe
+                    o, err = (files.enter_context(tempfile.TemporaryFile()) for _ in range(2))
+                    logs.append((o, err))
+                    procs.append(
+                        subprocess.Popen(
+                            ["ip", "netns", "exec", ns, *command(k)],
+                            env=e,
+                            stdout=o,
+                            stderr=err,
+                            start_new_session=True,  # its own group: stopped whole below
+                        )
+                    )
+                end = time.monotonic() + timeout
+                while time.monotonic() < end:
+                    codes = [p.poll() for p in procs]
+                    if all(c is not None for c in codes) or any(c for c in codes):
+                        break  # all done, or one node failed: stop the rest
+                    time.sleep(0.05)
+            finally:
+                _stop(procs)
+            out = []
+            for p, pair in zip(procs, logs, strict=True):
+                texts = []
+                for f in pair:
+                    f.seek(0)
+                    texts.append(f.read().decode(errors="replace"))
+                out.append(subprocess.CompletedProcess(p.args, p.returncode, *texts))
+        return out
 
     def close(self) -> None:
         """Remove everything this network created (idempotent)."""
@@ -317,6 +470,7 @@ class EmulatedNetwork:
             ns = self._created.pop()
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         self.namespaces.clear()
+        self.node_namespaces.clear()
 
     def __enter__(self) -> EmulatedNetwork:
         atexit.register(self.close)

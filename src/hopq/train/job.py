@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hopq.cluster.network import CONGESTION, check_congestion, check_mtu
+from hopq.cluster.network import CONGESTION, EmulatedNetwork, check_congestion, check_mtu
 from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
 from hopq.options import changed_options, option
@@ -107,6 +107,21 @@ class TrainOptions:
         "TCP congestion control in the emulated network's namespaces (reno: the link "
         "is the only limit; bbr: the host's default here, whose probing slows some calls)",
     )
+    nodes: int = option(
+        0,
+        "nodes of the emulated network: --world-size becomes nodes x --workers-per-node; "
+        "0: world size / workers per node",
+    )
+    workers_per_node: int = option(
+        1,
+        "workers sharing each emulated node: they talk over its loopback, and only traffic "
+        "between nodes crosses the (calibrated or --rate-mbit) link, one per node",
+    )
+    intra_rate_mbit: float = option(
+        0.0,
+        "rate of each emulated node's loopback in Mbit/s (all traffic between its workers "
+        "together); 0: unshaped",
+    )
     comm_share: float = option(
         0.4,
         "when calibrating: the share of torch:fp16's step (with its overlap) that its "
@@ -147,6 +162,32 @@ class TrainOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.workers_per_node < 1 or self.nodes < 0:
+            raise ValueError("workers_per_node must be >= 1 and nodes >= 0")
+        if self.nodes:
+            n = self.nodes * self.workers_per_node
+            if "world_size" in changed_options(self) and self.world_size != n:
+                raise ValueError(
+                    f"--world-size {self.world_size} is not --nodes {self.nodes} x "
+                    f"--workers-per-node {self.workers_per_node}: give one or the other"
+                )
+            object.__setattr__(self, "world_size", n)
+        if self.world_size % self.workers_per_node:
+            raise ValueError(
+                f"--workers-per-node {self.workers_per_node} must divide the "
+                f"{self.world_size} workers"
+            )
+        if not self.intra_rate_mbit >= 0:
+            raise ValueError("--intra-rate-mbit must be >= 0 (0: unshaped)")
+        if self.intra_rate_mbit and self.workers_per_node == 1:
+            raise ValueError(
+                "--intra-rate-mbit shapes a node's loopback: give --workers-per-node > 1"
+            )
+        if not self.network and (self.nodes or self.workers_per_node > 1 or self.intra_rate_mbit):
+            raise ValueError(
+                "--nodes, --workers-per-node and --intra-rate-mbit shape the emulated "
+                "network, which --no-network turns off"
+            )
         if self.powersgd_start < 2:
             raise ValueError(f"powersgd_start must be >= 2, got {self.powersgd_start}")
         if not self.bucket_mb >= 0:
@@ -378,25 +419,45 @@ def _calibrate_worker(rank: int, n: int, o: TrainOptions) -> tuple[float, float,
 
 
 # -- the job --------------------------------------------------------------------
+def _network(o: TrainOptions, n: int, rate: float) -> EmulatedNetwork:
+    """The emulated network the options ask for, at ``rate`` Mbit/s per node uplink."""
+    from hopq.cluster.network import EmulatedNetwork
+
+    return EmulatedNetwork(
+        n,
+        rate_mbit=rate,
+        mtu=o.mtu,
+        congestion=o.tcp_congestion,
+        workers_per_node=o.workers_per_node,
+        intra_rate_mbit=o.intra_rate_mbit,
+    )
+
+
 def _calibrate(o: TrainOptions, n: int) -> tuple[float, str]:
     """A link rate at which torch:fp16's *exposed* communication is ``comm_share``
     of its step, with the overlap it already has. First guess: no overlap
     (communication time = bytes / rate); then one correction from a short run on
     that link, taking the hidden part as fixed."""
     from hopq.cluster.launch import run_workers
-    from hopq.cluster.network import EmulatedNetwork
 
     compute, _, sent = run_workers(n, _calibrate_worker, o)[0]
     want = compute * o.comm_share / (1 - o.comm_share)  # exposed seconds per step
     rate0 = sent * 8 / 1e6 / want
-    with EmulatedNetwork(n, rate_mbit=rate0, mtu=o.mtu, congestion=o.tcp_congestion) as net:
-        compute0, exposed0, _ = run_workers(n, _calibrate_worker, o, namespaces=net.namespaces)[0]
+    with _network(o, n, rate0) as net:
+        compute0, exposed0, _ = run_workers(
+            n,
+            _calibrate_worker,
+            o,
+            namespaces=net.namespaces,
+            workers_per_node=net.workers_per_node,
+        )[0]
     hidden = max(0.0, sent * 8 / 1e6 / rate0 - exposed0)
     rate = sent * 8 / 1e6 / (hidden + want)
     msg = (
         f"calibrated link: {CALIBRATION_CONTENDER} sends {sent / 1e6:.2f} MB per rank and step "
         f"and computes {compute:.2f} s; at {rate0:.0f} Mbit/s its exposed communication was "
-        f"{exposed0:.2f} s ({hidden:.2f} s hidden), so {rate:.0f} Mbit/s per worker should "
+        f"{exposed0:.2f} s ({hidden:.2f} s hidden), so {rate:.0f} Mbit/s per "
+        f"{'worker' if o.workers_per_node == 1 else 'node'} should "
         f"expose ~{o.comm_share:.0%} of its step"
     )
     return rate, msg
@@ -408,7 +469,16 @@ def ignored_under_torchrun(o: TrainOptions) -> str:
     changed = changed_options(o)
     flags = [
         f"--{name.replace('_', '-')} {getattr(o, name)}"
-        for name in ("world_size", "rate_mbit", "mtu", "tcp_congestion", "comm_share")
+        for name in (
+            "world_size",
+            "nodes",
+            "workers_per_node",
+            "intra_rate_mbit",
+            "rate_mbit",
+            "mtu",
+            "tcp_congestion",
+            "comm_share",
+        )
         if name in changed
     ]
     if not o.network:
@@ -424,7 +494,7 @@ def ignored_under_torchrun(o: TrainOptions) -> str:
 def run(o: TrainOptions) -> str | None:
     """Run the job; return the report text (on rank 0; None on other torchrun ranks)."""
     from hopq.cluster.launch import init_from_env, launched_by_torchrun, run_workers
-    from hopq.cluster.network import EmulatedNetwork, unavailable_reason
+    from hopq.cluster.network import unavailable_reason
 
     contenders = o.resolved_codecs()
     folder = Path(o.out)
@@ -438,7 +508,8 @@ def run(o: TrainOptions) -> str | None:
         if rank != 0:
             return None
         network = "the launcher's (torchrun)" + (f"; {note}" if note else "")
-        return report(runs, replace(o, world_size=n, rate_mbit=0.0), network, folder)
+        flat = replace(o, nodes=0, workers_per_node=1, intra_rate_mbit=0.0)  # not ours to shape
+        return report(runs, replace(flat, world_size=n, rate_mbit=0.0), network, folder)
 
     n = o.world_size
     why = unavailable_reason() if o.network else "disabled (--no-network)"
@@ -447,9 +518,16 @@ def run(o: TrainOptions) -> str | None:
         rate, msg = _calibrate(o, n)
         print(msg, flush=True)
     if why is None:
-        with EmulatedNetwork(n, rate_mbit=rate, mtu=o.mtu, congestion=o.tcp_congestion) as net:
+        with _network(o, n, rate) as net:
             network = f"emulated, {net.describe()}"
-            runs = run_workers(n, worker, o, contenders, namespaces=net.namespaces)[0]
+            runs = run_workers(
+                n,
+                worker,
+                o,
+                contenders,
+                namespaces=net.namespaces,
+                workers_per_node=net.workers_per_node,
+            )[0]
         o = replace(o, rate_mbit=rate)  # the report's floor needs the link's rate
     else:
         print(f"no emulated network ({why}): running on plain loopback", flush=True)
