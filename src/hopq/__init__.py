@@ -4,6 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from hopq.codecs import Codec, available_codecs, get_codec
 from hopq.comm import RunStats, all_reduce, reduce_scatter
+from hopq.comm.layout import NodeLayout
 from hopq.errors import (
     CodecError,
     HookNotEngagedWarning,
@@ -29,6 +30,7 @@ __all__ = [
     "StepMetrics",
     "HopqError",
     "MismatchError",
+    "NodeLayout",
     "PayloadError",
     "RunStats",
     "SimResult",

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from hopq.codecs.base import Codec, ReduceOp
-from hopq.comm import engine
+from hopq.comm import engine, hierarchy
 from hopq.comm.agreement import digest
-from hopq.comm.collectives import Op, check_call, resolve_shards
+from hopq.comm.collectives import Op, check_call, check_layout, resolve_shards
+from hopq.comm.layout import LayoutSpec
 from hopq.comm.topology import get_schedule
 from hopq.comm.transport import SIM_TIMEOUT_S, make_inprocess_group
 from hopq.errors import TransportError
@@ -92,6 +93,8 @@ def simulate(
     pipeline: bool = True,
     timeout: float = SIM_TIMEOUT_S,
     shards: str | Sequence[int] | None = None,
+    layout: LayoutSpec = None,
+    intra_codec: str | Codec[Any] = "fp32",
 ) -> SimResult:
     """All-reduce ``tensors[i]`` as the input of virtual rank i.
 
@@ -125,6 +128,11 @@ def simulate(
         shards: ``"equal"`` or n + 1 offsets: cut the schedule's chunks at rank
             shards, as ``hopq.reduce_scatter(shards=...)`` does (see
             :func:`simulate_reduce_scatter`); None: the codec's own chunks.
+        layout: A two-tier call, as :func:`hopq.all_reduce`'s ``layout``:
+            ``"NxG"``, ``(N, G)`` or a :class:`~hopq.comm.layout.NodeLayout`
+            (not ``"auto"``: the virtual ranks share one host); None: flat.
+        intra_codec: The intra-node codec of a two-tier call (default
+            ``"fp32"``).
 
     Returns:
         A :class:`SimResult`: every rank's output, the error against the exact
@@ -134,8 +142,9 @@ def simulate(
         TypeError: As in :func:`hopq.all_reduce` (a non-float dtype, a dtype
             the codec does not take, an option of the wrong type).
         ValueError: No tensors, tensors that differ in shape, dtype or device,
-            a topology that cannot serve n ranks, ``shards="topology"``, or the
-            reasons of :func:`hopq.all_reduce`.
+            a topology that cannot serve n ranks, ``shards="topology"``,
+            ``layout="auto"`` or a layout with ``shards``, or the reasons of
+            :func:`hopq.all_reduce`.
         hopq.TransportError: A virtual rank did not answer within ``timeout``.
         hopq.PayloadError: A payload failed validation (the failing rank's
             error is raised, not its peers').
@@ -154,6 +163,7 @@ def simulate(
     return _simulate(
         tensors, codec, topology, seed, op, key, gather_codec=gather_codec,
         microshards=microshards, pipeline=pipeline, timeout=timeout, shards=shards, gather=True,
+        layout=layout, intra_codec=intra_codec,
     )  # fmt: skip
 
 
@@ -277,6 +287,8 @@ def _simulate(
     timeout: float,
     shards: str | Sequence[int] | None,
     gather: bool,
+    layout: LayoutSpec = None,
+    intra_codec: str | Codec[Any] = "fp32",
 ) -> SimResult:
     n = len(tensors)
     if n < 1:
@@ -290,6 +302,14 @@ def _simulate(
         gather=gather, microshards=microshards, pipeline=pipeline,
     )  # fmt: skip
     proto, gproto, red = call.codec, call.gather_codec, call.op
+    spec, intra = check_layout(tensors[0], layout, intra_codec)
+    if spec == "auto":
+        raise ValueError(
+            "the simulator's virtual ranks share one host: pass an explicit layout "
+            "('NxG', (N, G) or a NodeLayout), not 'auto'"
+        )
+    if spec is not None and shards is not None:
+        raise ValueError("a two-tier call is an all-reduce: pass layout or shards, not both")
     get_schedule(topology, n)  # a topology that cannot serve n ranks raises here
     bounds = None
     if shards is not None:
@@ -311,7 +331,11 @@ def _simulate(
             mine = replace(
                 call, codec=codecs[r], gather_codec=None if gcodecs is None else gcodecs[r]
             )
-            results[r] = engine.run(mine, tensors[r].reshape(-1), transports[r])
+            flat = tensors[r].reshape(-1)
+            if spec is None:
+                results[r] = engine.run(mine, flat, transports[r])
+            else:
+                results[r] = hierarchy.run(mine, flat, transports[r], spec, intra.clone())
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
             transports[r].hub.abort()

@@ -11,8 +11,9 @@ import torch
 
 from hopq.codecs.base import FLOAT_DTYPES, Codec, ReduceOp
 from hopq.codecs.registry import codec_info, get_codec
-from hopq.comm import engine
+from hopq.comm import engine, hierarchy
 from hopq.comm.call import Call
+from hopq.comm.layout import LayoutSpec, NodeLayout, resolve_spec
 from hopq.comm.topology import equal_shards, get_schedule
 from hopq.comm.transport import DistTransport
 from hopq.options import check_finite, check_int, check_timeout
@@ -129,6 +130,8 @@ def all_reduce(
     gather_codec: str | Codec[Any] | None = None,
     pipeline: bool = True,
     microshards: int | None = None,
+    layout: LayoutSpec = None,
+    intra_codec: str | Codec[Any] = "fp32",
 ) -> engine.RunStats:
     """Compressed all-reduce of ``tensor`` in place over ``group`` (default: WORLD).
 
@@ -147,7 +150,7 @@ def all_reduce(
             whose state (e.g. the round counter that keys the RNG) carries
             across calls.
         topology: The schedule: ``"ring"``, ``"butterfly"``, ``"semiloop"``,
-            ``"biring"`` or ``"tree"``.
+            ``"biring"``, ``"tree"`` or ``"direct"``.
         op: ``"sum"`` or ``"avg"``, or torch's ``dist.ReduceOp.SUM``,
             ``AVG`` or ``PREMUL_SUM(factor)``.
         group: The process group; None: the default group.
@@ -167,10 +170,22 @@ def all_reduce(
             after their codec work, so it changes nothing there.
         microshards: Messages per schedule chunk and step; None: chosen by
             size. The bits do not depend on it.
+        layout: The nodes the group's ranks run on, for a two-tier call
+            (docs/hierarchy.md): ``"NxG"`` (e.g. ``"2x4"``: N nodes of G
+            consecutive ranks), ``(N, G)``, a
+            :class:`~hopq.comm.layout.NodeLayout`, or ``"auto"`` (torchrun's
+            environment, else the hosts). The call then reduce-scatters
+            inside each node with ``intra_codec``, all-reduces each node-shard
+            between the nodes with ``codec`` and ``topology``, and gathers
+            inside each node: only inter-node hops compress. None: one flat
+            schedule over all ranks.
+        intra_codec: The intra-node reduce-scatter's codec of a two-tier call
+            (default ``"fp32"``: exact float32 sums).
 
     Returns:
         This rank's :class:`hopq.RunStats`: bytes sent, bits per coordinate,
-        seconds.
+        seconds; for a two-tier call, each tier's own in ``tiers`` and the
+        inter-node bits per coordinate in ``inter_bits_per_coord``.
 
     Raises:
         TypeError: ``tensor`` is not a floating-point tensor, its dtype is one
@@ -179,10 +194,12 @@ def all_reduce(
         ValueError: An unknown codec or topology, a codec that refuses the
             device or topology, a ``gather_codec`` that cannot code a gather
             stage, an ``op`` other than a sum or average, or an option out of
-            range.
+            range; a ``layout`` that is not one, or (on every rank) whose ranks'
+            nodes are unequal or contradict it.
         RuntimeError: ``torch.distributed`` is not initialized.
-        hopq.MismatchError: The ranks make different calls; raised on every
-            rank before any payload moves, and the group stays usable.
+        hopq.MismatchError: The ranks make different calls (a different
+            ``layout`` included); raised on every rank before any payload
+            moves, and the group stays usable.
         hopq.TransportError: A peer did not answer within ``timeout``, left,
             or failed (the message names it). After a timeout the group is
             unusable (Gloo closes the connection it waited on), as after
@@ -201,19 +218,47 @@ def all_reduce(
         info = hopq.all_reduce(grad, codec="dynamiq", topology="butterfly", op="avg")
         print(info.bits_per_coord, info.seconds)  # about 5 bits per coordinate
         ```
+
+        Two nodes of four GPUs (``torchrun --nnodes 2 --nproc_per_node 4``):
+        only the hops between the nodes compress.
+
+        ```python
+        info = hopq.all_reduce(grad, codec="dynamiq", op="avg", layout="auto")
+        print(info.inter_bits_per_coord)  # what the network between nodes carries
+        ```
     """
     call = check_call(
         tensor, codec, topology, op, seed, key, timeout, gather_codec,
         microshards=microshards, pipeline=pipeline,
     )  # fmt: skip
+    spec, intra = check_layout(tensor, layout, intra_codec)
     transport = _transport(group)
     flat = tensor.detach().reshape(-1)  # a view when contiguous: then the work can be in place
     in_place = tensor.is_contiguous()
-    y, info = engine.run(replace(call, in_place=in_place), flat, transport)
+    if spec is None:
+        y, info = engine.run(replace(call, in_place=in_place), flat, transport)
+    else:
+        y, info = hierarchy.run(replace(call, in_place=in_place), flat, transport, spec, intra)
     if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
         with torch.no_grad():
             tensor.copy_(y.view(tensor.shape))
     return info
+
+
+def check_layout(
+    tensor: torch.Tensor, layout: LayoutSpec, intra_codec: str | Codec[Any]
+) -> tuple[NodeLayout | str | None, Codec[Any]]:
+    """``layout=`` and ``intra_codec=`` checked before anything is sent: the
+    layout (None, "auto" or a NodeLayout) and a fresh intra-node codec."""
+    spec = resolve_spec(layout)
+    intra = get_codec(intra_codec)
+    if spec is not None:
+        refusal = codec_info(intra.name).refusal(
+            dtype=tensor.dtype, device=tensor.device, topology=hierarchy.INTRA_TOPOLOGY
+        )
+        if refusal is not None:
+            raise refusal.exception()
+    return spec, intra
 
 
 def reduce_scatter(

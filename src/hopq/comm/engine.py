@@ -148,6 +148,9 @@ class RunStats:
             step).
         owned: ``[start, end)`` ranges of the working vector whose final sum
             this rank owns (a reduce-scatter: this rank's shard).
+        tiers: A two-tier call's tiers (``hopq.all_reduce(layout=...)``):
+            ``"intra"`` and ``"inter"``, each a RunStats of its own group;
+            empty for a flat call.
 
     Example:
         >>> import torch, hopq
@@ -185,6 +188,20 @@ class RunStats:
     #: [start, end) ranges of the working vector whose final sum this rank owns
     #: (a call over rank shards: this rank's shard of the result).
     owned: tuple[tuple[int, int], ...] = ()
+    #: A two-tier call's tiers ("intra": the node's reduce-scatter and all-gather;
+    #: "inter": the all-reduce between nodes), each with its own group size and
+    #: coordinates; empty for a flat call.
+    tiers: dict[str, RunStats] = field(default_factory=dict)
+
+    @property
+    def inter_bits_per_coord(self) -> float:
+        """Bits per coordinate on the inter-node network: the inter tier's own
+        (relative to an uncompressed ring among the N nodes over the node-shard),
+        0 when every hop stayed inside one node, and for a flat call, where any
+        hop may cross nodes, :attr:`bits_per_coord`."""
+        if "inter" in self.tiers:
+            return self.tiers["inter"].bits_per_coord
+        return 0.0 if self.tiers else self.bits_per_coord
 
     @property
     def bytes_sent(self) -> float:

@@ -512,6 +512,59 @@ class InProcessTransport(Transport):
         return out_s, out_r
 
 
+class SubTransport(Transport):
+    """A view of some ranks of a parent transport as a group of their own (the
+    tiers of the two-tier all-reduce, :mod:`hopq.comm.hierarchy`).
+
+    Rank i of the view is the parent's rank ``members[i]``; messages go through
+    the parent, to the parent's ranks. The view numbers its own calls and has
+    its own receive arena; batching, timeouts and what the backend takes are
+    the parent's. Views whose members never share a pair of ranks (a node's
+    ranks, and the ranks of one local rank across nodes) can run one after
+    another on the same parent without their messages meeting.
+    """
+
+    def __init__(self, parent: Transport, members: tuple[int, ...] | list[int]) -> None:
+        super().__init__()
+        members = tuple(int(m) for m in members)
+        if parent.rank not in members:
+            raise ValueError(f"rank {parent.rank} is not among the view's members {members}")
+        if len(set(members)) != len(members) or not all(
+            0 <= m < parent.world_size for m in members
+        ):
+            raise ValueError(
+                f"a view's members must be distinct ranks of 0..{parent.world_size - 1}, "
+                f"got {members}"
+            )
+        self.parent = parent
+        self.members = members
+        self.rank = members.index(parent.rank)
+        self.world_size = len(members)
+        self.prepost = parent.prepost
+        self.short_messages = parent.short_messages
+
+    @property
+    def timeout_s(self) -> float:
+        return self.parent.timeout_s
+
+    def call_timeout(self, timeout: float | None) -> float:
+        return self.parent.call_timeout(timeout)
+
+    @contextlib.contextmanager
+    def batch(self) -> Iterator[None]:
+        with self.parent.batch():
+            yield
+
+    def post(
+        self,
+        sends: list[tuple[int, torch.Tensor]],
+        recvs: list[tuple[int, torch.Tensor]],
+        where: Where | None = None,
+    ) -> tuple[list[Handle], list[Handle]]:
+        m = self.members
+        return self.parent.post([(m[p], t) for p, t in sends], [(m[p], b) for p, b in recvs], where)
+
+
 def make_inprocess_group(world_size: int) -> list[InProcessTransport]:
     """Transports for ``world_size`` virtual ranks sharing one hub."""
     hub = _Hub(world_size)

@@ -45,6 +45,7 @@ from hopq.codecs.registry import get_codec
 from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
+from hopq.comm.layout import resolve_spec
 from hopq.comm.topology import get_schedule
 from hopq.comm.transport import carrier, device_backend, group_timeout
 from hopq.errors import HookNotEngagedWarning
@@ -96,6 +97,11 @@ class HookState(CallRecords):
             it; DynamiQ weighs its bit allocation by the optimizer's step sizes
             (Adam: lr / (sqrt(v) + eps)), which trains closer to uncompressed
             with adaptive optimizers (docs/codecs/dynamiq.md).
+        layout: The nodes the ranks run on, for two-tier all-reduces, as in
+            :func:`hopq.all_reduce` (``"auto"``, ``"NxG"``, ``(N, G)`` or a
+            ``NodeLayout``); None: flat.
+        intra_codec: The intra-node codec of two-tier all-reduces (default
+            ``"fp32"``).
         **codec_config: Options of the codec, when ``codec`` is a name.
 
     Raises:
@@ -104,8 +110,8 @@ class HookState(CallRecords):
             (``overlap``, ``own_group``, ``seed``).
         ValueError: An unknown codec or topology, an optimizer the codec does
             not use or has no rule for, ``own_group`` with ``overlap=False``,
-            a ``gather_codec`` that cannot code a gather stage, or an option
-            out of range.
+            a ``gather_codec`` that cannot code a gather stage, a ``layout``
+            that is not one, or an option out of range.
 
     Example:
         Under ``torchrun``, after ``init_process_group``:
@@ -138,6 +144,8 @@ class HookState(CallRecords):
         overlap: bool = True,
         own_group: "bool | dist.ProcessGroup | None" = None,
         optimizer: "torch.optim.Optimizer | None" = None,
+        layout: Any = None,
+        intra_codec: "str | Codec[Any]" = "fp32",
         **codec_config: Any,
     ) -> None:
         if "group" in codec_config:  # hopq.all_reduce's name for it
@@ -165,6 +173,10 @@ class HookState(CallRecords):
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {overlap!r}")
         self.overlap = overlap
+        #: The two-tier layout (None, "auto" or a NodeLayout) and intra-node codec.
+        self.layout = resolve_spec(layout)
+        get_codec(intra_codec)  # an unknown codec fails here, not mid-backward
+        self.intra_codec = intra_codec
         if not isinstance(own_group, (bool, type(None), dist.ProcessGroup)):
             raise TypeError(f"own_group must be None, a bool or a process group, got {own_group!r}")
         if not overlap and own_group not in (None, False):
@@ -476,7 +488,8 @@ def _reduce(
     # step's bit budget across buckets by it)
     info = all_reduce(
         buf, state.codec, state.topology, "avg", group, state.seed, index,
-        timeout=state.timeout, gather_codec=state.gather_codec,
+        timeout=state.timeout, gather_codec=state.gather_codec, layout=state.layout,
+        intra_codec=state.intra_codec,
     )  # fmt: skip
     info.seconds += t_thr  # codec work: seconds - comm_seconds
     info.cpu_seconds += c_thr

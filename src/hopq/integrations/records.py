@@ -42,6 +42,10 @@ class StepMetrics:
         uerr_sq: ``err_sq`` with every coordinate weighed by the optimizer's
             step size (``HookState.error_optimizer``); 0 when not measured.
         uref_sq: ``ref_sq`` weighed the same way.
+        inter_bytes: Bytes this rank sent between nodes in two-tier calls
+            (``layout=``; 0 for flat calls).
+        inter_coords: The coordinates an uncompressed ring among the nodes
+            would have sent for those calls' node-shards.
 
     Example:
         >>> import hopq
@@ -80,6 +84,10 @@ class StepMetrics:
     #: update the optimizer makes from the gradient; 0 when not measured.
     uerr_sq: float = 0.0
     uref_sq: float = 0.0
+    #: Bytes sent between nodes by two-tier calls (``layout=``), and the
+    #: coordinates an uncompressed ring among the nodes moves for them.
+    inter_bytes: float = 0.0
+    inter_coords: float = 0.0
 
     @classmethod
     def of(
@@ -91,9 +99,12 @@ class StepMetrics:
         uref_sq: float = 0.0,
     ) -> StepMetrics:
         """One call's record (``steps`` 0: it is part of a step)."""
+        inter = info.tiers.get("inter")
         return cls(
             0, 1, info.numel, info.bytes_sent, info.seconds, info.comm_seconds,
             info.coords_moved, err_sq, ref_sq, info.cpu_seconds, uerr_sq, uref_sq,
+            inter.bytes_sent if inter is not None else 0.0,
+            inter.coords_moved if inter is not None else 0.0,
         )  # fmt: skip
 
     @property
@@ -102,6 +113,12 @@ class StepMetrics:
         the calls together (weighted by size): 16 for bf16. NaN when no call
         went through (a gradient-accumulation micro-step)."""
         return 8 * self.bytes_sent / self.coords_moved if self.coords_moved else float("nan")
+
+    @property
+    def inter_bits_per_coordinate(self) -> float:
+        """Bits per coordinate between nodes, over the two-tier calls: 8 x
+        :attr:`inter_bytes` / :attr:`inter_coords` (NaN without such calls)."""
+        return 8 * self.inter_bytes / self.inter_coords if self.inter_coords else float("nan")
 
     @property
     def codec_seconds(self) -> float:
@@ -135,6 +152,8 @@ class StepMetrics:
             self.cpu_seconds + other.cpu_seconds,
             self.uerr_sq + other.uerr_sq,
             self.uref_sq + other.uref_sq,
+            self.inter_bytes + other.inter_bytes,
+            self.inter_coords + other.inter_coords,
         )
 
     def as_dict(self, prefix: str = "hopq/") -> dict[str, float]:
@@ -157,6 +176,8 @@ class StepMetrics:
             out["vnmse"] = self.vnmse
         if self.uref_sq > 0:
             out["update_vnmse"] = self.update_vnmse
+        if self.inter_coords > 0:
+            out["inter_bits_per_coordinate"] = self.inter_bits_per_coordinate
         return {prefix + key: float(v) for key, v in out.items()}
 
 
@@ -221,7 +242,9 @@ class CallRecords:
             Per-step means over the calls since the last pop. Keys (with
             ``prefix``): ``bits_per_coordinate``, ``bytes_sent``,
             ``codec_seconds``, ``comm_seconds``, ``cpu_seconds``, ``buckets``,
-            ``numel``, and ``vnmse`` (``update_vnmse``) when measured.
+            ``numel``, ``vnmse`` (``update_vnmse``) when measured, and
+            ``inter_bits_per_coordinate`` when the calls were two-tier
+            (``layout=``): what the network between nodes carried.
             ``bits_per_coordinate`` is NaN for a step without calls (a
             gradient-accumulation micro-step).
 

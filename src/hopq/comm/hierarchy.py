@@ -1,0 +1,224 @@
+"""The two-tier all-reduce: N nodes x G workers (DESIGN.md, "Two tiers").
+
+A flat schedule over all P = N x G ranks recompresses the vector on every hop,
+the fast intra-node hops included. The two-tier all-reduce is a composition of
+flat calls, each run by :func:`hopq.comm.engine.run` on a view of the group
+(:class:`~hopq.comm.transport.SubTransport`):
+
+1. **intra-node reduce-scatter** over the node's G ranks with the intra codec
+   (default ``"fp32"``: exact float32 sums): local rank g ends with node-shard
+   g of the node's sum (G near-equal shards, ``equal_shards``);
+2. **inter-node all-reduce** of node-shard g among the N ranks with local rank g,
+   with the call's codec, topology and gather codec: those N ranks hold
+   bit-identical results;
+3. **intra-node all-gather** of the node-shards as raw bytes (in the input's
+   dtype when it is 16-bit, else float32, what the result is cast to anyway):
+   every rank holds the same bits.
+
+So the vector is compressed only on the inter-node hops. Before any of it, the
+ranks agree over the whole group on the call and on the layout (its string is
+part of the fingerprint; each rank's claim of its node rides along, and for
+``"auto"`` the claims make the layout), so that ranks with different layouts
+raise :class:`~hopq.MismatchError` on every rank and inconsistent claims the
+same ValueError on every rank, before any data moves. A layout with one node
+or one worker per node has one tier: the call is the flat call over the group.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import replace
+
+import torch
+
+from hopq.codecs.base import Codec, ReduceOp
+from hopq.comm import agreement, engine, framing
+from hopq.comm import layout as layouts
+from hopq.comm.call import Call
+from hopq.comm.engine import RunStats
+from hopq.comm.framing import Deadline, Where
+from hopq.comm.layout import NodeLayout
+from hopq.comm.topology import equal_shards
+from hopq.comm.transport import DIRECT_EXCHANGE_MAX, SubTransport, Transport, all_gather
+
+#: The tiers' views of a transport, per layout (their call counters and receive
+#: arenas live as long as the transport).
+_VIEWS: weakref.WeakKeyDictionary[
+    Transport, dict[NodeLayout, tuple[SubTransport, SubTransport]]
+] = weakref.WeakKeyDictionary()
+
+#: The topology of the intra-node reduce-scatter.
+INTRA_TOPOLOGY = "ring"
+#: Header steps of the whole-group agreement and of the node all-gather.
+_AGREE_STEP, _GATHER_STEP = -3000, -2000
+
+
+def views(transport: Transport, layout: NodeLayout) -> tuple[SubTransport, SubTransport]:
+    """This rank's intra-node and inter-node views of ``transport`` (kept per
+    transport and layout)."""
+    per = _VIEWS.setdefault(transport, {})
+    if layout not in per:
+        rank = transport.rank
+        per[layout] = (
+            SubTransport(transport, layout.node_ranks(layout.node_of[rank])),
+            SubTransport(transport, layout.peers(rank)),
+        )
+    return per[layout]
+
+
+def _op_name(call: Call) -> str:
+    return ReduceOp(call.op).value if call.premul is None else f"premul_sum({call.premul!r})"
+
+
+def agree_layout(
+    call: Call,
+    x: torch.Tensor,
+    transport: Transport,
+    spec: NodeLayout | str,
+    intra: Codec,
+    deadline: Deadline,
+) -> tuple[NodeLayout, int, float]:
+    """The whole group's agreement on the call and its layout; returns the layout,
+    the agreement's bytes and its seconds. Ranks whose calls or layout strings
+    differ raise MismatchError (every rank); claims that do not make a layout
+    raise the same ValueError on every rank."""
+    t0 = time.perf_counter()
+    number = transport.next_call()
+    n = transport.world_size
+    desc = spec if isinstance(spec, str) else spec.describe()
+    kind = f"two-tier all_reduce, layout {desc}, intra codec {intra.name} {intra.config!r}"
+    mine = agreement.fingerprint(
+        call=number, x=x, codec=call.codec, gather_codec=call.stage_codec,
+        topology=call.topology, op=_op_name(call), seed=call.seed, key=call.key, kind=kind,
+        microshards=0,
+    )  # fmt: skip
+    # each inter-node group keeps its own adaptive state (its tier's agreement checks it)
+    mine[agreement.FIELDS.index("state")] = 0
+    describe = {
+        "numel": str(x.numel()),
+        "dtype": str(x.dtype),
+        "device": x.device.type,
+        "codec": call.codec.name,
+        "config": repr(call.codec.config),
+        "gather codec": call.stage_codec.name,
+        "topology": call.topology,
+        "op": _op_name(call),
+        "seed": str(call.seed),
+        "round": str(call.codec.round),
+        "key": str(call.key),
+        "kind": kind,
+        "microshards": "0",
+    }
+    claim = torch.tensor(layouts.claim_of(spec, transport.rank, n), dtype=torch.int64)
+    label = f"all_reduce({call.codec.name}, {call.topology}, layout {desc}, key={call.key})"
+    extras, _ = agreement.agree(
+        transport, mine, deadline, Where(label, number, _AGREE_STEP, 0, "layout agreement"),
+        describe, extra=claim,
+    )  # fmt: skip
+    assert extras is not None
+    claims = [tuple(int(v) for v in e.view(torch.int64).tolist()) for e in extras]
+    lay = layouts.from_claims(claims, spec)  # type: ignore[arg-type]
+    block = 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
+    messages = n - 1 if n <= DIRECT_EXCHANGE_MAX else max(1, (n - 1).bit_length())
+    nbytes = (n - 1) * block + messages * framing.header_nbytes(1)
+    return lay, nbytes, time.perf_counter() - t0
+
+
+def run(
+    call: Call,
+    x: torch.Tensor,
+    transport: Transport,
+    layout: NodeLayout | str,
+    intra: Codec,
+) -> tuple[torch.Tensor, RunStats]:
+    """The two-tier all-reduce of the flat tensor ``x`` on this rank: the float32
+    result (the same bits on every rank) and this rank's stats, whose ``tiers``
+    hold the intra-node (reduce-scatter and all-gather together) and inter-node
+    calls' own stats.
+
+    ``layout``: a :class:`NodeLayout` or ``"auto"`` (torchrun's environment, else
+    the hosts); ``intra``: the intra-node codec (a fresh instance per call: its
+    state does not carry). ``call`` must be an all-reduce (``gather=True``,
+    no ``shards``).
+    """
+    if not call.gather or call.shards is not None:
+        raise ValueError("the two-tier call is an all-reduce (gather=True, no shards)")
+    t_start, cpu_start = time.perf_counter(), time.thread_time()
+    n = transport.world_size
+    if n == 1:
+        if isinstance(layout, NodeLayout) and layout.world_size != 1:
+            raise ValueError(
+                f"layout {layout.describe()} places {layout.world_size} ranks, the group has 1"
+            )
+        return engine.run(call, x, transport)
+    deadline = Deadline(transport.call_timeout(call.timeout))
+    lay, agree_bytes, agree_s = agree_layout(call, x, transport, layout, intra, deadline)
+
+    def left() -> float:
+        return max(deadline.remaining(), 1e-3)
+
+    if lay.flat:
+        y, info = engine.run(replace(call, timeout=left()), x, transport)
+        tier = replace(info)
+        info.tiers = {"inter" if lay.nodes > 1 else "intra": tier}
+        info.frame_bytes += agree_bytes
+        info.comm_seconds += agree_s
+        info.seconds = time.perf_counter() - t_start
+        info.cpu_seconds = time.thread_time() - cpu_start
+        return y, info
+    intra_t, inter_t = views(transport, lay)
+    g, per = intra_t.rank, lay.per_node
+    d = x.numel()
+    node_shards = equal_shards(d, per)
+    a, b = node_shards[g], node_shards[g + 1]
+    # 1. intra-node reduce-scatter: this rank's node-shard of the node's sum
+    c1 = Call(
+        codec=intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed, key=call.key,
+        timeout=left(), premul=call.premul, gather=False, shards=node_shards,
+        microshards=None, pipeline=call.pipeline, in_place=call.in_place,
+    )  # fmt: skip
+    y1, s1 = engine.run(c1, x, intra_t)
+    part = y1[a:b]
+    # 2. inter-node all-reduce of the node-shard (a sum: the average divides at the end)
+    c2 = replace(
+        call, op=ReduceOp.SUM, premul=None, timeout=left(), in_place=call.in_place, shards=None
+    )
+    y2, s2 = engine.run(c2, part, inter_t)
+    if call.op is ReduceOp.AVG:
+        y2 = y2 / n
+    # 3. intra-node all-gather of the node-shards, raw bytes
+    t3, c3 = time.perf_counter(), time.thread_time()
+    wire = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    width = node_shards[1] - node_shards[0]  # the first shard is the largest
+    block = torch.zeros(width, dtype=wire, device=y2.device)
+    block[: b - a] = y2.to(wire)
+    number = transport.calls
+    label = f"all_reduce({call.codec.name}, {call.topology}, node all-gather, key={call.key})"
+    got = all_gather(intra_t, block, deadline, Where(label, number, _GATHER_STEP, 0, "node gather"))
+    y = torch.cat([got[k][: node_shards[k + 1] - node_shards[k]] for k in range(per)])
+    y = y.to(torch.float32)
+    gather_s, gather_cpu = time.perf_counter() - t3, time.thread_time() - c3
+    gather_bytes = (per - 1) * width * block.element_size()
+    gather_frames = max(1, (per - 1).bit_length()) * framing.header_nbytes(1)
+    intra_stats = RunStats(
+        rank=g, world_size=per, numel=d,
+        payload_bytes=s1.payload_bytes + gather_bytes, stats_bytes=s1.stats_bytes,
+        frame_bytes=s1.frame_bytes + gather_frames, hops_per_chunk=s1.hops_per_chunk,
+        phases=("reduce", "gather"), seconds=s1.seconds + gather_s,
+        comm_seconds=s1.comm_seconds + gather_s, cpu_seconds=s1.cpu_seconds + gather_cpu,
+        microshards=s1.microshards, owned=s1.owned,
+    )  # fmt: skip
+    s2.owned = tuple((a + lo, a + hi) for lo, hi in s2.owned)
+    info = RunStats(
+        rank=transport.rank, world_size=n, numel=d,
+        payload_bytes=intra_stats.payload_bytes + s2.payload_bytes,
+        stats_bytes=intra_stats.stats_bytes + s2.stats_bytes,
+        frame_bytes=intra_stats.frame_bytes + s2.frame_bytes + agree_bytes,
+        hops_per_chunk=s2.hops_per_chunk, phases=("reduce", "gather"),
+        seconds=time.perf_counter() - t_start,
+        comm_seconds=intra_stats.comm_seconds + s2.comm_seconds + agree_s,
+        cpu_seconds=time.thread_time() - cpu_start, microshards=s2.microshards, owned=s2.owned,
+        tiers={"intra": intra_stats, "inter": s2},
+    )  # fmt: skip
+    return y, info

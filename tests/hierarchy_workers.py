@@ -1,0 +1,97 @@
+"""Worker bodies of the two-tier tests (imported by spawned Gloo ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+import hopq
+
+#: (codec, inter-node topology) pairs the real runs compare with the simulator.
+REAL = (("fp32", "ring"), ("bf16", "butterfly"), ("dynamiq", "ring"), ("dynamiq", "tree"))
+SIZES = (0, 1, 7, 3001)
+
+
+def data(rank: int, size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(31 * rank + size)
+    return torch.randn(size, generator=g).to(dtype)
+
+
+def _error(fn: Any) -> tuple[str, str, float]:
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        return type(e).__name__, str(e), time.perf_counter() - t0
+    return "", "", time.perf_counter() - t0
+
+
+def two_tier(rank: int, n: int) -> dict[Any, Any]:
+    """Two-tier calls on 2x2: results and stats, the errors of disagreeing
+    ranks, and the DDP hook."""
+    out: dict[Any, Any] = {}
+    for codec, topo in REAL:
+        for size in SIZES:
+            x = data(rank, size)
+            info = hopq.all_reduce(x, codec=codec, topology=topo, seed=4, layout="2x2")
+            out[(codec, topo, size)] = x
+            out[("bytes", codec, topo, size)] = info.bytes_sent
+            out[("inter", codec, topo, size)] = info.inter_bits_per_coord
+    # avg in bf16, a non-contiguous tensor
+    x = data(rank, 1001, torch.bfloat16)
+    hopq.all_reduce(x, codec="dynamiq", op="avg", seed=2, layout=(2, 2))
+    out["avg_bf16"] = x
+    y = data(rank, 6 * 5).view(6, 5).t()
+    hopq.all_reduce(y, codec="bf16", layout="2x2")
+    out["noncontig"] = y
+    # "auto" from torchrun's environment: the same as "2x2"
+    env = {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": str(rank % 2), "GROUP_RANK": str(rank // 2)}
+    os.environ.update(env)
+    x = data(rank, 3001)
+    hopq.all_reduce(x, codec="dynamiq", seed=4, layout="auto")
+    out["auto"] = x
+    # a rank with another layout: MismatchError on every rank, at once
+    x = data(rank, 500)
+    out["mismatch"] = _error(
+        lambda: hopq.all_reduce(x, codec="bf16", layout="4x1" if rank == 3 else "2x2", timeout=60)
+    )
+    # torchrun claims that contradict each other: the same ValueError everywhere
+    os.environ["LOCAL_RANK"] = "0"  # rank 1 and 3 claim local rank 0 too
+    out["inconsistent"] = _error(
+        lambda: hopq.all_reduce(x, codec="bf16", layout="auto", timeout=60)
+    )
+    for k in env:
+        del os.environ[k]
+    # the group is still usable
+    x = data(rank, 500)
+    hopq.all_reduce(x, codec="bf16", layout="2x2")
+    out["after"] = x
+    out["ddp"] = ddp_two_tier(rank)
+    return out
+
+
+def ddp_two_tier(rank: int, steps: int = 3) -> dict[str, Any]:
+    """The DDP hook with layout="2x2": parameters bit-identical on every rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    ddp = DDP(model, bucket_cap_mb=0.005)
+    state = hopq.HookState(codec="dynamiq", layout="2x2", seed=1)
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    metrics = []
+    for _ in range(steps):
+        xb = torch.randn(16, 32, generator=g)
+        loss = ddp(xb).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        metrics.append(state.step_metrics())
+    state.close()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return {"params": params, "metrics": metrics}
