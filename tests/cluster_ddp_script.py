@@ -23,6 +23,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--codec", default="dynamiq")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--layout", default="", help="hopq's two-tier layout (auto, NxG); empty: flat")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     torch.set_num_threads(1)
@@ -31,7 +32,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     ddp = DDP(model)
-    state = hopq.HookState(codec=args.codec)
+    state = hopq.HookState(codec=args.codec, layout=args.layout or None)
     ddp.register_comm_hook(state, hopq.ddp_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)  # every rank its own data
@@ -45,7 +46,7 @@ def main() -> None:
     record = {
         "params": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
         "loss": loss.item(),
-        "bits": state.step_metrics(),
+        "metrics": state.step_metrics(),
         "netns": os.stat("/proc/self/ns/net").st_ino,  # which namespace (node) it ran in
         **{
             k: os.environ.get(k)

@@ -79,8 +79,9 @@ def test_two_nodes_share_a_namespace_and_their_links_are_shaped():
 def test_torchrun_per_node_trains_to_identical_parameters(tmp_path):
     """The recipe of docs/integrations/multinode.md on two emulated machines: one
     torchrun per node (c10d rendezvous at node 0's address), hopq's DDP hook
-    (DynamiQ) over the shaped links; both launches exit 0, every rank knows its
-    node, and all four end with bit-identical parameters."""
+    (DynamiQ, two-tier with layout="auto" from torchrun's variables) over the
+    shaped links; both launches exit 0, every rank knows its node, the calls
+    ran two-tier, and all four end with bit-identical parameters."""
     before = _namespaces()
     with EmulatedNetwork(4, rate_mbit=200, workers_per_node=2) as net:
 
@@ -91,7 +92,7 @@ def test_torchrun_per_node_trains_to_identical_parameters(tmp_path):
                    "--rdzv-id", "hopq-test", "--local-addr", net.address(k)]  # fmt: skip
             if k == 0:  # node 0 hosts the rendezvous store
                 cmd += ["--rdzv-conf", "is_host=1"]
-            return [*cmd, str(SCRIPT), "--steps", "4", "--out", str(tmp_path)]
+            return [*cmd, str(SCRIPT), "--steps", "4", "--layout", "auto", "--out", str(tmp_path)]
 
         done = net.run_per_node(torchrun, timeout=150)
     assert _namespaces() == before
@@ -99,7 +100,8 @@ def test_torchrun_per_node_trains_to_identical_parameters(tmp_path):
         assert p.returncode == 0, f"node {k}'s torchrun exited {p.returncode}:\n{p.stderr[-3000:]}"
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert len({rec["params"] for rec in records}) == 1, [rec["params"] for rec in records]
-    assert all(rec["bits"]["hopq/bits_per_coordinate"] < 16 for rec in records)  # compressed
+    for rec in records:  # compressed between the nodes, so two-tier
+        assert rec["metrics"]["hopq/inter_bits_per_coordinate"] < 16, rec["metrics"]
     by_node: dict[str, set[int]] = {}
     for rec in records:
         assert (rec["WORLD_SIZE"], rec["LOCAL_WORLD_SIZE"]) == ("4", "2")
@@ -131,3 +133,18 @@ def test_bad_layouts():
         "RANK": "5", "WORLD_SIZE": "6", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3",
         "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "5", "ROLE_WORLD_SIZE": "6",
     }  # fmt: skip
+
+
+def test_hopq_cluster_run_fills_in_each_node(capsys):
+    """``hopq cluster run``: the command once per node, with its placeholders
+    filled in; its exit status is the first failing node's."""
+    from hopq.cli import main
+
+    before = _namespaces()
+    check = "test {addr} = 10.213.0.$(({node} + 1)) && test {master} = 10.213.0.1 && echo ok {node}"
+    argv = ["cluster", "run", "--nodes", "2", "--rate-mbit", "50", "--", "sh", "-c", check]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[node 0] ok 0" in out and "[node 1] ok 1" in out
+    assert main([*argv[:-3], "sh", "-c", "exit $(({node} * 3))"]) == 3
+    assert _namespaces() == before

@@ -179,7 +179,7 @@ def parser() -> tuple[
     from hopq import __version__
 
     top.add_argument("--version", action="version", version=f"hopq {__version__}")
-    sub = top.add_subparsers(dest="cmd", required=True, metavar="{train,bench,codecs}")
+    sub = top.add_subparsers(dest="cmd", required=True, metavar="{train,bench,codecs,cluster}")
     commands: dict[str, tuple[argparse.ArgumentParser, type, Any]] = {}
     tr = sub.add_parser(
         "train",
@@ -192,6 +192,19 @@ def parser() -> tuple[
     add_options(tr, TrainOptions)
     commands["train"] = (tr, TrainOptions, "hopq.train.job")
     sub.add_parser("codecs", help="list the registered codecs and their options")
+    from hopq.cluster.run import ClusterRunOptions
+
+    cluster = sub.add_parser("cluster", help="an emulated cluster on this machine (root, tc)")
+    csub = cluster.add_subparsers(dest="cluster", required=True, metavar="{run}")
+    what = (
+        "run a command once per node of an emulated cluster (network namespaces joined by "
+        "tc-shaped links), as on one machine each; {node}, {nodes}, {workers_per_node}, "
+        "{addr}, {master} and {is_host} in the command are filled in per node"
+    )
+    cr = csub.add_parser("run", help=what, description=what)
+    add_options(cr, ClusterRunOptions)
+    cr.add_argument("command", nargs=argparse.REMAINDER, help="the command, after --")
+    commands["cluster run"] = (cr, ClusterRunOptions, "hopq.cluster.run")
     bench = sub.add_parser("bench", help="benchmarks")
     table = (
         ("allreduce", AllreduceOptions, "hopq.bench.allreduce",
@@ -236,6 +249,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.cmd == "codecs":
         print(codecs_text())
         return 0
+    if ns.cmd == "cluster":
+        from hopq.cluster.run import run as run_cluster
+
+        p, cls, _ = commands["cluster run"]
+        command = ns.command[1:] if ns.command[:1] == ["--"] else ns.command
+        if not command:
+            p.error("give the command to run in each node after --")
+        return run_cluster(build(cls, ns, p), command)
     key = "train" if ns.cmd == "train" else f"bench {ns.bench}"
     p, cls, module = commands[key]
     options = build(cls, ns, p)

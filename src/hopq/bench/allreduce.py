@@ -26,8 +26,9 @@ from hopq.cluster.network import CONGESTION, check_congestion, check_mtu
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
+from hopq.comm.layout import resolve_spec
 from hopq.comm.topology import TOPOLOGIES, get_schedule
-from hopq.options import option
+from hopq.options import changed_options, option
 from hopq.reporting import human_bytes, machine, markdown_table
 
 NATIVE = "torch.distributed"
@@ -64,6 +65,26 @@ class Options:
         "TCP congestion control in the emulated network's namespaces (reno: the link "
         "is the only limit; bbr: the host's default here, whose probing slows some calls)",
     )
+    nodes: int = option(
+        0,
+        "nodes of the emulated network (with --rate-mbit): --world-size becomes "
+        "nodes x --workers-per-node; 0: world size / workers per node",
+    )
+    workers_per_node: int = option(
+        1,
+        "workers sharing each emulated node: they talk over its loopback, and only "
+        "traffic between nodes crosses the --rate-mbit link (one per node)",
+    )
+    intra_rate_mbit: float = option(
+        0.0,
+        "rate of each emulated node's loopback in Mbit/s (all traffic between its "
+        "workers together); 0: unshaped",
+    )
+    layout: str = option(
+        "",
+        "hopq's two-tier all-reduce: auto (the workers' torchrun-style LOCAL_WORLD_SIZE "
+        "and GROUP_RANK, which the emulated nodes set) or NxG; empty: one flat schedule",
+    )
     agreement_cost: bool = option(
         False, "instead: time every codec with and without the agreement, interleaved"
     )
@@ -74,8 +95,38 @@ class Options:
     )
 
     def __post_init__(self) -> None:
+        if self.workers_per_node < 1 or self.nodes < 0:
+            raise ValueError("--workers-per-node must be >= 1 and --nodes >= 0")
+        if self.nodes:
+            n = self.nodes * self.workers_per_node
+            if "world_size" in changed_options(self) and self.world_size != n:
+                raise ValueError(
+                    f"--world-size {self.world_size} is not --nodes {self.nodes} x "
+                    f"--workers-per-node {self.workers_per_node}: give one or the other"
+                )
+            object.__setattr__(self, "world_size", n)
         if self.world_size < 1 or self.min_bytes < 4 or self.max_bytes < self.min_bytes:
             raise ValueError("need world_size >= 1 and 4 <= min_bytes <= max_bytes")
+        if self.world_size % self.workers_per_node:
+            raise ValueError(
+                f"--workers-per-node {self.workers_per_node} must divide the "
+                f"{self.world_size} workers"
+            )
+        if self.rate_mbit <= 0 and (
+            self.nodes or self.workers_per_node > 1 or self.intra_rate_mbit
+        ):
+            raise ValueError(
+                "--nodes, --workers-per-node and --intra-rate-mbit shape the emulated "
+                "network: give --rate-mbit too"
+            )
+        if self.intra_rate_mbit < 0:
+            raise ValueError("--intra-rate-mbit must be >= 0 (0: unshaped)")
+        if self.intra_rate_mbit and self.workers_per_node == 1:
+            raise ValueError(
+                "--intra-rate-mbit shapes a node's loopback: give --workers-per-node > 1"
+            )
+        if self.layout:
+            resolve_spec(self.layout)
         for t in self.topologies:
             get_schedule(t, 1)
         self.resolved_codecs()
@@ -165,7 +216,12 @@ def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, boo
         reset = functools.partial(x.copy_, x0)  # the same data for every call
         for m in methods:
             fn = functools.partial(
-                all_reduce, x, codecs[m], m.split("/")[1], microshards=_microshards(m)
+                all_reduce,
+                x,
+                codecs[m],
+                m.split("/")[1],
+                microshards=_microshards(m),
+                layout=o.layout or None,
             )
             reset()
             fn()
@@ -238,7 +294,12 @@ def _worker(rank: int, n: int, o: Options) -> Results:
                 out[(m, size, "bytes")] = 2 * (n - 1) / n * size / 2
             elif m != NATIVE:
                 call = functools.partial(
-                    all_reduce, x, codecs[m], m.split("/")[1], microshards=_microshards(m)
+                    all_reduce,
+                    x,
+                    codecs[m],
+                    m.split("/")[1],
+                    microshards=_microshards(m),
+                    layout=o.layout or None,
                 )
 
                 def fn(call: Callable[[], RunStats] = call, runs: list[RunStats] = runs) -> None:
@@ -284,9 +345,20 @@ def _run_workers(o: Options, worker: Callable[[int, int, Options], Any]) -> tupl
             res = run_workers(n, worker, o)[0]
         else:
             with EmulatedNetwork(
-                n, rate_mbit=o.rate_mbit, mtu=o.mtu, congestion=o.tcp_congestion
+                n,
+                rate_mbit=o.rate_mbit,
+                mtu=o.mtu,
+                congestion=o.tcp_congestion,
+                workers_per_node=o.workers_per_node,
+                intra_rate_mbit=o.intra_rate_mbit,
             ) as net:
-                res = run_workers(n, worker, o, namespaces=net.namespaces)[0]
+                res = run_workers(
+                    n,
+                    worker,
+                    o,
+                    namespaces=net.namespaces,
+                    workers_per_node=net.workers_per_node,
+                )[0]
             where = f"an emulated network, {net.describe()}"
     else:
         res = run_workers(n, worker, o)[0]
@@ -300,6 +372,9 @@ def run(o: Options) -> str:
     n = o.world_size
     res, where = measure(o)
     methods = o.methods()
+    # one link per worker: every byte a rank sends crosses it; with nodes of
+    # several workers some bytes stay on a node's loopback, so no such ideal
+    ideal_cols = o.rate_mbit > 0 and o.workers_per_node == 1
     rows = []
     for size in _sizes(o):
         base = res[(NATIVE, size)]
@@ -321,11 +396,13 @@ def run(o: Options) -> str:
                 human_bytes(int(sent)),
                 f"{codec * 1e3:.0f}" if codec is not None else "",
             ]
-            if o.rate_mbit > 0:
+            if ideal_cols:
                 ideal = sent * 8 / (o.rate_mbit * 1e6)
                 row += [f"{ideal * 1e3:.0f}", f"{t / ideal:.2f}x"]
             rows.append(row)
     head = f"{n} Gloo ranks on one machine ({machine()}), over {where}\n"
+    if o.layout:
+        head += f"hopq's methods run two-tier, layout={o.layout}.\n"
     if o.rate_mbit > 0 and where.startswith("an emulated"):
         from hopq.cluster.network import payload_fraction
 
@@ -355,7 +432,7 @@ def run(o: Options) -> str:
                 "sent / rank",
                 "codec work (ms)",
             ]
-            + (["wire ideal (ms)", "time / ideal"] if o.rate_mbit > 0 else []),
+            + (["wire ideal (ms)", "time / ideal"] if ideal_cols else []),
             rows,
         )
         + (
@@ -367,7 +444,7 @@ def run(o: Options) -> str:
             + (
                 "; wire ideal: sent / rank at the link rate, the time a call takes if "
                 "nothing but the link limits it."
-                if o.rate_mbit > 0
+                if ideal_cols
                 else "."
             )
         )
