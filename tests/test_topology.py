@@ -92,6 +92,48 @@ def test_reduce_depths(n):
     assert max(get_schedule("ring", n).reduce_depths()) == n - 1
     assert max(get_schedule("butterfly", n).reduce_depths()) == K
     assert max(get_schedule("tree", n).reduce_depths()) == K
+    assert max(get_schedule("direct", n).reduce_depths()) == n - 1
+
+
+@pytest.mark.parametrize("n", range(1, 17))
+def test_direct_is_one_shot(n):
+    """Direct (qgZ's all-to-all reduce-scatter, then the owners' all-gather): rank c
+    owns chunk c; one reduce step in which every rank sends every other chunk
+    to its owner, one gather step in which every owner sends its chunk to
+    every other rank; two compressions per contribution whatever n (a ring's
+    grow with n), n - 1 combinations in a row at each sink, n - 1 messages per
+    rank and step."""
+    s = get_schedule("direct", n)
+    assert s.topology == "direct" and s.n_chunks == n and s.owner == tuple(range(n))
+    if n == 1:
+        assert s.steps == () and s.compression_chains() == [1]
+        return
+    assert len(s.steps) == 2
+    reduce, gather = s.steps
+    assert {(t.src, t.dst, t.chunks, t.phase) for t in reduce} == {
+        (r, c, (c,), Phase.REDUCE) for r in range(n) for c in range(n) if r != c
+    }
+    assert {(t.src, t.dst, t.chunks, t.phase) for t in gather} == {
+        (c, r, (c,), Phase.GATHER) for r in range(n) for c in range(n) if r != c
+    }
+    assert len(reduce) == len(gather) == n * (n - 1)
+    for r in range(n):
+        for step in (0, 1):
+            assert len(s.sends(r, step)) == len(s.recvs(r, step)) == n - 1
+        # the sink receives its chunk's contributions in rank order
+        assert [t.src for t in s.recvs(r, 0)] == [q for q in range(n) if q != r]
+    assert s.compression_chains() == [2] * n
+    assert s.reduce_depths() == [n - 1] * n
+    for c, depths in enumerate(s.encoder_depths()):
+        assert depths == {r: int(r == c) for r in range(n)}  # n - 1 independent leaves
+
+
+def test_direct_has_the_shortest_chain():
+    """From 3 ranks on, no other schedule compresses a contribution fewer times."""
+    for n in range(3, 17):
+        chains = {t: max(get_schedule(t, n).compression_chains()) for t in TOPOLOGIES}
+        assert chains["direct"] == 2 == min(chains.values()), (n, chains)
+        assert chains["direct"] < chains["ring"]
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 6, 8])
@@ -142,7 +184,7 @@ def test_shard_layout_gives_every_rank_its_shard(topology, n):
             for c in final[r]:
                 have.update(range(b[c], b[c + 1]))
             assert set(range(shards[r], shards[r + 1])) <= have, (r, shards, b)
-        if topology in ("ring", "semiloop", "biring") or (
+        if topology in ("ring", "semiloop", "biring", "direct") or (
             topology == "butterfly" and not n & (n - 1)
         ):
             assert not lay.deliveries  # every rank is the sink of its own shard

@@ -585,10 +585,15 @@ class Codec(ABC, Generic[P]):
         entries (1: it stays where it is)."""
         return 1
 
-    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+    def error_bound(
+        self, abs_sum: torch.Tensor, chain: int, adds: int | None = None
+    ) -> torch.Tensor | None:
         """Documented worst-case |result - exact sum| per coordinate, given the sum
-        over ranks of |x_i| and the longest compression chain; None where the
-        codec only promises a statistical bound (stochastic codecs)."""
+        over ranks of |x_i|, the longest compression chain and the most float32
+        additions in a row into one partial sum (``adds``, the schedule's
+        ``reduce_depths``; None: ``chain``, which no schedule but ``direct``
+        exceeds: its sinks add n - 1 contributions behind one compression);
+        None where the codec only promises a statistical bound (stochastic codecs)."""
         return None
 
     def plan_gather(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> P:

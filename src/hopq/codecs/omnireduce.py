@@ -206,7 +206,9 @@ class OmniReduce(WireCodec[OmniPlan]):
             y = out
         return div_(y, world_size) if op is ReduceOp.AVG else y
 
-    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+    def error_bound(
+        self, abs_sum: torch.Tensor, chain: int, adds: int | None = None
+    ) -> torch.Tensor | None:
         return None  # dropped blocks are lost whole
 
     def state_dict(self) -> dict[str, Any]:

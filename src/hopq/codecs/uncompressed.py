@@ -124,13 +124,17 @@ class Uncompressed(WireCodec[Plan]):
     def finish(self, plan: Plan, y: torch.Tensor, op: ReduceOp, world_size: int) -> torch.Tensor:
         return div_(y, world_size) if op is ReduceOp.AVG else y
 
-    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+    def error_bound(
+        self, abs_sum: torch.Tensor, chain: int, adds: int | None = None
+    ) -> torch.Tensor | None:
         """Each compression rounds a partial sum (|partial| <= sum |x_i|) to nearest in
         the wire dtype: at most half an ulp, i.e. u |partial| for normal numbers and
-        half the subnormal spacing below; float32 accumulation adds u32 per hop."""
+        half the subnormal spacing below; float32 accumulation adds u32 per addition
+        in a row (``adds``, by default one per hop)."""
         fi = torch.finfo(self.wire_dtype)
-        u = fi.eps / 2 + torch.finfo(torch.float32).eps / 2
-        return chain * (u * abs_sum + fi.smallest_normal * fi.eps / 2)
+        u32 = torch.finfo(torch.float32).eps / 2
+        k = chain if adds is None else adds
+        return chain * (fi.eps / 2 * abs_sum + fi.smallest_normal * fi.eps / 2) + k * u32 * abs_sum
 
 
 @register("fp32", "uncompressed float32 (exact up to summation order)", baseline=True)

@@ -272,6 +272,8 @@ def reduce_scatter(
     key: int | None = None,
     timeout: float | None = None,
     shards: str | Sequence[int] = "equal",
+    layout: LayoutSpec = None,
+    intra_codec: str | Codec[Any] = "fp32",
 ) -> torch.Tensor:
     """Compressed reduce-scatter: this rank's shard of the reduced, flattened tensor,
     in the tensor's dtype.
@@ -295,6 +297,15 @@ def reduce_scatter(
         timeout: Seconds to wait for a peer; None: the group's own timeout.
         shards: Which slice this rank gets (see below): ``"equal"``, n + 1
             offsets, or ``"topology"``.
+        layout: The nodes the ranks run on, for a two-tier reduce-scatter, as
+            in :func:`all_reduce`: an intra-node reduce-scatter with
+            ``intra_codec`` (of the vector permuted so that local rank g's
+            node-shard holds the shards of every node's rank g), then an
+            inter-node reduce-scatter with ``codec`` and ``topology`` that
+            leaves every rank its own shard; only inter-node hops compress.
+            Takes ``shards="equal"`` or offsets. None: flat.
+        intra_codec: The intra-node codec of a two-tier reduce-scatter
+            (default ``"fp32"``).
 
     Returns:
         This rank's shard, a 1-D tensor in ``tensor``'s dtype (empty for a
@@ -331,6 +342,7 @@ def reduce_scatter(
       is not a power of two: the folded ranks own nothing and get an empty
       tensor), with nothing sent after the reduce phase. Needs a
       layout-preserving codec (one that does not permute across chunks).
+      With ``layout``, ``"topology"`` is refused (ValueError).
 
     Example:
         Under ``torchrun --nproc_per_node 4``, with a tensor of 1000 entries:
@@ -342,8 +354,9 @@ def reduce_scatter(
         ```
     """
     return reduce_scatter_with_stats(
-        tensor, codec, topology, op, group, seed, key=key, timeout=timeout, shards=shards
-    )[0]
+        tensor, codec, topology, op, group, seed, key=key, timeout=timeout, shards=shards,
+        layout=layout, intra_codec=intra_codec,
+    )[0]  # fmt: skip
 
 
 def reduce_scatter_with_stats(
@@ -357,10 +370,25 @@ def reduce_scatter_with_stats(
     key: int | None = None,
     timeout: float | None = None,
     shards: str | Sequence[int] = "equal",
+    layout: LayoutSpec = None,
+    intra_codec: str | Codec[Any] = "fp32",
 ) -> tuple[torch.Tensor, engine.RunStats]:
     """:func:`reduce_scatter`, and this rank's statistics (bits per coordinate of
     a reduce-scatter count (n-1)/n x d coordinates, so that bf16 is 16)."""
     call = check_call(tensor, codec, topology, op, seed, key, timeout, gather=False)
+    spec, intra = check_layout(tensor, layout, intra_codec)
+    if spec is not None:
+        if shards == "topology":
+            raise ValueError(
+                "a two-tier reduce-scatter (layout=) takes shards='equal' or n + 1 offsets, "
+                "not 'topology'"
+            )
+        transport = _transport(group)
+        bounds = resolve_shards(shards, tensor.numel(), transport.world_size)
+        out, stats = hierarchy.reduce_scatter(
+            replace(call, shards=bounds), tensor.detach().reshape(-1), transport, spec, intra
+        )
+        return out.to(tensor.dtype), stats
     if shards == "topology" and not call.codec.layout_preserving:
         raise ValueError(
             f"codec {call.codec.name!r} permutes the vector across chunks, so a rank's shard of "

@@ -249,6 +249,25 @@ def tree(n: int) -> Schedule:
     return Schedule("tree", n, 1, tuple(steps), (0,))
 
 
+def direct(n: int) -> Schedule:
+    """Direct (one-shot, as ZeRO++'s qgZ): a reduce-scatter by all-to-all, then an
+    all-gather from each owner. n chunks, rank c the sink of chunk c. Reduce
+    step: every rank r compresses each chunk c != r once and sends it straight
+    to c, which adds the n - 1 decoded contributions to its own in float32
+    (senders in rank order, the last taking the fused hop) and compresses the
+    final sum once. Gather step: each sink sends those same bytes to every
+    other rank. Two steps for any n, and every contribution goes through two
+    compressions (``compression_chains``), however large n; a sink combines
+    n - 1 times in a row (``reduce_depths``), as on a ring. Each rank sends
+    n - 1 messages per step."""
+    _check_n(n)
+    if n == 1:
+        return Schedule("direct", 1, 1, (), (0,))
+    reduce = tuple(Transfer(r, c, (c,), Phase.REDUCE) for r in range(n) for c in range(n) if c != r)
+    gather = tuple(Transfer(c, r, (c,), Phase.GATHER) for c in range(n) for r in range(n) if r != c)
+    return Schedule("direct", n, n, (reduce, gather), tuple(range(n)))
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     """A schedule laid over caller-chosen shards: rank r wants the final sums of
@@ -257,8 +276,8 @@ class ShardLayout:
     ``bounds`` (n_chunks + 1 offsets) cut the vector into the schedule's chunks so
     that the chunks a rank is the sink of lie inside its own shard wherever the
     schedule allows: with owners in rank order (ring, semi-loop, bidirectional
-    ring) a rank's chunks split its shard and nothing more moves after the reduce
-    phase. A rank that owns no chunk (butterfly's folded ranks, the tree's
+    ring, direct) a rank's chunks split its shard and nothing more moves after
+    the reduce phase. A rank that owns no chunk (butterfly's folded ranks, the tree's
     non-roots) has its shard joined to the next owning rank's chunks (the last
     owner's, at the end), and ``reduce_scatter``'s last step delivers those
     chunks' final payloads to it (``deliveries``: one direct transfer per sink
@@ -350,6 +369,7 @@ TOPOLOGIES: dict[str, Callable[[int], Schedule]] = {
     "semiloop": semiloop,
     "biring": biring,
     "tree": tree,
+    "direct": direct,
 }
 
 

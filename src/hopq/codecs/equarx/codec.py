@@ -404,12 +404,15 @@ class EQuARXCodec(Codec[Plan]):
             out[pos:].copy_(self._dequantize(pad.view(rows, s2), a).reshape(-1)[:rest])
 
     # -- guarantees ----------------------------------------------------------
-    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+    def error_bound(
+        self, abs_sum: torch.Tensor, chain: int, adds: int | None = None
+    ) -> torch.Tensor | None:
         """Per hop an entry moves by at most _REL_STEP x its block's scale A, with
         A <= (1 + 2^-7) x the block's absmax (bfloat16 rounded up), and the absmax
         of a partial sum is at most max(sum |x_i|) plus the error so far; float32
-        accumulation adds 2^-24 of the partial sum per hop. The geometry is the
-        plan's, so the bound uses the global maximum."""
+        accumulation adds 2^-24 of the partial sum per hop, and per addition in a
+        row beyond one a hop (``adds`` > ``chain``: the direct schedule's sinks).
+        The geometry is the plan's, so the bound uses the global maximum."""
         if self.config.scale is ScaleFormat.NONE:
             return None  # saturation beyond the FP8 range makes it data-dependent
         top = float(abs_sum.max()) if abs_sum.numel() else 0.0
@@ -418,6 +421,8 @@ class EQuARXCodec(Codec[Plan]):
         for _ in range(chain):
             amax = (top + err) * (1 + 2.0**-7)
             err += rel * amax * (1 + 2.0**-20) + 2.0**-23 * (top + err) + 1e-37
+        if adds is not None and adds > chain:
+            err += (adds - chain) * 2.0**-23 * (top + err)
         return torch.full_like(abs_sum, err)
 
 

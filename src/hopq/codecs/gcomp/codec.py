@@ -280,12 +280,18 @@ class GComp(ReadsOptimizer, Codec[GCompPlan]):
     ) -> torch.Tensor:
         return div_(y, world_size) if op is ReduceOp.AVG else y
 
-    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+    def error_bound(
+        self, abs_sum: torch.Tensor, chain: int, adds: int | None = None
+    ) -> torch.Tensor | None:
         """Per truncation 2**(k-23) |v| (k the fixed level's bits; 0 without one),
-        per addition float32's half ulp, per hop a flushed subnormal."""
+        per addition in a row float32's half ulp (``adds``, by default one per hop),
+        per hop a flushed subnormal."""
         k = 6 * max(self.config.fixed_level, 0)
-        rel = (2.0 ** (k - 23) if k else 0.0) + 2.0**-24
-        return chain * (rel * abs_sum + torch.finfo(torch.float32).smallest_normal)
+        trunc = 2.0 ** (k - 23) if k else 0.0
+        n_adds = chain if adds is None else adds
+        return chain * (trunc * abs_sum + torch.finfo(torch.float32).smallest_normal) + (
+            n_adds * 2.0**-24 * abs_sum
+        )
 
     # -- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

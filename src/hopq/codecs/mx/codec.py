@@ -310,7 +310,9 @@ class MXCodec(Codec[MXPlan]):
         self.encoded = int(state["encoded"])
         self.last_overflow_ratio = float(state["last_overflow_ratio"])
 
-    def error_bound(self, abs_sum: torch.Tensor, chain: int) -> torch.Tensor | None:
+    def error_bound(
+        self, abs_sum: torch.Tensor, chain: int, adds: int | None = None
+    ) -> torch.Tensor | None:
         return None  # saturation makes the worst case data-dependent; see the vNMSE tables
 
 
