@@ -121,7 +121,7 @@ def test_a_second_run_of_the_same_name_resumes_hopq(first_run):
     assert len(set(again["params"])) == 1 and again["params"][0] != first.return_value["params"][0]
 
 
-def test_prepare_model_refuses_what_is_not_ddp(monkeypatch, tmp_path):
+def test_prepare_model_refuses_what_it_cannot_hook(monkeypatch, tmp_path):
     pytest.importorskip("ray.train.torch", reason="Ray Train is not installed")
     import ray.train
     import ray.train.torch
@@ -140,3 +140,10 @@ def test_prepare_model_refuses_what_is_not_ddp(monkeypatch, tmp_path):
         hopq_ray.prepare_model(torch.nn.Linear(2, 2), hopq.HookState(codec="dynamiq"))
     with pytest.raises(FileNotFoundError, match="save_state"):
         hopq_ray.load_state(hopq.HookState(codec="dynamiq"), tmp_path)
+    with pytest.raises(TypeError, match="HookState or a codec name"):
+        hopq_ray.prepare_model(torch.nn.Linear(2, 2), object())  # type: ignore[arg-type]
+    # a state whose hook was never registered names Ray's remedy
+    from hopq.integrations.ddp import not_engaged_message
+
+    msg = not_engaged_message(hopq.HookState(codec="dynamiq"), 2, "after 10 steps")
+    assert "hopq.integrations.ray.prepare_model" in msg, msg

@@ -721,6 +721,11 @@ def not_engaged_message(state: HookState, world: int, when: str) -> str:
             "the HF Trainer has no hook option: hopq.integrations.transformers.attach("
             "trainer, state) registers it when training begins"
         )
+    if "ray.train" in sys.modules:
+        hints.append(
+            "Ray Train's ray.train.torch.prepare_model takes no hook: use "
+            "hopq.integrations.ray.prepare_model(model, state) in the training function"
+        )
     hint = "; ".join(hints)
     return (
         f"hopq: the DDP hook of HookState(codec={state.codec.name!r}) is not engaged: it was "
