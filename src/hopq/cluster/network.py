@@ -6,10 +6,13 @@ inside a network built here (root and iproute2 needed; ``netem`` is not, only
 ``tc ... tbf``):
 
 * a "switch" namespace holding a bridge;
-* per worker a namespace with one veth link to the bridge, address
-  10.213.0.(i+1)/24, shaped with a token bucket at ``rate_mbit`` in each
-  direction (upload on the worker's end, download on the switch's end);
-* in every worker namespace one TCP congestion control, ``reno`` by default
+* per node a namespace with one veth link to the bridge, address
+  10.213.0.(k+1)/24, shaped with a token bucket at ``rate_mbit`` in each
+  direction (upload on the node's end, download on the switch's end); a node
+  runs one worker by default, or ``workers_per_node`` that share its namespace
+  and talk to each other over its loopback (shaped to ``intra_rate_mbit`` when
+  given), as the workers of one machine do;
+* in every node namespace one TCP congestion control, ``reno`` by default
   (:data:`CONGESTION`), set explicitly rather than inherited from the host.
 
 Why the congestion control is pinned: a new namespace takes the host's default,
@@ -170,8 +173,8 @@ STOP_GRACE_S = 5.0
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
     """End every process still running, and its process group: SIGTERM first (a
-    launcher such as torchrun then stops the workers it started in their own
-    sessions), SIGKILL after :data:`STOP_GRACE_S`."""
+    launcher such as torchrun then stops its workers, which it starts outside
+    its own process group), SIGKILL after :data:`STOP_GRACE_S`."""
     live = [p for p in procs if p.poll() is None]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in live:
