@@ -32,8 +32,9 @@ from hopq.integrations.ddp import HookState, check_same_group, ddp_hook
 
 __all__ = ["STATE_FILE", "load_state", "prepare_model", "save_state"]
 
-#: The file :func:`save_state` writes in a checkpoint directory, one per rank
-#: (Ray merges the directories the workers report into one checkpoint).
+#: The file :func:`save_state` writes in a checkpoint directory, one per rank of
+#: the hook's group (Ray merges the directories the workers report into one
+#: checkpoint).
 STATE_FILE = "hopq-rank{rank}.pt"
 
 
@@ -131,12 +132,6 @@ def prepare_model(
     return wrapped
 
 
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def save_state(state: HookState, directory: str | os.PathLike[str]) -> Path:
     """Write ``state.state_dict()`` into a checkpoint directory, as this rank's file.
 
@@ -167,7 +162,7 @@ def save_state(state: HookState, directory: str | os.PathLike[str]) -> Path:
     """
     if not isinstance(state, HookState):
         raise TypeError(f"expected a hopq.HookState, got {state!r}")
-    path = Path(directory) / STATE_FILE.format(rank=_rank())
+    path = Path(directory) / STATE_FILE.format(rank=state._rank())
     torch.save(state.state_dict(), path)
     return path
 
@@ -198,13 +193,13 @@ def load_state(state: HookState, directory: str | os.PathLike[str]) -> None:
     """
     if not isinstance(state, HookState):
         raise TypeError(f"expected a hopq.HookState, got {state!r}")
-    root = Path(directory)
-    for rank in dict.fromkeys((_rank(), 0)):
+    root, mine = Path(directory), state._rank()
+    for rank in dict.fromkeys((mine, 0)):
         path = root / STATE_FILE.format(rank=rank)
         if path.is_file():
             state.load_state_dict(torch.load(path, weights_only=True))
             return
     raise FileNotFoundError(
-        f"no hopq state in {root} ({STATE_FILE.format(rank=_rank())} or "
+        f"no hopq state in {root} ({STATE_FILE.format(rank=mine)} or "
         f"{STATE_FILE.format(rank=0)}): save it with hopq.integrations.ray.save_state"
     )
