@@ -43,11 +43,12 @@ below it, tracked per part and carried in a one-byte payload header) is at most
 2^(d - c), and the sink's, at depth <= D, at most 2^-1: every exponent stays
 >= 1 on *any* schedule. On a power-of-two butterfly or tree D = log2 n and
 2^-c is the paper's 1/(2n); a butterfly with a fold and a tree of any n have
-D = ceil(log2 n) (the paper's "round the shift up"); a ring has D = n - 1,
+D = ceil(log2 n) (the paper's "round the shift up"); a ring has D = n - 1
+(and so has the direct schedule, whose sink combines its n - 1 senders in turn),
 which is the scaling that provably avoids the overshoot of the ring's running
 sum (NOTES 5) at a cost of n - 1 - ceil(log2 n) exponents at the bottom and a
 variance growing as (9/8)^(n-1). Schedules with D + 1 > :data:`MAX_CHAIN`
-(rings beyond 64 ranks) are refused in the plan: fewer than 63 exponents
+(rings and direct schedules beyond 64 ranks) are refused in the plan: fewer than 63 exponents
 would remain. A payload's header and magnitudes are checked against D.
 
 Non-finite input poisons the global scale, hence the whole vector (like THC).
@@ -577,8 +578,9 @@ class GQSGDExp(_PartwiseFinish, Codec[GQSGDExpPlan]):
         chain = _chain(stats)
         if chain > MAX_CHAIN:
             raise ValueError(
-                f"gqsgd-exp: a schedule with {chain - 1} combinations in a row (a ring of "
-                f"{stats.world_size} ranks?) would leave fewer than {EMAX - MAX_CHAIN} of "
+                f"gqsgd-exp: a schedule with {chain - 1} combinations in a row (a ring or "
+                f"direct schedule of {stats.world_size} ranks?) would leave fewer than "
+                f"{EMAX - MAX_CHAIN} of "
                 "its 127 exponents; use the butterfly or tree topology"
             )
         N = global_max(x, stats)
