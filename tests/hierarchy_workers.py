@@ -70,6 +70,35 @@ def two_tier(rank: int, n: int) -> dict[Any, Any]:
     hopq.all_reduce(x, codec="bf16", layout="2x2")
     out["after"] = x
     out["ddp"] = ddp_two_tier(rank)
+    out["fsdp"] = fsdp_two_tier(rank, n)
+    return out
+
+
+def fsdp_two_tier(rank: int, n: int, steps: int = 2) -> dict[str, Any] | None:
+    """FSDP2 with hopq's reduce-scatter on 2x2: native FSDP's parameters, then
+    fp32 and DynamiQ as two-tier reduce-scatters (with the first call's input
+    and output, for the simulator). None where torch has no FSDP2 hook."""
+    try:
+        from tests.workers_fsdp import CAPTURED, _capturing_class, build, train
+
+        Capturing = _capturing_class()
+        out: dict[str, Any] = {"native": train(build(n), rank, steps)["params"]}
+    except (ImportError, AttributeError):
+        return None
+    for codec in ("fp32", "dynamiq"):
+        model = build(n)
+        comm = Capturing(codec, seed=7, layout="2x2")
+        comm.install(model)
+        del CAPTURED[:]
+        res = train(model, rank, steps, comm)
+        key, inp, got, op = CAPTURED[0]
+        calls = res["records"][0][0]
+        out[codec] = {
+            "params": res["params"],
+            "first": (key, inp, got, op),
+            "inter": [c.inter_bits_per_coord for c in calls],
+            "bytes": calls[0].bytes_sent,
+        }
     return out
 
 

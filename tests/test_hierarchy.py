@@ -180,6 +180,41 @@ def test_simulated_edges(codec: str) -> None:
     assert r.identical and not torch.isfinite(r.outputs[0][5])
 
 
+@pytest.mark.parametrize("codec", CODECS)
+def test_simulated_reduce_scatter(codec: str) -> None:
+    """Two-tier reduce-scatter: rank r gets shard r (torch's layout, or given
+    offsets) of the sum, within the codec's bound; one-tier layouts are the flat
+    reduce-scatter, bit for bit."""
+    for p, specs in ((4, ("2x2", "1x4", "4x1")), (6, ("2x3", "3x2"))):
+        xs = _inputs(p, 4001)
+        exact = torch.stack([x.double() for x in xs]).sum(0)
+        mag = torch.stack([x.double().abs() for x in xs]).sum(0)
+        flat = hopq.simulate_reduce_scatter(xs, codec, seed=3)
+        for spec in specs:
+            lay = NodeLayout.parse(spec)
+            r = hopq.simulate_reduce_scatter(xs, codec, seed=3, layout=spec)
+            assert r.shards == flat.shards
+            if lay.flat:
+                for a, b in zip(r.outputs, flat.outputs, strict=True):
+                    assert torch.equal(_bits(a), _bits(b)), (codec, spec)
+                continue
+            got = torch.cat(r.outputs).double()
+            bound = hopq.get_codec(codec).error_bound(mag, r.stats[0].hops_per_chunk)
+            if bound is not None:
+                assert ((got - exact).abs() <= bound + p * 2**-23 * mag).all(), (codec, spec)
+            if codec not in SPARSE_UNION:
+                assert r.vnmse <= 1.25 * flat.vnmse + 1e-14, (codec, spec, r.vnmse, flat.vnmse)
+            s = r.stats[1]
+            assert set(s.tiers) == {"intra", "inter"} and s.phases == ("reduce",)
+            assert s.owned == ((r.shards[1], r.shards[2]),)
+    offsets = (0, 100, 100, 2500, 4001)  # uneven, one empty shard
+    r = hopq.simulate_reduce_scatter(xs[:4], codec, seed=3, layout="2x2", shards=offsets)
+    assert [o.numel() for o in r.outputs] == [100, 0, 2400, 1501]
+    if codec == "fp32":
+        want = torch.stack(xs[:4]).sum(0)
+        assert torch.allclose(torch.cat(r.outputs), want, atol=1e-5)
+
+
 @pytest.mark.parametrize("layout", ["2x4", "4x2"])
 def test_dynamiq_two_tier_error(layout: str) -> None:
     """DynamiQ recompresses only between nodes: a smaller error than the flat ring's."""
@@ -232,10 +267,10 @@ def test_layout_mismatch_in_process() -> None:
 
 def test_real_two_tier() -> None:
     """4 Gloo ranks as 2x2: the simulator's bits, identical ranks, mismatches
-    raised on every rank within seconds, and the DDP hook."""
+    raised on every rank within seconds, the DDP hook and FSDP2."""
     res = run_workers(4, two_tier, timeout=300)
     for key in res[0]:
-        if isinstance(res[0][key], torch.Tensor):
+        if isinstance(res[0][key], torch.Tensor) and key != "fsdp":
             for r in range(1, 4):
                 assert torch.equal(_bits(res[0][key]), _bits(res[r][key])), key
     for codec, topo in REAL:
@@ -272,3 +307,27 @@ def test_real_two_tier() -> None:
     for m in ddp[0]["metrics"]:
         assert 0 < m["hopq/inter_bits_per_coordinate"] < 8, m
         assert m["hopq/bits_per_coordinate"] > m["hopq/inter_bits_per_coordinate"]
+    if res[0]["fsdp"] is not None:
+        _check_fsdp([res[r]["fsdp"] for r in range(4)])
+
+
+def _check_fsdp(res: list[dict]) -> None:
+    """FSDP2 with two-tier reduce-scatters: the simulator's bits on the first
+    call, fp32 training as native FSDP's, DynamiQ close to it."""
+    native = res[0]["native"]
+    for codec in ("fp32", "dynamiq"):
+        key, _, _, (red, premul) = res[0][codec]["first"]
+        op = red.value if premul is None else torch.distributed.ReduceOp.PREMUL_SUM(premul)
+        sim = hopq.simulate_reduce_scatter(
+            [res[r][codec]["first"][1] for r in range(4)], codec, seed=7, op=op, key=key,
+            layout="2x2",
+        )  # fmt: skip
+        for r in range(4):
+            assert torch.equal(_bits(sim.outputs[r]), _bits(res[r][codec]["first"][2])), codec
+            assert sim.bytes_sent[r] == res[r][codec]["bytes"]
+        assert all(b > 0 for b in res[0][codec]["inter"])
+        num = den = 0.0
+        for k, p in res[0][codec]["params"].items():
+            num += float((p.double() - native[k].double()).square().sum())
+            den += float(native[k].double().square().sum())
+        assert (num / den) ** 0.5 < (1e-5 if codec == "fp32" else 0.05), (codec, num / den)

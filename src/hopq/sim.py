@@ -214,6 +214,8 @@ def simulate_reduce_scatter(
     microshards: int | None = None,
     pipeline: bool = True,
     timeout: float = SIM_TIMEOUT_S,
+    layout: LayoutSpec = None,
+    intra_codec: str | Codec[Any] = "fp32",
 ) -> SimShards:
     """``hopq.reduce_scatter(tensors[i], shards=shards)`` on n virtual ranks: rank
     r's output is its shard of the flattened, reduced vector (codec state
@@ -232,6 +234,10 @@ def simulate_reduce_scatter(
         microshards: Forces the number of messages per chunk and step.
         pipeline: Overlap codec work with transfers (the same bits).
         timeout: Seconds a virtual rank waits for a peer.
+        layout: A two-tier reduce-scatter, as ``hopq.reduce_scatter``'s
+            ``layout`` (not ``"auto"``); None: flat.
+        intra_codec: The intra-node codec of a two-tier call (default
+            ``"fp32"``).
 
     Returns:
         A :class:`SimShards`: every rank's shard, the offsets, the error and
@@ -254,7 +260,8 @@ def simulate_reduce_scatter(
     """
     res = _simulate(
         tensors, codec, topology, seed, op, key, gather_codec=None, microshards=microshards,
-        pipeline=pipeline, timeout=timeout, shards=shards, gather=False,
+        pipeline=pipeline, timeout=timeout, shards=shards, gather=False, layout=layout,
+        intra_codec=intra_codec,
     )  # fmt: skip
     assert res.shards is not None
     return SimShards(
@@ -308,7 +315,7 @@ def _simulate(
             "the simulator's virtual ranks share one host: pass an explicit layout "
             "('NxG', (N, G) or a NodeLayout), not 'auto'"
         )
-    if spec is not None and shards is not None:
+    if spec is not None and gather and shards is not None:
         raise ValueError("a two-tier call is an all-reduce: pass layout or shards, not both")
     get_schedule(topology, n)  # a topology that cannot serve n ranks raises here
     bounds = None
@@ -334,8 +341,12 @@ def _simulate(
             flat = tensors[r].reshape(-1)
             if spec is None:
                 results[r] = engine.run(mine, flat, transports[r])
-            else:
+            elif gather:
                 results[r] = hierarchy.run(mine, flat, transports[r], spec, intra.clone())
+            else:  # this rank's shard
+                results[r] = hierarchy.reduce_scatter(
+                    mine, flat, transports[r], spec, intra.clone()
+                )
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors.append(e)
             transports[r].hub.abort()
@@ -369,7 +380,10 @@ def _simulate(
         bits0 = done[0][0].view(torch.int32)  # bitwise: NaN payloads compare too
         identical = all(torch.equal(bits0, y.view(torch.int32)) for y, _ in done[1:])
     else:  # each rank's shard
-        outputs = [torch.cat([y[a:b] for a, b in s.owned]).to(dtype) for y, s in done]
+        outputs = [
+            y.to(dtype) if spec is not None else torch.cat([y[a:b] for a, b in s.owned]).to(dtype)
+            for y, s in done
+        ]
         got = torch.cat(outputs).double()
         identical = True
     err = (got.double() - exact).square().sum().item()

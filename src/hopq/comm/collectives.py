@@ -171,7 +171,7 @@ def all_reduce(
         microshards: Messages per schedule chunk and step; None: chosen by
             size. The bits do not depend on it.
         layout: The nodes the group's ranks run on, for a two-tier call
-            (docs/hierarchy.md): ``"NxG"`` (e.g. ``"2x4"``: N nodes of G
+            (docs/integrations/multinode.md): ``"NxG"`` (e.g. ``"2x4"``: N nodes of G
             consecutive ranks), ``(N, G)``, a
             :class:`~hopq.comm.layout.NodeLayout`, or ``"auto"`` (torchrun's
             environment, else the hosts). The call then reduce-scatters

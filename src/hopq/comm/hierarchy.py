@@ -35,6 +35,7 @@ import torch
 from hopq.codecs.base import Codec, ReduceOp
 from hopq.comm import agreement, engine, framing
 from hopq.comm import layout as layouts
+from hopq.comm.agreement import digest
 from hopq.comm.call import Call
 from hopq.comm.engine import RunStats
 from hopq.comm.framing import Deadline, Where
@@ -87,7 +88,8 @@ def agree_layout(
     number = transport.next_call()
     n = transport.world_size
     desc = spec if isinstance(spec, str) else spec.describe()
-    kind = f"two-tier all_reduce, layout {desc}, intra codec {intra.name} {intra.config!r}"
+    what = "all_reduce" if call.gather else f"reduce_scatter over shards #{digest(call.shards):x}"
+    kind = f"two-tier {what}, layout {desc}, intra codec {intra.name} {intra.config!r}"
     mine = agreement.fingerprint(
         call=number, x=x, codec=call.codec, gather_codec=call.stage_codec,
         topology=call.topology, op=_op_name(call), seed=call.seed, key=call.key, kind=kind,
@@ -111,7 +113,7 @@ def agree_layout(
         "microshards": "0",
     }
     claim = torch.tensor(layouts.claim_of(spec, transport.rank, n), dtype=torch.int64)
-    label = f"all_reduce({call.codec.name}, {call.topology}, layout {desc}, key={call.key})"
+    label = f"{what.split()[0]}({call.codec.name}, {call.topology}, layout {desc}, key={call.key})"
     extras, _ = agreement.agree(
         transport, mine, deadline, Where(label, number, _AGREE_STEP, 0, "layout agreement"),
         describe, extra=claim,
@@ -152,11 +154,10 @@ def run(
                 f"layout {layout.describe()} places {layout.world_size} ranks, the group has 1"
             )
         return engine.run(call, x, transport)
-    deadline = Deadline(transport.call_timeout(call.timeout))
-    lay, agree_bytes, agree_s = agree_layout(call, x, transport, layout, intra, deadline)
+    deadline, lay, agree_bytes, agree_s = _start(call, x, transport, layout, intra)
 
     def left() -> float:
-        return max(deadline.remaining(), 1e-3)
+        return _left(deadline)
 
     if lay.flat:
         y, info = engine.run(replace(call, timeout=left()), x, transport)
@@ -222,3 +223,90 @@ def run(
         tiers={"intra": intra_stats, "inter": s2},
     )  # fmt: skip
     return y, info
+
+
+def _start(
+    call: Call, x: torch.Tensor, transport: Transport, layout: NodeLayout | str, intra: Codec
+) -> tuple[Deadline, NodeLayout, int, float]:
+    """The agreement over the whole group (world size > 1): deadline, layout,
+    agreement bytes and seconds."""
+    deadline = Deadline(transport.call_timeout(call.timeout))
+    lay, nbytes, seconds = agree_layout(call, x, transport, layout, intra, deadline)
+    return deadline, lay, nbytes, seconds
+
+
+def _left(deadline: Deadline) -> float:
+    return max(deadline.remaining(), 1e-3)
+
+
+def reduce_scatter(
+    call: Call,
+    x: torch.Tensor,
+    transport: Transport,
+    layout: NodeLayout | str,
+    intra: Codec,
+) -> tuple[torch.Tensor, RunStats]:
+    """The two-tier reduce-scatter of the flat tensor ``x`` over rank shards
+    (``call.shards``: n + 1 offsets, rank r's shard ``shards[r]:shards[r + 1]``):
+    this rank's shard (float32) and its stats (``tiers`` as in :func:`run`).
+
+    The vector is permuted so that node-shard g is the global shards of the
+    ranks with local rank g, in node order; the intra-node reduce-scatter
+    gives local rank g that node-shard's node sum, and the inter-node
+    reduce-scatter among the ranks of local rank g gives each its own global
+    shard. Only the inter-node hops compress.
+    """
+    if call.gather or call.shards is None:
+        raise ValueError("the two-tier reduce-scatter needs gather=False and shards")
+    t_start, cpu_start = time.perf_counter(), time.thread_time()
+    n, rank, shards = transport.world_size, transport.rank, call.shards
+    if n == 1:
+        y, info = engine.run(call, x, transport)
+        return y[shards[0] : shards[1]], info
+    deadline, lay, agree_bytes, agree_s = _start(call, x, transport, layout, intra)
+    if lay.flat:
+        y, info = engine.run(replace(call, timeout=_left(deadline)), x, transport)
+        info.tiers = {"inter" if lay.nodes > 1 else "intra": replace(info)}
+        info.frame_bytes += agree_bytes
+        info.comm_seconds += agree_s
+        info.seconds = time.perf_counter() - t_start
+        info.cpu_seconds = time.thread_time() - cpu_start
+        return y[shards[rank] : shards[rank + 1]], info
+    intra_t, inter_t = views(transport, lay)
+    g, per = intra_t.rank, lay.per_node
+    # node-shard h: the global shards of the ranks with local rank h, in node order
+    order = [lay.node_ranks(k)[h] for h in range(per) for k in range(lay.nodes)]
+    sizes = [shards[r + 1] - shards[r] for r in order]
+    xp = torch.cat([x[shards[r] : shards[r + 1]] for r in order])  # our own copy
+    cuts = [0]
+    for sz in sizes:
+        cuts.append(cuts[-1] + sz)
+    node_cuts = tuple(cuts[h * lay.nodes] for h in range(per + 1))
+    c1 = Call(
+        codec=intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed, key=call.key,
+        timeout=_left(deadline), premul=call.premul, gather=False, shards=node_cuts,
+        microshards=None, pipeline=call.pipeline, in_place=True,
+    )  # fmt: skip
+    y1, s1 = engine.run(c1, xp, intra_t)
+    a, b = node_cuts[g], node_cuts[g + 1]
+    inner = tuple(cuts[g * lay.nodes + k] - a for k in range(lay.nodes + 1))
+    c2 = replace(call, op=ReduceOp.SUM, premul=None, timeout=_left(deadline), in_place=True)
+    c2 = replace(c2, shards=inner)
+    y2, s2 = engine.run(c2, y1[a:b], inter_t)
+    k = inter_t.rank
+    out = y2[inner[k] : inner[k + 1]]
+    if call.op is ReduceOp.AVG:
+        out = out / n
+    s2.owned = ((shards[rank], shards[rank + 1]),)
+    info = RunStats(
+        rank=rank, world_size=n, numel=x.numel(),
+        payload_bytes=s1.payload_bytes + s2.payload_bytes,
+        stats_bytes=s1.stats_bytes + s2.stats_bytes,
+        frame_bytes=s1.frame_bytes + s2.frame_bytes + agree_bytes,
+        hops_per_chunk=s2.hops_per_chunk, phases=("reduce",),
+        seconds=time.perf_counter() - t_start,
+        comm_seconds=s1.comm_seconds + s2.comm_seconds + agree_s,
+        cpu_seconds=time.thread_time() - cpu_start, microshards=s2.microshards,
+        owned=s2.owned, tiers={"intra": s1, "inter": s2},
+    )  # fmt: skip
+    return out, info

@@ -181,15 +181,19 @@ def host_claim() -> Claim:
 def claim_of(spec: NodeLayout | str, rank: int, world_size: int) -> Claim:
     """What this rank states about its place: for a NodeLayout, the place it
     gives (or (-1, -1, -1) when its size is not the group's); for ``"auto"``,
-    torchrun's environment when set, else the host name."""
+    torchrun's environment when set (its node only, for a group smaller than
+    torchrun's world), else the host name."""
     if isinstance(spec, NodeLayout):
         if spec.world_size != world_size:
             return (-1, -1, -1)
         return (spec.node_of[rank], spec.local_rank(rank), spec.per_node)
     env = env_claim()
-    if env is not None:
-        return env
-    return host_claim()
+    if env is None:
+        return host_claim()
+    if os.environ.get("WORLD_SIZE", str(world_size)) != str(world_size):
+        # a group of some ranks only: torchrun's local ranks count all of the node's
+        return (env[0], -1, -1)
+    return env
 
 
 def from_claims(claims: Sequence[Claim], spec: NodeLayout | str) -> NodeLayout:

@@ -59,6 +59,7 @@ from hopq.codecs.base import Codec, check_takes_optimizer, missing_optimizer
 from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import Op, reduce_scatter_with_stats
 from hopq.comm.engine import RunStats
+from hopq.comm.layout import resolve_spec
 from hopq.comm.topology import get_schedule
 from hopq.integrations.records import CallRecords, StepMetrics
 from hopq.options import check_int, check_timeout
@@ -118,6 +119,9 @@ class _Shared(CallRecords):
         self.thresholds: dict[int | None, tuple[int, bool]] = {}
         self.warned: set[int | None] = set()
         self.called = False
+        #: The two-tier layout and intra-node codec (set by FSDPReduceScatter).
+        self.layout: Any = None
+        self.intra_codec: str | Codec[Any] = "fp32"
         self._init_records()
 
 
@@ -146,6 +150,11 @@ class FSDPReduceScatter(_ReduceScatterBase):
             before every call); it needs :meth:`install`.
         thresholds_every: Calls of a module between refreshes of GComp's
             thresholds; only with GComp and ``optimizer``.
+        layout: The nodes the ranks run on, for two-tier reduce-scatters, as
+            in :func:`hopq.reduce_scatter` (``"auto"``, ``"NxG"``, ``(N, G)``
+            or a ``NodeLayout``; not with ``optimizer``); None: flat.
+        intra_codec: The intra-node codec of two-tier reduce-scatters
+            (default ``"fp32"``).
         **codec_config: Options of the codec, when ``codec`` is a name.
 
     Raises:
@@ -154,7 +163,8 @@ class FSDPReduceScatter(_ReduceScatterBase):
             wrong type.
         ValueError: An unknown codec or topology, an ``optimizer`` with a codec
             other than GComp or DynamiQ, ``thresholds_every`` without GComp and
-            an optimizer, or an option out of range.
+            an optimizer, a ``layout`` that is not one or comes with an
+            ``optimizer``, or an option out of range.
 
     Example:
         Under ``torchrun``, with torch >= 2.9:
@@ -183,9 +193,19 @@ class FSDPReduceScatter(_ReduceScatterBase):
         key: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         thresholds_every: int = THRESHOLDS_EVERY,
+        layout: Any = None,
+        intra_codec: str | Codec[Any] = "fp32",
         **codec_config: Any,
     ) -> None:
         _require_api()
+        spec = resolve_spec(layout)
+        get_codec(intra_codec)  # an unknown codec fails here, not mid-backward
+        if spec is not None and optimizer is not None:
+            raise ValueError(
+                "hopq FSDPReduceScatter: a two-tier layout permutes the vector between its "
+                "tiers, which the optimizer's exchanged state does not follow: pass layout or "
+                "optimizer, not both"
+            )
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         c = get_codec(codec, **codec_config)
         if optimizer is not None:
@@ -217,6 +237,8 @@ class FSDPReduceScatter(_ReduceScatterBase):
             optimizer,
             check_int("thresholds_every", thresholds_every, lo=1),
         )
+        #: The two-tier layout (None, "auto" or a NodeLayout) and intra-node codec.
+        self._shared.layout, self._shared.intra_codec = spec, intra_codec
         self.key = None if key is None else check_int("key", key, lo=0)
         self._module: FSDPModule | None = None
 
@@ -329,7 +351,8 @@ class FSDPReduceScatter(_ReduceScatterBase):
             gathered = exchange(output_tensor.numel(), group, input_tensor.device)
         shard, info = reduce_scatter_with_stats(
             input_tensor, shared.codec, shared.topology, op, group, shared.seed,
-            key=self.key, timeout=shared.timeout, shards="equal",
+            key=self.key, timeout=shared.timeout, shards="equal", layout=shared.layout,
+            intra_codec=shared.intra_codec,
         )  # fmt: skip
         info.stats_bytes += gathered
         with torch.no_grad():
