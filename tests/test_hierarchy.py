@@ -4,6 +4,7 @@ and real Gloo ranks as 2 nodes x 2 workers."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -260,6 +261,60 @@ def test_layout_mismatch_in_process() -> None:
         th.join(30)
     assert all(isinstance(e, hopq.MismatchError) for e in errors), errors
     assert "kind" in str(errors[0]) and "4x1" in str(errors[2])
+
+
+def _failing(name: str) -> hopq.Codec:
+    """A codec whose encode raises (a broken codec on one rank)."""
+    codec = hopq.get_codec(name)
+
+    def encode(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("this rank's codec failed")
+
+    codec.encode = encode  # type: ignore[method-assign]
+    return codec
+
+
+@pytest.mark.parametrize("tier", ["intra", "inter"])
+def test_failure_reaches_every_rank(tier: str) -> None:
+    """A codec failing on one rank, in either tier: every rank raises within
+    seconds (the failed rank its error, the others TransportError naming a
+    failed rank), and the next call on the same transports works."""
+    group = make_inprocess_group(4)
+    xs = _inputs(4, 1000)
+    errors: list[BaseException | None] = [None] * 4
+    outs: list[torch.Tensor | None] = [None] * 4
+
+    def work(r: int, broken: bool) -> None:
+        codec, intra = hopq.get_codec("bf16"), hopq.get_codec("fp32")
+        if broken and r == 1:
+            if tier == "intra":
+                intra = _failing("fp32")
+            else:
+                codec = _failing("bf16")
+        call = Call(codec=codec, timeout=60)
+        try:
+            outs[r] = hierarchy.run(call, xs[r], group[r], NodeLayout.parse("2x2"), intra)[0]
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors[r] = e
+
+    for broken in (True, False):
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=work, args=(r, broken)) for r in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(90)
+        assert time.perf_counter() - t0 < 20
+        if broken:
+            assert "this rank's codec failed" in str(errors[1]), errors
+            for r in (0, 2, 3):
+                assert isinstance(errors[r], hopq.TransportError), (r, errors[r])
+                assert "failed" in str(errors[r])
+            errors[:] = [None] * 4
+        else:
+            assert errors == [None] * 4, errors
+            want = hopq.simulate(xs, "bf16", layout="2x2").outputs[0]
+            assert all(torch.equal(o, want) for o in outs)
 
 
 # -- real Gloo ranks ---------------------------------------------------------

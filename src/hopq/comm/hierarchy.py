@@ -27,7 +27,6 @@ or one worker per node has one tier: the call is the flat call over the group.
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import replace
 
 import torch
@@ -41,13 +40,13 @@ from hopq.comm.engine import RunStats
 from hopq.comm.framing import Deadline, Where
 from hopq.comm.layout import NodeLayout
 from hopq.comm.topology import equal_shards
-from hopq.comm.transport import DIRECT_EXCHANGE_MAX, SubTransport, Transport, all_gather
-
-#: The tiers' views of a transport, per layout (their call counters and receive
-#: arenas live as long as the transport).
-_VIEWS: weakref.WeakKeyDictionary[
-    Transport, dict[NodeLayout, tuple[SubTransport, SubTransport]]
-] = weakref.WeakKeyDictionary()
+from hopq.comm.transport import (
+    DIRECT_EXCHANGE_MAX,
+    TAIL_BYTES,
+    SubTransport,
+    Transport,
+    tails_ride,
+)
 
 #: The topology of the intra-node reduce-scatter.
 INTRA_TOPOLOGY = "ring"
@@ -58,7 +57,13 @@ _AGREE_STEP, _GATHER_STEP = -3000, -2000
 def views(transport: Transport, layout: NodeLayout) -> tuple[SubTransport, SubTransport]:
     """This rank's intra-node and inter-node views of ``transport`` (kept per
     transport and layout)."""
-    per = _VIEWS.setdefault(transport, {})
+    # kept on the transport itself (their call counters and receive arenas live
+    # as long as it does; a table beside it would keep it alive through them)
+    per: dict[NodeLayout, tuple[SubTransport, SubTransport]] | None
+    per = getattr(transport, "_tier_views", None)
+    if per is None:
+        per = {}
+        transport._tier_views = per  # type: ignore[attr-defined]
     if layout not in per:
         rank = transport.rank
         per[layout] = (
@@ -173,30 +178,42 @@ def run(
     d = x.numel()
     node_shards = equal_shards(d, per)
     a, b = node_shards[g], node_shards[g + 1]
+    failure: Exception | None = None
     # 1. intra-node reduce-scatter: this rank's node-shard of the node's sum
     c1 = Call(
         codec=intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed, key=call.key,
         timeout=left(), premul=call.premul, gather=False, shards=node_shards,
         microshards=None, pipeline=call.pipeline, in_place=call.in_place,
     )  # fmt: skip
-    y1, s1 = engine.run(c1, x, intra_t)
-    part = y1[a:b]
-    # 2. inter-node all-reduce of the node-shard (a sum: the average divides at the end)
-    c2 = replace(
-        call, op=ReduceOp.SUM, premul=None, timeout=left(), in_place=call.in_place, shards=None
-    )
-    y2, s2 = engine.run(c2, part, inter_t)
-    if call.op is ReduceOp.AVG:
-        y2 = y2 / n
-    # 3. intra-node all-gather of the node-shards, raw bytes
+    try:
+        y1, s1 = engine.run(c1, x, intra_t)
+    except Exception as e:
+        failure = e
+        fail_inter_agreement(inter_t, deadline)
+    else:
+        # 2. inter-node all-reduce of the node-shard (a sum: the average divides at the end)
+        c2 = replace(
+            call, op=ReduceOp.SUM, premul=None, timeout=left(), in_place=call.in_place, shards=None
+        )
+        try:
+            y2, s2 = engine.run(c2, y1[a:b], inter_t)
+        except Exception as e:
+            failure = e
+    # 3. intra-node all-gather of the node-shards, raw bytes (every rank takes
+    # part, failed or not, so that its node's ranks raise at once)
     t3, c3 = time.perf_counter(), time.thread_time()
     wire = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
     width = node_shards[1] - node_shards[0]  # the first shard is the largest
-    block = torch.zeros(width, dtype=wire, device=y2.device)
-    block[: b - a] = y2.to(wire)
-    number = transport.calls
+    block = torch.zeros(width, dtype=wire, device=x.device)
+    if failure is None:
+        if call.op is ReduceOp.AVG:
+            y2 = y2 / n
+        block[: b - a] = y2.to(wire)
     label = f"all_reduce({call.codec.name}, {call.topology}, node all-gather, key={call.key})"
-    got = all_gather(intra_t, block, deadline, Where(label, number, _GATHER_STEP, 0, "node gather"))
+    where = Where(label, transport.calls, _GATHER_STEP, 0, "node gather")
+    got = node_gather(intra_t, block, deadline, where, failed=failure is not None)
+    if failure is not None:
+        raise failure
     y = torch.cat([got[k][: node_shards[k + 1] - node_shards[k]] for k in range(per)])
     y = y.to(torch.float32)
     gather_s, gather_cpu = time.perf_counter() - t3, time.thread_time() - c3
@@ -287,7 +304,11 @@ def reduce_scatter(
         timeout=_left(deadline), premul=call.premul, gather=False, shards=node_cuts,
         microshards=None, pipeline=call.pipeline, in_place=True,
     )  # fmt: skip
-    y1, s1 = engine.run(c1, xp, intra_t)
+    try:
+        y1, s1 = engine.run(c1, xp, intra_t)
+    except Exception:
+        fail_inter_agreement(inter_t, deadline)
+        raise
     a, b = node_cuts[g], node_cuts[g + 1]
     inner = tuple(cuts[g * lay.nodes + k] - a for k in range(lay.nodes + 1))
     c2 = replace(call, op=ReduceOp.SUM, premul=None, timeout=_left(deadline), in_place=True)
@@ -310,3 +331,83 @@ def reduce_scatter(
         owned=s2.owned, tiers={"intra": s1, "inter": s2},
     )  # fmt: skip
     return out, info
+
+
+def fail_inter_agreement(inter: Transport, deadline: Deadline) -> None:
+    """This rank failed before its inter-node call: tell its inter-node peers
+    (their call's agreement raises TransportError naming this rank, instead of
+    waiting for the timeout) and receive what they send there, so that nothing
+    stale is left for the next call. Best effort; beyond
+    :data:`~hopq.comm.transport.DIRECT_EXCHANGE_MAX` ranks (where the agreement is
+    an all-gather) the peers wait for the call's timeout."""
+    n = inter.world_size
+    number = inter.next_call()  # the peers count this call too
+    if n == 1 or n > DIRECT_EXCHANGE_MAX:
+        return
+    where = Where("the inter-node tier of a two-tier call", number, -1000, 0, "agreement")
+    block = 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
+    bound = block + TAIL_BYTES if tails_ride(inter) else block
+    header = framing.frame(where, [0], framing.SENDER_FAILED)
+    sends, recvs = [], []
+    for q in range(n):
+        if q != inter.rank:
+            sends += [(q, p) for p in framing.pack(header, None, bound, not inter.short_messages)]
+            recvs += [(q, torch.empty(nb, dtype=torch.uint8)) for nb in framing.expect(1, bound)]
+    try:
+        with inter.batch():
+            sh, rh = inter.post(sends, recvs, where)
+        for h in [*rh, *sh]:
+            h.wait(Deadline(max(0.1, deadline.remaining())), where)
+    except Exception:  # noqa: BLE001 - best effort: the call has failed already
+        pass
+
+
+def node_gather(
+    t: Transport, block: torch.Tensor, deadline: Deadline, where: Where, failed: bool = False
+) -> list[torch.Tensor]:
+    """Every rank's ``block`` in rank order (Bruck's all-gather, as
+    :func:`~hopq.comm.transport.all_gather`), where a rank that failed
+    (``failed``, or a peer's failure notice received here) still takes part in
+    every round: it sends failure notices instead of data and receives (and
+    drops) what its peers send, so that every rank of the node raises at once
+    (TransportError naming the failed rank) and no stale message is left."""
+    n, r = t.world_size, t.rank
+    raw = block.contiguous().reshape(-1).view(torch.uint8)
+    size = raw.numel()
+    held = [raw]
+    err: Exception | None = None
+    dist_, rnd = 1, 0
+    while dist_ < n:
+        count = min(dist_, n - dist_)
+        to, frm = (r - dist_) % n, (r + dist_) % n
+        here = Where(where.what, where.call, where.step, rnd, where.phase)
+        bound = count * size
+        if failed or err is not None:
+            head = framing.frame(here, [0], framing.SENDER_FAILED)
+            parts = framing.pack(head, None, bound, not t.short_messages)
+        else:
+            body = torch.cat(held[:count]) if count > 1 else held[0]
+            parts = framing.pack(framing.frame(here, [bound]), body, bound)
+        bufs = [t.buffer(nb, raw.device) for nb in framing.expect(1, bound)]
+        sends, recvs = t.post([(to, p) for p in parts], [(frm, b) for b in bufs], here)
+        try:
+            for h in recvs:
+                h.wait(Deadline(max(0.1, deadline.remaining())), here)
+            head_words, got = framing.unpack(bufs, 1, bound)
+            if not (failed or err is not None):
+                framing.check(head_words, here, frm, r, [bound], exact=True)
+                got = got[:bound].clone()
+                held += [got[i * size : (i + 1) * size] for i in range(count)]
+            for h in sends:
+                h.wait(Deadline(max(0.1, deadline.remaining())), here)
+        except Exception as e:
+            if not failed and err is None:
+                err = e
+        dist_ *= 2
+        rnd += 1
+    if err is not None:
+        raise err
+    if failed:
+        return []
+    ordered = [held[(q - r) % n] for q in range(n)]
+    return [b.view(block.dtype).view(block.shape) for b in ordered]
