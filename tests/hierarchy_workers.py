@@ -29,6 +29,10 @@ def _error(fn: Any) -> tuple[str, str, float]:
     return "", "", time.perf_counter() - t0
 
 
+def _broken(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("this rank's codec failed")
+
+
 def two_tier(rank: int, n: int) -> dict[Any, Any]:
     """Two-tier calls on 2x2: results and stats, the errors of disagreeing
     ranks, and the DDP hook."""
@@ -65,6 +69,18 @@ def two_tier(rank: int, n: int) -> dict[Any, Any]:
     )
     for k in env:
         del os.environ[k]
+    # a codec failing on one rank, in either tier: every rank raises at once
+    for tier in ("intra", "inter"):
+        codec, intra = hopq.get_codec("bf16"), hopq.get_codec("fp32")
+        if rank == 1:
+            broken = intra if tier == "intra" else codec
+            broken.encode = _broken  # type: ignore[method-assign]
+        x = data(rank, 500)
+        out[("failure", tier)] = _error(
+            lambda x=x, codec=codec, intra=intra: hopq.all_reduce(
+                x, codec=codec, layout="2x2", intra_codec=intra, timeout=60
+            )
+        )
     # the group is still usable
     x = data(rank, 500)
     hopq.all_reduce(x, codec="bf16", layout="2x2")

@@ -322,7 +322,8 @@ def test_failure_reaches_every_rank(tier: str) -> None:
 
 def test_real_two_tier() -> None:
     """4 Gloo ranks as 2x2: the simulator's bits, identical ranks, mismatches
-    raised on every rank within seconds, the DDP hook and FSDP2."""
+    and a failing codec raised on every rank within seconds (the group still
+    usable after them), the DDP hook and FSDP2."""
     res = run_workers(4, two_tier, timeout=300)
     for key in res[0]:
         if isinstance(res[0][key], torch.Tensor) and key != "fsdp":
@@ -352,6 +353,13 @@ def test_real_two_tier() -> None:
         assert name == "MismatchError" and "kind" in msg and seconds < 30, (r, msg)
         name, msg, _ = res[r]["inconsistent"]
         assert name == "ValueError" and "states local rank 0" in msg, (r, msg)
+        for tier in ("intra", "inter"):
+            name, msg, seconds = res[r][("failure", tier)]
+            assert seconds < 30, (tier, r, seconds)
+            if r == 1:
+                assert "this rank's codec failed" in msg, (tier, msg)
+            else:
+                assert name == "TransportError" and "failed" in msg, (tier, r, msg)
     assert torch.equal(
         res[0]["after"],
         hopq.simulate([data(r, 500) for r in range(4)], "bf16", layout="2x2").outputs[0],
