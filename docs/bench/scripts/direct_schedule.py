@@ -45,23 +45,33 @@ def main(datas: list[str]) -> None:
         if data != "gauss":  # one warm-up, the largest world: the others are its first n
             every = inputs(data, max(WORLDS))
             cache = {n: every[:n] for n in WORLDS}
-        print(f"\n{data}, {COORDS:,} coordinates per worker: vNMSE / bits / chain / s per call\n")
-        print("| codec | n | " + " | ".join(TOPOLOGIES) + " |")
-        print("| --- | ---: | " + " | ".join("---" for _ in TOPOLOGIES) + " |")
+        print(f"\n{data}, {COORDS:,} coordinates per worker: vNMSE\n")
+        print("| codec | bits | n | " + " | ".join(TOPOLOGIES) + " |")
+        print("| --- | ---: | ---: | " + " | ".join("---:" for _ in TOPOLOGIES) + " |")
+        seconds = dict.fromkeys(TOPOLOGIES, 0.0)
         for codec in CODECS:
             for n in WORLDS:
                 xs = cache[n] if n in cache else inputs(data, n)
-                cells = []
+                cells, bits = [], set()
                 for topo in TOPOLOGIES:
                     c = hopq.get_codec(codec)
                     for k in range(c.warmup_rounds):
                         hopq.simulate(xs, c, topo, seed=1 + k)
                     t0 = time.perf_counter()
                     r = hopq.simulate(xs, c, topo, seed=0)
-                    dt = time.perf_counter() - t0
-                    chain = max(get_schedule(topo, n).compression_chains())
-                    cells.append(f"{r.vnmse:.3g} / {r.bits_per_coord:.2f} / {chain} / {dt:.1f}")
-                print(f"| {codec} | {n} | " + " | ".join(cells) + " |", flush=True)
+                    seconds[topo] += time.perf_counter() - t0
+                    cells.append(f"{r.vnmse:.3g}")
+                    bits.add(f"{r.bits_per_coord:.2f}")
+                print(f"| {codec} | {'/'.join(sorted(bits))} | {n} | " + " | ".join(cells) + " |")
+        for n in WORLDS:
+            chains = [str(max(get_schedule(t, n).compression_chains())) for t in TOPOLOGIES]
+            print(f"| longest chain | | {n} | " + " | ".join(chains) + " |")
+        calls = len(CODECS) * len(WORLDS)
+        print(
+            "\nsimulator seconds per call, mean over the table: "
+            + ", ".join(f"{t} {seconds[t] / calls:.2f}" for t in TOPOLOGIES),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
