@@ -120,6 +120,19 @@ def test_codec_state_roundtrip_and_clone():
     assert ReduceOp.parse("avg") is ReduceOp.AVG
 
 
+@pytest.mark.parametrize("codec", [c for c in CODECS if not hopq.get_codec(c).variable_size])
+def test_direct_sends_what_a_ring_sends(codec):
+    """The direct schedule moves the bytes of a ring (each rank sends (n - 1)/n of
+    the vector per phase, on average over ranks when the chunks are uneven)
+    with two compressions per contribution instead of n."""
+    xs = _inputs(5, 1031, seed=5)
+    ring = hopq.simulate(xs, codec, "ring", seed=2)
+    direct = hopq.simulate(xs, codec, "direct", seed=2)
+    assert direct.identical
+    assert direct.bits_per_coord == pytest.approx(ring.bits_per_coord, rel=1e-12)
+    assert (ring.hops_per_chunk, direct.hops_per_chunk) == (5, 2)
+
+
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 @pytest.mark.parametrize("n", [2, 3, 5])
