@@ -14,7 +14,7 @@ from hopq.cluster.launch import run_workers
 from hopq.codecs.registry import codec_info
 from hopq.comm import hierarchy
 from hopq.comm.call import Call
-from hopq.comm.layout import NodeLayout, env_claim, from_claims, resolve_spec
+from hopq.comm.layout import NodeLayout, claim_of, env_claim, from_claims, resolve_spec
 from hopq.comm.transport import SubTransport, make_inprocess_group
 from tests.hierarchy_workers import REAL, SIZES, data, two_tier
 
@@ -96,6 +96,21 @@ def test_claims_make_one_layout() -> None:
     del env["GROUP_RANK"]
     assert env_claim(env) == (2, 1, 4)  # RANK // LOCAL_WORLD_SIZE
     assert env_claim({"RANK": "3"}) is None
+
+
+def test_own_claims(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    host = claim_of("auto", 0, 4)  # no torchrun: the host name, nothing else
+    assert host[1:] == (-1, -1)
+    assert from_claims([host] * 4, "auto") == NodeLayout.parse("1x4")
+    env = {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "1", "GROUP_RANK": "1", "WORLD_SIZE": "4"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert claim_of("auto", 3, 4) == (1, 1, 2)
+    assert claim_of("auto", 1, 2) == (1, -1, -1)  # a group of 2 of torchrun's 4: the node only
+    assert claim_of(NodeLayout.parse("2x2"), 3, 4) == (1, 1, 2)
+    assert claim_of(NodeLayout.parse("2x2"), 0, 6) == (-1, -1, -1)
 
 
 def test_sub_transport_maps_peers() -> None:
