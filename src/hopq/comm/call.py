@@ -43,6 +43,9 @@ class Call:
     pipeline: bool = True
     #: The codec may work in the input tensor's memory (and return it).
     in_place: bool = False
+    #: Start with the ranks' agreement; False where the caller has established
+    #: it (the intra-node tier of a two-tier call, which the whole group agreed on).
+    agree: bool = True
 
     def __post_init__(self) -> None:
         m = self.microshards

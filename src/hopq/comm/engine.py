@@ -866,10 +866,12 @@ def _agreement(r: _Resolved) -> _Agreement:
         "microshards": str(r.u),
     }
     fold = codec.first_stats_nbytes
-    return _Agreement(
+    agreed = _Agreement(
         r.transport, mine, r.deadline, Where(r.label, r.number, -1000, 0, "agreement"), describe,
         fold if fold is not None and fold <= agreement.FOLD_BYTES else None,
     )  # fmt: skip
+    agreed.done = agreed.done or not call.agree  # the caller agreed on it (a tier)
+    return agreed
 
 
 def _plan(r: _Resolved, agreed: _Agreement) -> tuple[_StatsExchange, Plan, Plan]:

@@ -20,7 +20,9 @@ ranks agree over the whole group on the call and on the layout (its string is
 part of the fingerprint; each rank's claim of its node rides along, and for
 ``"auto"`` the claims make the layout), so that ranks with different layouts
 raise :class:`~hopq.MismatchError` on every rank and inconsistent claims the
-same ValueError on every rank, before any data moves. A layout with one node
+same ValueError on every rank, before any data moves; the intra-node tier
+then runs without an agreement of its own (the inter-node tier keeps its own:
+each inter-node group has its codec's adaptive state). A layout with one node
 or one worker per node has one tier: the call is the flat call over the group.
 """
 
@@ -183,7 +185,7 @@ def run(
     c1 = Call(
         codec=intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed, key=call.key,
         timeout=left(), premul=call.premul, gather=False, shards=node_shards,
-        microshards=None, pipeline=call.pipeline, in_place=call.in_place,
+        microshards=None, pipeline=call.pipeline, in_place=call.in_place, agree=False,
     )  # fmt: skip
     try:
         y1, s1 = engine.run(c1, x, intra_t)
@@ -302,7 +304,7 @@ def reduce_scatter(
     c1 = Call(
         codec=intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed, key=call.key,
         timeout=_left(deadline), premul=call.premul, gather=False, shards=node_cuts,
-        microshards=None, pipeline=call.pipeline, in_place=True,
+        microshards=None, pipeline=call.pipeline, in_place=True, agree=False,
     )  # fmt: skip
     try:
         y1, s1 = engine.run(c1, xp, intra_t)
