@@ -676,6 +676,13 @@ class ReadsOptimizer:
         v = self.optimizer_input(optimizer, params)
         self.set_optimizer_input(v if v is None or device is None else v.to(device), key)
 
+    def narrow_optimizer_input(
+        self, key: int | None, lo: int, hi: int, into: int | None
+    ) -> None:  # fmt: skip
+        """Let the next call with ``into`` use entries ``[lo, hi)`` of what was set
+        for ``key`` (a two-tier call's inter-node tier carries one node-shard of
+        the bucket the optimizer input covers). The default keeps nothing."""
+
 
 def optimizer_unused(codec: Codec[Any]) -> str | None:
     """Why an optimizer handed to ``codec`` would do nothing, or None when it is

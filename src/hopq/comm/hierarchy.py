@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import torch
 
-from hopq.codecs.base import Codec, ReduceOp
+from hopq.codecs.base import Codec, ReadsOptimizer, ReduceOp
 from hopq.comm import agreement, engine, framing
 from hopq.comm import layout as layouts
 from hopq.comm.agreement import digest
@@ -194,9 +194,15 @@ def run(
         fail_inter_agreement(inter_t, deadline)
     else:
         # 2. inter-node all-reduce of the node-shard (a sum: the average divides at the end)
+        # its own key: what the optimizer gave the bucket's key (DynamiQ's step
+        # sizes, GComp's thresholds) is cut to this node-shard for it
+        key2 = shard_key(call.key, a, b)
+        if isinstance(call.codec, ReadsOptimizer):
+            call.codec.narrow_optimizer_input(call.key, a, b, key2)
         c2 = replace(
-            call, op=ReduceOp.SUM, premul=None, timeout=left(), in_place=call.in_place, shards=None
-        )
+            call, op=ReduceOp.SUM, premul=None, timeout=left(), in_place=call.in_place,
+            shards=None, key=key2,
+        )  # fmt: skip
         try:
             y2, s2 = engine.run(c2, y1[a:b], inter_t)
         except Exception as e:
@@ -242,6 +248,13 @@ def run(
         tiers={"intra": intra_stats, "inter": s2},
     )  # fmt: skip
     return y, info
+
+
+def shard_key(key: int | None, lo: int, hi: int) -> int:
+    """The key of a two-tier call's inter-node tier: the bucket's key and the
+    node-shard it carries, the same on every rank of that tier and in every
+    process (a digest: Python's hash of None differs between processes)."""
+    return digest(("node-shard", key, lo, hi))
 
 
 def _start(

@@ -233,6 +233,13 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
         else:
             self._step_sizes[key] = value
 
+    def narrow_optimizer_input(
+        self, key: int | None, lo: int, hi: int, into: int | None
+    ) -> None:  # fmt: skip
+        r = self._step_sizes.pop(key, None)  # one call's, as plan takes them
+        if r is not None:
+            self._step_sizes[into] = r[lo:hi]
+
     def set_step_sizes(self, r: torch.Tensor | None, key: int | None = None) -> None:
         """The optimizer's step size per coordinate for the next call with ``key``
         (that call uses them up; None: none, energies unweighted). Each rank's

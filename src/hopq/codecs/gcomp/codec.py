@@ -155,6 +155,15 @@ class GComp(ReadsOptimizer, Codec[GCompPlan]):
     def set_optimizer_input(self, value: torch.Tensor | None, key: int | None = None) -> None:
         self.set_thresholds(value, key)
 
+    def narrow_optimizer_input(
+        self, key: int | None, lo: int, hi: int, into: int | None
+    ) -> None:  # fmt: skip
+        thr = self.thresholds.get(str(key))  # kept across calls, as set
+        if thr is None:
+            self.thresholds.pop(str(into), None)
+        else:
+            self.thresholds[str(into)] = thr[lo:hi]
+
     def set_thresholds(self, thr: torch.Tensor | None, key: int | None = None) -> None:
         """|A| per coordinate (delta = A / g, paper Table 2) of the gradient the
         calls with ``key`` carry, for the averaged gradient; None: no truncation."""
