@@ -1,7 +1,9 @@
 """What ``hopq train`` compares: hopq's codecs and what PyTorch users already have.
 
-A contender is a hopq codec name (``dynamiq``, ``bf16``, ...) or one of torch's
-own options, named ``torch:...``:
+A contender is a hopq codec name (``dynamiq``, ``bf16``, ...), the same with
+``@hier`` (``dynamiq@hier``: hopq's two-tier all-reduce over the job's nodes, exact
+inside a node and the codec between nodes), or one of torch's own options, named
+``torch:...``:
 
 * ``torch:ddp``: DDP's built-in fp32 all-reduce (no hook);
 * ``torch:fp16``: torch's ``fp16_compress_hook`` (its bf16 hook refuses CPU);
@@ -42,12 +44,26 @@ TORCH_CONTENDERS: dict[str, str] = {
 POWERSGD_RANK = 4
 
 
+#: The suffix of a hopq contender that runs the two-tier all-reduce.
+HIER = "@hier"
+
+
 def is_torch(name: str) -> bool:
     return name.startswith("torch:")
 
 
+def codec_of(name: str) -> str:
+    """The codec a hopq contender runs (``dynamiq@hier`` -> ``dynamiq``)."""
+    return name.removesuffix(HIER)
+
+
+def is_hierarchical(name: str) -> bool:
+    return name.endswith(HIER) and not is_torch(name)
+
+
 def contender_choices() -> list[str]:
-    return [*codec_choices(), *TORCH_CONTENDERS]
+    codecs = codec_choices()
+    return [*codecs, *(f"{c}{HIER}" for c in codecs if c not in ("auto", "all")), *TORCH_CONTENDERS]
 
 
 def _refusal(codec: str, topology: str) -> str | None:
@@ -68,7 +84,7 @@ def resolve_contenders(names: Sequence[str], topology: str = "ring") -> list[str
     for c in names:
         if is_torch(c) and c not in TORCH_CONTENDERS:
             raise ValueError(f"unknown contender {c!r}; torch's are {', '.join(TORCH_CONTENDERS)}")
-    for c in resolve_codecs([c for c in names if not is_torch(c)]):  # unknown names raise
+    for c in resolve_codecs([codec_of(c) for c in names if not is_torch(c)]):  # unknown raise
         why = _refusal(c, topology)
         if why:
             raise ValueError(why)
@@ -212,6 +228,9 @@ class StepSync(NamedTuple):
     #: its future completed, in bucket order (empty for DDP's own all-reduce).
     ready_s: tuple[float, ...] = ()
     done_s: tuple[float, ...] = ()
+    #: hopq's two-tier calls: bits per coordinate between nodes (``sent`` is
+    #: then the bytes that left this rank's node); NaN: from ``sent``.
+    bits: float = float("nan")
 
 
 class Sync:
@@ -235,13 +254,18 @@ class Sync:
         self.clock = BucketClock()
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
         if not is_torch(name):
-            codec = get_codec(name, **codec_config)
+            codec = get_codec(codec_of(name), **codec_config)
             # optimizer-aware codecs (GComp) get the job's optimizer, unless their
             # configuration would not use it (fixed_level: the thresholds would be
             # computed every step and thrown away)
             takes = optimizer_unused(codec) is None
             self.state = HookState(
-                codec=codec, topology=topology, seed=seed, optimizer=optimizer if takes else None
+                codec=codec,
+                topology=topology,
+                seed=seed,
+                optimizer=optimizer if takes else None,
+                # the layout from the launcher's variables (LOCAL_WORLD_SIZE, GROUP_RANK)
+                layout="auto" if is_hierarchical(name) else None,
             )
             # every hopq contender's measured error is also weighed by the job's
             # optimizer's step sizes: the error of the update it makes
@@ -281,8 +305,13 @@ class Sync:
         if self.state is not None:
             vnmse, update_vnmse, exact_s = self.state.pop_error()
             calls = self.state.pop_stats()
+            inter = [c.tiers["inter"] for c in calls if "inter" in c.tiers]
+            bits = nan
+            if calls and len(inter) == len(calls):  # what crosses between nodes
+                moved = sum(c.coords_moved for c in inter)
+                bits = 8 * sum(c.bytes_sent for c in inter) / moved if moved else nan
             return StepSync(
-                sum(c.bytes_sent for c in calls),
+                sum(c.bytes_sent for c in (inter if bits == bits else calls)),
                 sum(c.seconds - c.comm_seconds for c in calls),
                 sum(c.comm_seconds for c in calls),
                 vnmse,
@@ -291,6 +320,7 @@ class Sync:
                 sum(c.cpu_seconds for c in calls),
                 calls[-1].bytes_sent if calls else nan,
                 *times,
+                bits=bits,
             )
         if self.counter is not None:
             self.counter.active = False

@@ -42,6 +42,7 @@ holds report.md, runs.json and PNG plots.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -57,7 +58,14 @@ from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
 from hopq.options import changed_options, option
 from hopq.reporting import Progress
-from hopq.train.contenders import Sync, contender_choices, is_torch, resolve_contenders
+from hopq.train.contenders import (
+    Sync,
+    codec_of,
+    contender_choices,
+    is_hierarchical,
+    is_torch,
+    resolve_contenders,
+)
 from hopq.train.records import WARMUP_STEPS, CodecRun, StepRecord
 from hopq.train.report import report
 from hopq.train.workloads import WORKLOADS, Workload, step_seed
@@ -225,8 +233,15 @@ class TrainOptions:
         twice = sorted({f"{c}.{name}" for c, name in given if given.count((c, name)) > 1})
         if twice:
             raise ValueError(f"codec option given twice: {', '.join(twice)}")
+        hier = [c for c in codecs if is_hierarchical(c)]
+        if hier and self.workers_per_node == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
+            raise ValueError(
+                f"{', '.join(hier)}: the two-tier all-reduce needs nodes of several workers "
+                "(--workers-per-node, or torchrun's --nproc_per_node on several nodes); with "
+                "one worker per node it is the flat call"
+            )
         for codec, name, _value in self.codec_options:
-            if codec not in codecs:
+            if codec not in {codec_of(c) for c in codecs}:
                 raise ValueError(
                     f"codec option {codec}.{name}: {codec!r} is not among the codecs run"
                 )
@@ -243,8 +258,8 @@ class TrainOptions:
 
         if is_torch(codec):
             return {}
-        kw = {name: value for c, name, value in self.codec_options if c == codec}
-        get_codec(codec, **kw)
+        kw = {name: value for c, name, value in self.codec_options if c == codec_of(codec)}
+        get_codec(codec_of(codec), **kw)
         return kw
 
 
@@ -351,7 +366,7 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
             sync.codec_s,
             sync.comm_s,
             sent,
-            bits_per_coordinate(sent, n, lane.sync.numel),
+            sync.bits if sync.bits == sync.bits else bits_per_coordinate(sent, n, lane.sync.numel),
             sync.vnmse,
             update_vnmse=sync.update_vnmse,
             exposed_s=max(0.0, step_s - compute),

@@ -55,6 +55,18 @@ def optimizer_line(runs: list[CodecRun]) -> str | None:
     return line
 
 
+def tier_line(runs: list[CodecRun]) -> str | None:
+    """What the byte columns mean for the two-tier contenders."""
+    hier = [r.codec for r in runs if r.codec.endswith("@hier")]
+    if not hier:
+        return None
+    return (
+        f"{', '.join(hier)}: hopq's two-tier all-reduce (an exact float32 reduce-scatter and"
+        " all-gather inside each node, the codec between nodes); their MB sent and bits per"
+        " coordinate are what crosses between nodes, the figure the slow network pays."
+    )
+
+
 def error_line(runs: list[CodecRun], every: int) -> str | None:
     """What the two error columns measure, when the job measured them."""
     measured = any(not math.isnan(s.vnmse) for r in runs for s in r.steps)
@@ -551,6 +563,7 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
             f"Machine: {machine()}. Network: {network}. Model: {runs[0].params:,} parameters.",
             bucket_line(runs, o.bucket_mb),
             *([line] if (line := optimizer_line(runs)) else []),
+            *([line] if (line := tier_line(runs)) else []),
             "The contenders trained interleaved (step k of each before step k + 1 of any), so a",
             "change in the machine's load hits them alike. Compute was probed at least"
             f" {n_probes} times per contender (forward and backward without communication);",
