@@ -51,7 +51,10 @@ class Options:
         choices=codec_choices,
     )
     topologies: tuple[str, ...] = option(
-        ("ring", "butterfly"), "schedules to time", choices=lambda: sorted(TOPOLOGIES)
+        ("ring", "butterfly"),
+        "schedules to time; hier:<schedule>: hopq's two-tier all-reduce with that schedule "
+        "between nodes (the layout from --layout, else the emulated nodes')",
+        choices=lambda: sorted(TOPOLOGIES) + [f"hier:{t}" for t in sorted(TOPOLOGIES)],
     )
     budget_s: float = option(0.6, "rough seconds per (method, size); sets the iteration count")
     rate_mbit: float = option(
@@ -128,7 +131,14 @@ class Options:
         if self.layout:
             resolve_spec(self.layout)
         for t in self.topologies:
-            get_schedule(t, 1)
+            get_schedule(t.removeprefix(HIER), 1)
+        if any(t.startswith(HIER) for t in self.topologies) and not (
+            self.layout or self.workers_per_node > 1
+        ):
+            raise ValueError(
+                "hier: schedules need nodes of several workers: give --workers-per-node "
+                "(with --rate-mbit) or --layout"
+            )
         self.resolved_codecs()
         check_mtu(self.mtu)
         if self.mtu != 1500 and self.rate_mbit <= 0:
@@ -160,6 +170,18 @@ def _sizes(o: Options) -> list[int]:
         out.append(s)
         s *= 4
     return out
+
+
+#: The prefix of a schedule that runs hopq's two-tier all-reduce.
+HIER = "hier:"
+
+
+def _schedule(method: str, o: Options) -> tuple[str, str | None]:
+    """(topology, layout) of a hopq method ``codec/topology[/u<m>]``."""
+    t = method.split("/")[1]
+    if t.startswith(HIER):
+        return t.removeprefix(HIER), o.layout or "auto"
+    return t, o.layout or None
 
 
 def _microshards(method: str) -> int | None:
@@ -215,13 +237,9 @@ def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, boo
         x = x0.clone()
         reset = functools.partial(x.copy_, x0)  # the same data for every call
         for m in methods:
+            topology, layout = _schedule(m, o)
             fn = functools.partial(
-                all_reduce,
-                x,
-                codecs[m],
-                m.split("/")[1],
-                microshards=_microshards(m),
-                layout=o.layout or None,
+                all_reduce, x, codecs[m], topology, microshards=_microshards(m), layout=layout
             )
             reset()
             fn()
@@ -293,13 +311,9 @@ def _worker(rank: int, n: int, o: Options) -> Results:
                 fn = functools.partial(_fp16_hook_all_reduce, x, n)
                 out[(m, size, "bytes")] = 2 * (n - 1) / n * size / 2
             elif m != NATIVE:
+                topology, layout = _schedule(m, o)
                 call = functools.partial(
-                    all_reduce,
-                    x,
-                    codecs[m],
-                    m.split("/")[1],
-                    microshards=_microshards(m),
-                    layout=o.layout or None,
+                    all_reduce, x, codecs[m], topology, microshards=_microshards(m), layout=layout
                 )
 
                 def fn(call: Callable[[], RunStats] = call, runs: list[RunStats] = runs) -> None:
