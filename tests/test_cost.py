@@ -81,3 +81,13 @@ def test_a_bad_network_names_its_field(kwargs):
 def test_an_unknown_topology_is_refused():
     with pytest.raises(ValueError, match="unknown topology"):
         C.predict(DQ, "hier:moebius", C.Network(2, 2), D)
+
+
+def test_duplex_slows_only_two_ranks_that_exchange_with_each_other():
+    def wire(net):
+        return C.predict(BF16, "ring", net, D).inter_seconds
+
+    # a ring of 2: ranks 0 and 1 send to each other at every step
+    assert wire(C.Network(2, 1, duplex=2.0)) > 1.9 * wire(C.Network(2, 1))
+    # 2 nodes of 2 in a ring: 1 -> 2 and 3 -> 0 cross, different pairs of ranks
+    assert wire(C.Network(2, 2, duplex=2.0)) == pytest.approx(wire(C.Network(2, 2)))

@@ -10,7 +10,7 @@ Gropp, with the codec's work per hop):
 * **wire**: per step, every transfer carries its chunks' share of the d
   coordinates at the codec's bits per coordinate; the bytes a node sends to or
   receives from other nodes share its uplink (full duplex: the larger of the two
-  directions counts; ``duplex`` times that when two nodes exchange with each
+  directions counts; ``duplex`` times that when two ranks exchange with each
   other in one step, a factor measured on the network at hand), the bytes a
   worker sends to its own node share its local link. A step lasts the slower of
   the two tiers, plus that tier's latency.
@@ -74,8 +74,9 @@ class Network:
         intra_latency_us: Latency of a step inside a node.
         cores_per_node: CPU cores each node's workers share for codec work (GPU
             workers: one per worker).
-        duplex: How much longer a step takes when two nodes send to each other
-            at once than a one-way transfer (1 on full-duplex links).
+        duplex: How much longer a step takes when two ranks send to each other
+            at once than a one-way transfer (1 on full-duplex links; Gloo on the
+            emulated network measured near 2).
     """
 
     nodes: int
@@ -180,7 +181,7 @@ def _walk(schedule: Schedule, per_node: int, flows: int, duplex: float) -> _Walk
             if a != b:
                 up[a] += size * flows
                 down[b] += size * flows
-                pairs.add((a, b))
+                pairs.add((t.src, t.dst))
             else:
                 local[t.src] += size
             if t.phase is Phase.REDUCE:
