@@ -22,7 +22,7 @@ _W = "|".join(
 WORDS = re.compile(rf"\b(?:{_W})\b", re.IGNORECASE)
 #: pytest's fixture scope is the one legitimate use of the first word.
 ALLOWED = re.compile(r"""scope=["']sess""" + "ion" + r"""["']""")
-#: Issue or pull-request numbers ("#14"); a hex colour or format spec is not one.
+#: A tracker's numbers: "#" and digits (a hex colour or a format spec is not one).
 NUMBERS = re.compile(r"(?<![\w&{:])#\d{1,4}(?![\w])")
 #: Files named after runs ("gpt16_s33_report.md").
 RUN_NAMES = re.compile(r"(?:^|[_-])s\d{1,3}(?:[_.-]|$)")

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hopq.cluster.launch import run_workers
-from hopq.cluster.network import CONGESTION, check_congestion, check_mtu
+from hopq.cluster.network import CONGESTION, check_congestion, check_mtu, check_nodes
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
@@ -98,35 +98,19 @@ class Options:
     )
 
     def __post_init__(self) -> None:
-        if self.workers_per_node < 1 or self.nodes < 0:
-            raise ValueError("--workers-per-node must be >= 1 and --nodes >= 0")
-        if self.nodes:
-            n = self.nodes * self.workers_per_node
-            if "world_size" in changed_options(self) and self.world_size != n:
-                raise ValueError(
-                    f"--world-size {self.world_size} is not --nodes {self.nodes} x "
-                    f"--workers-per-node {self.workers_per_node}: give one or the other"
-                )
-            object.__setattr__(self, "world_size", n)
+        n = check_nodes(
+            self.world_size, "world_size" in changed_options(self), self.nodes,
+            self.workers_per_node, self.intra_rate_mbit,
+        )  # fmt: skip
+        object.__setattr__(self, "world_size", n)
         if self.world_size < 1 or self.min_bytes < 4 or self.max_bytes < self.min_bytes:
             raise ValueError("need world_size >= 1 and 4 <= min_bytes <= max_bytes")
-        if self.world_size % self.workers_per_node:
-            raise ValueError(
-                f"--workers-per-node {self.workers_per_node} must divide the "
-                f"{self.world_size} workers"
-            )
         if self.rate_mbit <= 0 and (
             self.nodes or self.workers_per_node > 1 or self.intra_rate_mbit
         ):
             raise ValueError(
                 "--nodes, --workers-per-node and --intra-rate-mbit shape the emulated "
                 "network: give --rate-mbit too"
-            )
-        if self.intra_rate_mbit < 0:
-            raise ValueError("--intra-rate-mbit must be >= 0 (0: unshaped)")
-        if self.intra_rate_mbit and self.workers_per_node == 1:
-            raise ValueError(
-                "--intra-rate-mbit shapes a node's loopback: give --workers-per-node > 1"
             )
         if self.layout:
             resolve_spec(self.layout)

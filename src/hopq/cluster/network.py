@@ -83,6 +83,35 @@ def check_mtu(mtu: int) -> int:
 ALLOWED_CONGESTION = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
 
 
+def check_nodes(
+    world_size: int, world_size_given: bool, nodes: int, workers_per_node: int,
+    intra_rate_mbit: float,
+) -> int:  # fmt: skip
+    """The world size of ``nodes`` x ``workers_per_node`` (``nodes`` 0: the given
+    world size), checked: a world size given beside nodes must match, the workers
+    must fill whole nodes, and a node's loopback is shaped only with several
+    workers. Raises ValueError naming the command-line option."""
+    if workers_per_node < 1 or nodes < 0:
+        raise ValueError("--workers-per-node must be >= 1 and --nodes >= 0")
+    if nodes:
+        n = nodes * workers_per_node
+        if world_size_given and world_size != n:
+            raise ValueError(
+                f"--world-size {world_size} is not --nodes {nodes} x "
+                f"--workers-per-node {workers_per_node}: give one or the other"
+            )
+        world_size = n
+    if world_size % workers_per_node:
+        raise ValueError(
+            f"--workers-per-node {workers_per_node} must divide the {world_size} workers"
+        )
+    if not intra_rate_mbit >= 0:
+        raise ValueError("--intra-rate-mbit must be >= 0 (0: unshaped)")
+    if intra_rate_mbit and workers_per_node == 1:
+        raise ValueError("--intra-rate-mbit shapes a node's loopback: give --workers-per-node > 1")
+    return world_size
+
+
 def check_congestion(name: str, allowed_file: Path | None = None) -> str:
     """``name`` if it names a TCP congestion control that this host lets network
     namespaces set (``allowed_file``, by default :data:`ALLOWED_CONGESTION`,

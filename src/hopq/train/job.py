@@ -53,7 +53,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from hopq.cluster.network import CONGESTION, EmulatedNetwork, check_congestion, check_mtu
+from hopq.cluster.network import (
+    CONGESTION,
+    EmulatedNetwork,
+    check_congestion,
+    check_mtu,
+    check_nodes,
+)
 from hopq.comm.engine import bits_per_coordinate
 from hopq.comm.topology import TOPOLOGIES
 from hopq.options import changed_options, option
@@ -170,27 +176,11 @@ class TrainOptions:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.workers_per_node < 1 or self.nodes < 0:
-            raise ValueError("workers_per_node must be >= 1 and nodes >= 0")
-        if self.nodes:
-            n = self.nodes * self.workers_per_node
-            if "world_size" in changed_options(self) and self.world_size != n:
-                raise ValueError(
-                    f"--world-size {self.world_size} is not --nodes {self.nodes} x "
-                    f"--workers-per-node {self.workers_per_node}: give one or the other"
-                )
-            object.__setattr__(self, "world_size", n)
-        if self.world_size % self.workers_per_node:
-            raise ValueError(
-                f"--workers-per-node {self.workers_per_node} must divide the "
-                f"{self.world_size} workers"
-            )
-        if not self.intra_rate_mbit >= 0:
-            raise ValueError("--intra-rate-mbit must be >= 0 (0: unshaped)")
-        if self.intra_rate_mbit and self.workers_per_node == 1:
-            raise ValueError(
-                "--intra-rate-mbit shapes a node's loopback: give --workers-per-node > 1"
-            )
+        n = check_nodes(
+            self.world_size, "world_size" in changed_options(self), self.nodes,
+            self.workers_per_node, self.intra_rate_mbit,
+        )  # fmt: skip
+        object.__setattr__(self, "world_size", n)
         if not self.network and (self.nodes or self.workers_per_node > 1 or self.intra_rate_mbit):
             raise ValueError(
                 "--nodes, --workers-per-node and --intra-rate-mbit shape the emulated "
