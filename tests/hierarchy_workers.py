@@ -13,6 +13,8 @@ import hopq
 #: (codec, inter-node topology) pairs the real runs compare with the simulator.
 REAL = (("fp32", "ring"), ("bf16", "butterfly"), ("dynamiq", "ring"), ("dynamiq", "tree"))
 SIZES = (0, 1, 7, 3001)
+#: A size the pipelined runs use, and the piece size that makes it 4 pieces.
+PIPELINED, PIECES_AT = 4003, 1000
 
 
 def data(rank: int, size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,6 +59,25 @@ def two_tier(rank: int, n: int) -> dict[Any, Any]:
     x = data(rank, 3001)
     hopq.all_reduce(x, codec="dynamiq", seed=4, layout="auto")
     out["auto"] = x
+    # a pipeline of pieces (the simulator's bits), and a failing codec in it
+    from hopq.comm import hierarchy
+
+    kept = hierarchy.PIECE_COORDS
+    hierarchy.PIECE_COORDS = PIECES_AT
+    try:
+        for codec, topo in REAL:
+            x = data(rank, PIPELINED)
+            hopq.all_reduce(x, codec=codec, topology=topo, seed=4, layout="2x2")
+            out[("pieces", codec, topo)] = x
+        codec = hopq.get_codec("dynamiq")
+        if rank == 2:
+            codec.encode = _broken  # type: ignore[method-assign]
+        x = data(rank, PIPELINED)
+        out[("failure", "pieces")] = _error(
+            lambda: hopq.all_reduce(x, codec=codec, layout="2x2", timeout=60)
+        )
+    finally:
+        hierarchy.PIECE_COORDS = kept
     # a rank with another layout: MismatchError on every rank, at once
     x = data(rank, 500)
     out["mismatch"] = _error(

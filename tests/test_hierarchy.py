@@ -16,7 +16,7 @@ from hopq.comm import hierarchy
 from hopq.comm.call import Call
 from hopq.comm.layout import NodeLayout, claim_of, env_claim, from_claims, resolve_spec
 from hopq.comm.transport import SubTransport, make_inprocess_group
-from tests.hierarchy_workers import REAL, SIZES, data, two_tier
+from tests.hierarchy_workers import PIECES_AT, PIPELINED, REAL, SIZES, data, two_tier
 
 CODECS = hopq.available_codecs()
 TOPOLOGIES = ("ring", "butterfly", "tree")
@@ -176,6 +176,41 @@ def test_simulated_tiers(codec: str) -> None:
 
 
 @pytest.mark.parametrize("codec", CODECS)
+def test_pipelined_pieces(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large call runs as a pipeline of pieces (piece k's inter-node call while
+    the next is reduced and the last gathered inside the node): the result
+    depends on the size alone (two runs, the same bits), ranks bit-identical,
+    error within the codec's bound and no worse than the flat ring's, the
+    bytes of every piece counted."""
+    monkeypatch.setattr(hierarchy, "PIECE_COORDS", 1500)
+    cuts = hierarchy.tier_pieces(GRID_SIZE, 2)
+    assert len(cuts) == 5 and cuts[0] == 0 and cuts[-1] == GRID_SIZE
+    assert hierarchy.tier_pieces(2999, 2) == (0, 2999)  # one piece below twice the size
+    xs = _inputs(6)
+    exact = torch.stack([x.double() for x in xs]).sum(0)
+    mag = torch.stack([x.double().abs() for x in xs]).sum(0)
+    flat_ring = hopq.simulate(xs, codec, "ring", seed=1)
+    for spec in ("2x3", "3x2"):
+        r = hopq.simulate(xs, codec, seed=1, layout=spec)
+        again = hopq.simulate(xs, codec, seed=1, layout=spec)
+        assert r.identical and torch.equal(_bits(r.outputs[0]), _bits(again.outputs[0])), spec
+        s = r.stats[0]
+        intra, inter = s.tiers["intra"], s.tiers["inter"]
+        assert intra.bits_per_coord == pytest.approx(32.0, rel=1e-2), spec
+        assert s.inter_bits_per_coord == inter.bits_per_coord > 0, spec
+        assert s.bytes_sent == pytest.approx(intra.bytes_sent + inter.bytes_sent), spec
+        # the inter-node tier owns its node-shard of every piece
+        owned = sum(hi - lo for lo, hi in inter.owned)
+        assert 0 < owned < GRID_SIZE, (spec, inter.owned)
+        bound = hopq.get_codec(codec).error_bound(mag, r.hops_per_chunk)
+        got = r.outputs[0].double()
+        if bound is not None:
+            assert ((got - exact).abs() <= bound + 6 * 2**-23 * mag).all(), (codec, spec)
+        if codec not in SPARSE_UNION:
+            assert r.vnmse <= 1.25 * flat_ring.vnmse + 1e-14, (codec, spec, r.vnmse)
+
+
+@pytest.mark.parametrize("codec", CODECS)
 def test_simulated_edges(codec: str) -> None:
     """Tiny sizes (node-shards of 0 entries), avg in bf16, NaN kept in place."""
     for size in (0, 1, 7):
@@ -289,11 +324,17 @@ def _failing(name: str) -> hopq.Codec:
     return codec
 
 
+@pytest.mark.parametrize("pieces", [1, 4])
 @pytest.mark.parametrize("tier", ["intra", "inter"])
-def test_failure_reaches_every_rank(tier: str) -> None:
-    """A codec failing on one rank, in either tier: every rank raises within
-    seconds (the failed rank its error, the others TransportError naming a
-    failed rank), and the next call on the same transports works."""
+def test_failure_reaches_every_rank(
+    tier: str, pieces: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A codec failing on one rank, in either tier, in one piece or in a
+    pipeline of pieces: every rank raises within seconds (the failed rank its
+    error, the others TransportError naming a failed rank), and the next call
+    on the same transports works."""
+    monkeypatch.setattr(hierarchy, "PIECE_COORDS", 1000 // pieces)
+    assert len(hierarchy.tier_pieces(1000, 2)) - 1 == pieces
     group = make_inprocess_group(4)
     xs = _inputs(4, 1000)
     errors: list[BaseException | None] = [None] * 4
@@ -335,11 +376,26 @@ def test_failure_reaches_every_rank(tier: str) -> None:
 # -- real Gloo ranks ---------------------------------------------------------
 
 
-def test_real_two_tier() -> None:
-    """4 Gloo ranks as 2x2: the simulator's bits, identical ranks, mismatches
-    and a failing codec raised on every rank within seconds (the group still
-    usable after them), the DDP hook and FSDP2."""
+def test_real_two_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 Gloo ranks as 2x2: the simulator's bits (one piece and a pipeline of
+    pieces), identical ranks, mismatches and a failing codec raised on every
+    rank within seconds (the group still usable after them), the DDP hook and
+    FSDP2."""
     res = run_workers(4, two_tier, timeout=300)
+    with monkeypatch.context() as m:
+        m.setattr(hierarchy, "PIECE_COORDS", PIECES_AT)
+        for codec, topo in REAL:
+            xs = [data(r, PIPELINED) for r in range(4)]
+            sim = hopq.simulate(xs, codec, topo, seed=4, layout="2x2")
+            for r in range(4):
+                assert torch.equal(_bits(sim.outputs[0]), _bits(res[r][("pieces", codec, topo)]))
+    for r in range(4):
+        name, msg, seconds = res[r][("failure", "pieces")]
+        assert seconds < 30, (r, seconds)
+        if r == 2:
+            assert "this rank's codec failed" in msg, msg
+        else:
+            assert name == "TransportError" and "failed" in msg, (r, msg)
     for key in res[0]:
         if isinstance(res[0][key], torch.Tensor) and key != "fsdp":
             for r in range(1, 4):

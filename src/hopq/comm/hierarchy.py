@@ -28,6 +28,8 @@ or one worker per node has one tier: the call is the flat call over the group.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import replace
 
@@ -49,6 +51,7 @@ from hopq.comm.transport import (
     Transport,
     tails_ride,
 )
+from hopq.errors import TransportError
 
 #: The topology of the intra-node reduce-scatter.
 INTRA_TOPOLOGY = "ring"
@@ -176,78 +179,272 @@ def run(
         info.cpu_seconds = time.thread_time() - cpu_start
         return y, info
     intra_t, inter_t = views(transport, lay)
-    g, per = intra_t.rank, lay.per_node
-    d = x.numel()
-    node_shards = equal_shards(d, per)
-    a, b = node_shards[g], node_shards[g + 1]
-    failure: Exception | None = None
-    # 1. intra-node reduce-scatter: this rank's node-shard of the node's sum
-    c1 = Call(
-        codec=intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed, key=call.key,
-        timeout=left(), premul=call.premul, gather=False, shards=node_shards,
-        microshards=None, pipeline=call.pipeline, in_place=call.in_place, agree=False,
-    )  # fmt: skip
-    try:
-        y1, s1 = engine.run(c1, x, intra_t)
-    except Exception as e:
-        failure = e
-        fail_inter_agreement(inter_t, deadline)
-    else:
-        # 2. inter-node all-reduce of the node-shard (a sum: the average divides at the end)
-        # its own key: what the optimizer gave the bucket's key (DynamiQ's step
-        # sizes, GComp's thresholds) is cut to this node-shard for it
-        key2 = shard_key(call.key, a, b)
-        if isinstance(call.codec, ReadsOptimizer):
-            call.codec.narrow_optimizer_input(call.key, a, b, key2)
-        c2 = replace(
-            call, op=ReduceOp.SUM, premul=None, timeout=left(), in_place=call.in_place,
-            shards=None, key=key2,
-        )  # fmt: skip
-        try:
-            y2, s2 = engine.run(c2, y1[a:b], inter_t)
-        except Exception as e:
-            failure = e
-    # 3. intra-node all-gather of the node-shards, raw bytes (every rank takes
-    # part, failed or not, so that its node's ranks raise at once)
-    t3, c3 = time.perf_counter(), time.thread_time()
-    wire = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    width = node_shards[1] - node_shards[0]  # the first shard is the largest
-    block = torch.zeros(width, dtype=wire, device=x.device)
-    if failure is None:
-        if call.op is ReduceOp.AVG:
-            y2 = y2 / n
-        block[: b - a] = y2.to(wire)
-    label = f"all_reduce({call.codec.name}, {call.topology}, node all-gather, key={call.key})"
-    where = Where(label, transport.calls, _GATHER_STEP, 0, "node gather")
-    got = node_gather(intra_t, block, deadline, where, failed=failure is not None)
-    if failure is not None:
-        raise failure
-    y = torch.cat([got[k][: node_shards[k + 1] - node_shards[k]] for k in range(per)])
-    y = y.to(torch.float32)
-    gather_s, gather_cpu = time.perf_counter() - t3, time.thread_time() - c3
-    gather_bytes = (per - 1) * width * block.element_size()
-    gather_frames = max(1, (per - 1).bit_length()) * framing.header_nbytes(1)
-    intra_stats = RunStats(
-        rank=g, world_size=per, numel=d,
-        payload_bytes=s1.payload_bytes + gather_bytes, stats_bytes=s1.stats_bytes,
-        frame_bytes=s1.frame_bytes + gather_frames, hops_per_chunk=s1.hops_per_chunk,
-        phases=("reduce", "gather"), seconds=s1.seconds + gather_s,
-        comm_seconds=s1.comm_seconds + gather_s, cpu_seconds=s1.cpu_seconds + gather_cpu,
-        microshards=s1.microshards, owned=s1.owned,
-    )  # fmt: skip
-    s2.owned = tuple((a + lo, a + hi) for lo, hi in s2.owned)
+    cuts = tier_pieces(x.numel(), lay.per_node)
+    tiers = _Pipeline(call, x, intra_t, inter_t, lay, intra, deadline, cuts)
+    y, intra_stats, s2 = tiers.run()
     info = RunStats(
-        rank=transport.rank, world_size=n, numel=d,
+        rank=transport.rank, world_size=n, numel=x.numel(),
         payload_bytes=intra_stats.payload_bytes + s2.payload_bytes,
         stats_bytes=intra_stats.stats_bytes + s2.stats_bytes,
         frame_bytes=intra_stats.frame_bytes + s2.frame_bytes + agree_bytes,
         hops_per_chunk=s2.hops_per_chunk, phases=("reduce", "gather"),
         seconds=time.perf_counter() - t_start,
-        comm_seconds=intra_stats.comm_seconds + s2.comm_seconds + agree_s,
-        cpu_seconds=time.thread_time() - cpu_start, microshards=s2.microshards, owned=s2.owned,
+        comm_seconds=agree_s + tiers.comm_seconds,
+        cpu_seconds=time.thread_time() - cpu_start + tiers.worker_cpu,
+        microshards=s2.microshards, owned=s2.owned,
         tiers={"intra": intra_stats, "inter": s2},
     )  # fmt: skip
     return y, info
+
+
+#: Coordinates per piece of a pipelined two-tier all-reduce, and the most pieces
+#: (4 Gloo ranks as 2 emulated nodes of 2 at 200 Mbit/s, DynamiQ at 16 MiB: 1
+#: piece 161-175 ms a call, 3 pieces 148-158, 4 pieces 153-158, 8 pieces of half
+#: the size 174-190: each piece's inter-node call pays its own round trips).
+PIECE_COORDS = 1 << 20
+MAX_PIECES = 8
+
+
+def tier_pieces(numel: int, per_node: int) -> tuple[int, ...]:
+    """Offsets of the pieces of a two-tier all-reduce of ``numel`` entries (a
+    function of the size alone, so the same on every rank and in the simulator):
+    one piece below 2 x :data:`PIECE_COORDS` entries, else up to
+    :data:`MAX_PIECES` near-equal pieces of at least :data:`PIECE_COORDS`. The
+    pieces run as a pipeline: piece k's inter-node all-reduce while piece k + 1
+    is reduced and piece k - 1 gathered inside the node."""
+    k = max(1, min(MAX_PIECES, numel // PIECE_COORDS))
+    if numel < k * per_node:
+        k = 1
+    return tuple(equal_shards(numel, k))
+
+
+class _Pipeline:
+    """The tiers of one two-tier all-reduce over the pieces ``cuts``.
+
+    With one piece the tiers run one after another on the calling thread. With
+    several, a worker thread runs the intra-node tier (every piece's
+    reduce-scatter in order, then every piece's all-gather in order, each as
+    soon as its inter-node all-reduce is done) while the calling thread runs
+    the inter-node all-reduces in order. The two views share no pair of ranks,
+    so their messages never meet, and each view is used by one thread. Every
+    piece is its own two-tier call with the node-shards of that piece, so the
+    result depends on the cuts alone, not on the timing.
+
+    Failures keep every rank in step: a rank whose reduce-scatter of a piece
+    failed sends its inter-node peers a failure notice for that piece and every
+    later one (:func:`fail_inter_agreement`), and a rank whose inter-node tier
+    failed gathers every later piece with failure notices
+    (:func:`node_gather`), so that every rank raises at once.
+    """
+
+    def __init__(
+        self,
+        call: Call,
+        x: torch.Tensor,
+        intra_t: SubTransport,
+        inter_t: SubTransport,
+        lay: NodeLayout,
+        intra: Codec,
+        deadline: Deadline,
+        cuts: tuple[int, ...],
+    ) -> None:
+        self.call, self.x, self.intra_t, self.inter_t = call, x, intra_t, inter_t
+        self.lay, self.intra, self.deadline, self.cuts = lay, intra, deadline, cuts
+        self.k = len(cuts) - 1
+        self.g, self.per = intra_t.rank, lay.per_node
+        self.wire = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        self.reduced: queue.Queue[tuple[torch.Tensor, RunStats] | BaseException] = queue.Queue()
+        self.summed: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self.gathered: list[list[torch.Tensor]] = []
+        self.intra_failure: BaseException | None = None
+        self.rs_stats: list[RunStats] = []
+        self.gather_s = self.gather_cpu = self.worker_cpu = 0.0
+        self.comm_seconds = 0.0
+
+    def left(self) -> float:
+        return _left(self.deadline)
+
+    def shards(self, j: int) -> tuple[int, ...]:
+        return tuple(equal_shards(self.cuts[j + 1] - self.cuts[j], self.per))
+
+    # -- the intra-node tier ------------------------------------------------
+    def reduce(self, j: int) -> tuple[torch.Tensor, RunStats]:
+        """Piece j's intra-node reduce-scatter: this rank's node-shard of it."""
+        lo, hi = self.cuts[j], self.cuts[j + 1]
+        ns = self.shards(j)
+        call = self.call
+        c1 = Call(
+            codec=self.intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed,
+            key=call.key, timeout=self.left(), premul=call.premul, gather=False, shards=ns,
+            microshards=None, pipeline=call.pipeline, in_place=call.in_place, agree=False,
+        )  # fmt: skip
+        y1, s1 = engine.run(c1, self.x[lo:hi], self.intra_t)
+        mine = y1[ns[self.g] : ns[self.g + 1]]
+        # the next piece's reduce-scatter may reuse the view's receive arena
+        return (mine.clone() if self.k > 1 else mine), s1
+
+    def gather(self, j: int, y2: torch.Tensor | None, failed: bool) -> list[torch.Tensor]:
+        """Piece j's intra-node all-gather of the node-shards, raw bytes (every
+        rank takes part, failed or not, so that its node's ranks raise at once)."""
+        t3, c3 = time.perf_counter(), time.thread_time()
+        ns = self.shards(j)
+        width = ns[1] - ns[0]  # the first shard is the largest
+        block = torch.zeros(width, dtype=self.wire, device=self.x.device)
+        if y2 is not None:
+            block[: y2.numel()] = y2.to(self.wire)
+        call = self.call
+        label = f"all_reduce({call.codec.name}, {call.topology}, node all-gather, key={call.key})"
+        where = Where(label, self.inter_t.parent.calls, _GATHER_STEP - j, 0, "node gather")
+        try:
+            return node_gather(self.intra_t, block, self.deadline, where, failed=failed)
+        finally:
+            self.gather_s += time.perf_counter() - t3
+            self.gather_cpu += time.thread_time() - c3
+
+    def intra_tier(self) -> None:
+        """Every piece's reduce-scatter, then every piece's all-gather."""
+        for j in range(self.k):
+            try:
+                self.reduced.put(self.reduce(j))
+            except BaseException as e:  # noqa: BLE001 - raised on the calling thread
+                self.intra_failure = e
+                for _ in range(j, self.k):
+                    self.reduced.put(e)
+                break
+        failed = self.intra_failure is not None
+        for j in range(self.k):
+            y2 = self.summed.get()
+            try:
+                self.gathered.append(self.gather(j, y2, failed or y2 is None))
+            except BaseException as e:  # noqa: BLE001
+                if self.intra_failure is None:
+                    self.intra_failure = e
+                failed = True
+
+    def worker(self) -> None:
+        c0 = time.thread_time()
+        try:
+            self.intra_tier()
+        finally:
+            self.worker_cpu = time.thread_time() - c0
+
+    # -- the inter-node tier -------------------------------------------------
+    def inter(self, j: int, y1: torch.Tensor) -> tuple[torch.Tensor, RunStats]:
+        """Piece j's inter-node all-reduce of this rank's node-shard (a sum: the
+        average divides at the end), under its own key: what the optimizer
+        gave the bucket's key (DynamiQ's step sizes, GComp's thresholds) is
+        cut to this node-shard for it."""
+        ns = self.shards(j)
+        a, b = self.cuts[j] + ns[self.g], self.cuts[j] + ns[self.g + 1]
+        call = self.call
+        key2 = shard_key(call.key, a, b)
+        if isinstance(call.codec, ReadsOptimizer):
+            call.codec.narrow_optimizer_input(call.key, a, b, key2)
+        c2 = replace(
+            call, op=ReduceOp.SUM, premul=None, timeout=self.left(), in_place=call.in_place,
+            shards=None, key=key2,
+        )  # fmt: skip
+        y2, s2 = engine.run(c2, y1, self.inter_t)
+        if call.op is ReduceOp.AVG:
+            y2 = y2 / self.inter_t.parent.world_size
+        s2.owned = tuple((a + lo, a + hi) for lo, hi in s2.owned)
+        return y2, s2
+
+    def run(self) -> tuple[torch.Tensor, RunStats, RunStats]:
+        """The result (float32, the same bits on every rank), the intra-node
+        tier's stats and the inter-node tier's."""
+        thread = None
+        if self.k > 1:
+            thread = threading.Thread(target=self.worker, name="hopq-intra-tier", daemon=True)
+            thread.start()
+        failure: BaseException | None = None
+        inter_stats: list[RunStats] = []
+        for j in range(self.k):
+            if thread is None:
+                try:
+                    self.reduced.put(self.reduce(j))
+                except Exception as e:
+                    self.intra_failure = e
+                    self.reduced.put(e)
+            got = self.reduced.get()
+            if isinstance(got, BaseException) or failure is not None:
+                # this piece never reaches the inter-node tier: its peers there
+                # learn it from a failure notice instead of the timeout
+                fail_inter_agreement(self.inter_t, self.deadline)
+                self.summed.put(None)
+            else:
+                try:
+                    y2, s2 = self.inter(j, got[0])
+                except Exception as e:
+                    failure = e
+                    self.summed.put(None)
+                else:
+                    inter_stats.append(s2)
+                    self.summed.put(y2)
+                self.rs_stats.append(got[1])
+            if thread is None:
+                y2n = self.summed.get()
+                try:
+                    self.gathered.append(self.gather(j, y2n, y2n is None))
+                except Exception as e:
+                    if self.intra_failure is None:
+                        self.intra_failure = e
+        if thread is not None:
+            thread.join()
+        if self.intra_failure is not None and not _is_notice(self.intra_failure, failure):
+            raise self.intra_failure
+        if failure is not None:
+            raise failure
+        if self.intra_failure is not None:
+            raise self.intra_failure
+        return self.assemble(inter_stats)
+
+    def assemble(self, inter_stats: list[RunStats]) -> tuple[torch.Tensor, RunStats, RunStats]:
+        parts = []
+        for j, got in enumerate(self.gathered):
+            ns = self.shards(j)
+            parts += [got[h][: ns[h + 1] - ns[h]] for h in range(self.per)]
+        y = torch.cat(parts).to(torch.float32)
+        per, d = self.per, self.x.numel()
+        gather_bytes = sum(
+            (per - 1) * (self.shards(j)[1] - self.shards(j)[0]) for j in range(self.k)
+        ) * torch.empty(0, dtype=self.wire).element_size()
+        gather_frames = self.k * max(1, (per - 1).bit_length()) * framing.header_nbytes(1)
+        rs = self.rs_stats
+        intra_stats = RunStats(
+            rank=self.g, world_size=per, numel=d,
+            payload_bytes=sum(s.payload_bytes for s in rs) + gather_bytes,
+            stats_bytes=sum(s.stats_bytes for s in rs),
+            frame_bytes=sum(s.frame_bytes for s in rs) + gather_frames,
+            hops_per_chunk=rs[0].hops_per_chunk, phases=("reduce", "gather"),
+            seconds=sum(s.seconds for s in rs) + self.gather_s,
+            comm_seconds=sum(s.comm_seconds for s in rs) + self.gather_s,
+            cpu_seconds=sum(s.cpu_seconds for s in rs) + self.gather_cpu,
+            microshards=rs[0].microshards, owned=rs[0].owned,
+        )  # fmt: skip
+        st = inter_stats
+        inter = RunStats(
+            rank=st[0].rank, world_size=st[0].world_size, numel=sum(s.numel for s in st),
+            payload_bytes=sum(s.payload_bytes for s in st),
+            stats_bytes=sum(s.stats_bytes for s in st),
+            frame_bytes=sum(s.frame_bytes for s in st),
+            hops_per_chunk=max(s.hops_per_chunk for s in st), phases=st[0].phases,
+            seconds=sum(s.seconds for s in st), comm_seconds=sum(s.comm_seconds for s in st),
+            cpu_seconds=sum(s.cpu_seconds for s in st),
+            microshards=max(s.microshards for s in st),
+            owned=tuple(o for s in st for o in s.owned),
+        )  # fmt: skip
+        if self.k > 1:  # overlapped: the inter-node tier's waits are the call's
+            self.comm_seconds = inter.comm_seconds
+        else:
+            self.comm_seconds = intra_stats.comm_seconds + inter.comm_seconds
+        return y, intra_stats, inter
+
+
+def _is_notice(intra: BaseException, inter: BaseException | None) -> bool:
+    """Whether the intra-node tier's error only echoes the inter-node tier's
+    (a node-mate's failure notice after this rank's own inter-node failure)."""
+    return inter is not None and isinstance(intra, TransportError)
 
 
 def shard_key(key: int | None, lo: int, hi: int) -> int:
