@@ -260,6 +260,8 @@ class _Pipeline:
         self.rs_stats: list[RunStats] = []
         self.gather_s = self.gather_cpu = self.worker_cpu = 0.0
         self.comm_seconds = 0.0
+        #: Seconds the calling thread waited for the worker (its pieces' reduce-scatters and gathers).
+        self.waited = 0.0
 
     def left(self) -> float:
         return _left(self.deadline)
@@ -366,7 +368,9 @@ class _Pipeline:
                 except Exception as e:
                     self.intra_failure = e
                     self.reduced.put(e)
+            t_wait = time.perf_counter()
             got = self.reduced.get()
+            self.waited += time.perf_counter() - t_wait
             if isinstance(got, BaseException) or failure is not None:
                 # this piece never reaches the inter-node tier: its peers there
                 # learn it from a failure notice instead of the timeout
@@ -390,7 +394,9 @@ class _Pipeline:
                     if self.intra_failure is None:
                         self.intra_failure = e
         if thread is not None:
+            t_wait = time.perf_counter()
             thread.join()
+            self.waited += time.perf_counter() - t_wait
         if self.intra_failure is not None and not _is_notice(self.intra_failure, failure):
             raise self.intra_failure
         if failure is not None:
@@ -406,9 +412,10 @@ class _Pipeline:
             parts += [got[h][: ns[h + 1] - ns[h]] for h in range(self.per)]
         y = torch.cat(parts).to(torch.float32)
         per, d = self.per, self.x.numel()
-        gather_bytes = sum(
-            (per - 1) * (self.shards(j)[1] - self.shards(j)[0]) for j in range(self.k)
-        ) * torch.empty(0, dtype=self.wire).element_size()
+        gather_bytes = (
+            sum((per - 1) * (self.shards(j)[1] - self.shards(j)[0]) for j in range(self.k))
+            * torch.empty(0, dtype=self.wire).element_size()
+        )
         gather_frames = self.k * max(1, (per - 1).bit_length()) * framing.header_nbytes(1)
         rs = self.rs_stats
         intra_stats = RunStats(
@@ -434,8 +441,9 @@ class _Pipeline:
             microshards=max(s.microshards for s in st),
             owned=tuple(o for s in st for o in s.owned),
         )  # fmt: skip
-        if self.k > 1:  # overlapped: the inter-node tier's waits are the call's
-            self.comm_seconds = inter.comm_seconds
+        if self.k > 1:  # overlapped: the calling thread waited on the inter-node tier's
+            # transport and on the worker's (the intra-node tier's)
+            self.comm_seconds = inter.comm_seconds + self.waited
         else:
             self.comm_seconds = intra_stats.comm_seconds + inter.comm_seconds
         return y, intra_stats, inter
