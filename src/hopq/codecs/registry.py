@@ -3,6 +3,7 @@ test grid read it."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,10 +91,16 @@ def available_codecs() -> list[str]:
 
 
 def codec_info(name: str) -> CodecInfo:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}; available: {available_codecs()}") from None
+    """The registered codec called ``name``, in any case (``"DynamiQ"`` is
+    ``"dynamiq"``); an unknown name raises ValueError naming the close ones."""
+    info = _REGISTRY.get(name)
+    if info is None and isinstance(name, str):
+        info = next((i for n, i in _REGISTRY.items() if n.lower() == name.lower()), None)
+    if info is not None:
+        return info
+    close = difflib.get_close_matches(str(name).lower(), list(_REGISTRY), n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    raise ValueError(f"unknown codec {name!r}{hint}; available: {available_codecs()}")
 
 
 #: The order of the "auto" selection: the baseline first, then the flagship.
@@ -111,9 +118,7 @@ def resolve_codecs(names: Sequence[str]) -> list[str]:
         first = [c for c in _AUTO_FIRST if c in _REGISTRY]
         rest = [c for c, i in _REGISTRY.items() if c not in first and not i.baseline]
         return first + rest
-    for c in names:
-        codec_info(c)
-    return list(names)
+    return [codec_info(c).name for c in names]
 
 
 def codec_choices() -> list[str]:
