@@ -211,6 +211,35 @@ def test_pipelined_pieces(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("codec", CODECS)
+def test_tier_by_tier_simulation(codec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large layouts are simulated tier by tier (a node's or a local rank's
+    threads at a time): the bits, bytes and bits per tier of one thread per
+    rank, with one piece and with a pipeline of pieces, sum and average."""
+    from hopq import sim
+
+    for pieces_at, size in ((1 << 20, 1001), (700, 3001)):
+        monkeypatch.setattr(hierarchy, "PIECE_COORDS", pieces_at)
+        for spec, op in (("2x3", "sum"), ("3x2", "avg"), ("2x2", "sum")):
+            lay = NodeLayout.parse(spec)
+            xs = _inputs(lay.world_size, size, seed=3)
+            monkeypatch.setattr(sim, "TIER_BY_TIER_RANKS", 64)
+            threads = hopq.simulate(xs, codec, seed=5, op=op, layout=spec)
+            monkeypatch.setattr(sim, "TIER_BY_TIER_RANKS", 1)
+            tiers = hopq.simulate(xs, codec, seed=5, op=op, layout=spec)
+            where = (codec, spec, op, size)
+            assert tiers.identical, where
+            assert torch.equal(_bits(tiers.outputs[0]), _bits(threads.outputs[0])), where
+            assert tiers.bytes_sent == threads.bytes_sent, where
+            for a, b in zip(tiers.stats, threads.stats, strict=True):
+                assert a.inter_bits_per_coord == b.inter_bits_per_coord, where
+                assert a.tiers["intra"].bytes_sent == b.tiers["intra"].bytes_sent, where
+                assert a.frame_bytes == b.frame_bytes, where
+                assert a.tiers["inter"].owned == b.tiers["inter"].owned, where
+    with pytest.raises(ValueError, match="places 4 ranks"):
+        hopq.simulate(_inputs(6, 10), codec, layout="2x2")
+
+
+@pytest.mark.parametrize("codec", CODECS)
 def test_simulated_edges(codec: str) -> None:
     """Tiny sizes (node-shards of 0 entries), avg in bf16, NaN kept in place."""
     for size in (0, 1, 7):

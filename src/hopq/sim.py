@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,9 +18,10 @@ import torch
 from hopq.codecs.base import Codec, ReduceOp
 from hopq.comm import engine, hierarchy
 from hopq.comm.agreement import digest
+from hopq.comm.call import Call
 from hopq.comm.collectives import Op, check_call, check_layout, resolve_shards
-from hopq.comm.layout import LayoutSpec
-from hopq.comm.topology import get_schedule
+from hopq.comm.layout import LayoutSpec, NodeLayout
+from hopq.comm.topology import equal_shards, get_schedule
 from hopq.comm.transport import SIM_TIMEOUT_S, make_inprocess_group
 from hopq.errors import TransportError
 
@@ -280,6 +281,104 @@ def simulate_reduce_scatter(
     )
 
 
+#: Above this many virtual ranks a two-tier all-reduce is simulated tier by tier
+#: (:func:`_simulate_tiers`: each node's reduce-scatter, then each local rank's
+#: inter-node all-reduce) instead of one thread per rank: the same bits with
+#: a node's or a local rank's threads at a time (128 x 8 ranks on one host).
+TIER_BY_TIER_RANKS = 64
+
+
+def _run_ranks(
+    work: Callable[[int], tuple[torch.Tensor, engine.RunStats]], transports: list[Any]
+) -> list[tuple[torch.Tensor, engine.RunStats]]:
+    """``work(r)`` for every virtual rank of ``transports``, one thread each; the
+    first rank's error that is not a lost peer is raised."""
+    n = len(transports)
+    results: list[tuple[torch.Tensor, engine.RunStats] | None] = [None] * n
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            results[r] = work(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            errors.append(e)
+            transports[r].hub.abort()
+
+    if n == 1:
+        run(0)
+    else:
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(n)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    if errors:
+        # the rank that failed first, not the peers that lost it
+        raise next((e for e in errors if not isinstance(e, TransportError)), errors[0])
+    return [r for r in results if r is not None]
+
+
+def _simulate_tiers(
+    calls: list[Call], flats: list[torch.Tensor], lay: NodeLayout, intra: Codec[Any]
+) -> list[tuple[torch.Tensor, engine.RunStats]]:
+    """A two-tier all-reduce of ``flats`` (one flat tensor per rank, ``calls[r]``
+    rank r's call) tier by tier: piece by piece, each node's intra-node
+    reduce-scatter, then each local rank's inter-node all-reduce over the node
+    sums, then the node gather as raw bytes (what :func:`hierarchy.run` does on
+    every rank at once, the same calls in the same order per rank: the same bits)."""
+    n, per, nodes = lay.world_size, lay.per_node, lay.nodes
+    d, dtype = flats[0].numel(), flats[0].dtype
+    wire = dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    cuts = hierarchy.tier_pieces(d, per)
+    timeout = calls[0].timeout if calls[0].timeout is not None else SIM_TIMEOUT_S
+    intras = [intra.clone() for _ in range(n)]
+    reduced: list[list[engine.RunStats]] = [[] for _ in range(n)]
+    summed: list[list[engine.RunStats]] = [[] for _ in range(n)]
+    out = [torch.empty(d, dtype=wire) for _ in range(nodes)]
+
+    def tier(
+        tier_calls: list[Call], inputs: list[torch.Tensor]
+    ) -> list[tuple[torch.Tensor, engine.RunStats]]:
+        transports = make_inprocess_group(len(tier_calls))
+        return _run_ranks(lambda k: engine.run(tier_calls[k], inputs[k], transports[k]), transports)
+
+    for j in range(len(cuts) - 1):
+        lo, hi = cuts[j], cuts[j + 1]
+        ns = tuple(equal_shards(hi - lo, per))
+        sums: list[list[torch.Tensor]] = []  # [node][local rank]: its node-shard's sum
+        for node in range(nodes):
+            mates = list(lay.node_ranks(node))
+            got = tier(
+                [hierarchy.intra_call(calls[r], intras[r], ns, timeout) for r in mates],
+                [flats[r][lo:hi] for r in mates],
+            )
+            sums.append([y[ns[g] : ns[g + 1]].clone() for g, (y, _) in enumerate(got)])
+            for g, (_, s1) in enumerate(got):
+                reduced[mates[g]].append(s1)
+        for g in range(per):
+            a, b = hierarchy.piece_node_shard(cuts, j, per, g)
+            peers = [lay.node_ranks(node)[g] for node in range(nodes)]
+            got = tier(
+                [hierarchy.inter_call(calls[r], a, b, timeout) for r in peers],
+                [sums[node][g] for node in range(nodes)],
+            )
+            for node, (y2, s2) in enumerate(got):
+                if calls[0].op is ReduceOp.AVG:
+                    y2 = y2 / n
+                out[node][a:b] = y2.to(wire)
+                s2.owned = tuple((a + u, a + v) for u, v in s2.owned)
+                summed[peers[node]].append(s2)
+    results = []
+    for r in range(n):
+        node, g = lay.node_of[r], lay.node_ranks(lay.node_of[r]).index(r)
+        tier_intra, tier_inter = hierarchy.tier_stats(g, per, d, wire, cuts, reduced[r], summed[r])
+        info = hierarchy.call_stats(
+            r, n, d, tier_intra, tier_inter, hierarchy.layout_agreement_bytes(n)
+        )
+        results.append((out[node].to(torch.float32), info))
+    return results
+
+
 def _simulate(
     tensors: Sequence[torch.Tensor],
     codec: str | Codec[Any],
@@ -324,45 +423,35 @@ def _simulate(
         if bounds is None:
             raise ValueError("the simulator takes shards='equal' or n + 1 offsets")
         call = replace(call, shards=bounds)
-    transports = make_inprocess_group(n)
     codecs = _RANKS.get(proto, [])
     if len(codecs) != n or digest(codecs[0].state_dict()) != digest(proto.state_dict()):
         codecs = [proto.clone() for _ in range(n)]
     proto.hand_over(codecs)
     gcodecs = None if gproto is None else [gproto.clone() for _ in range(n)]
-    results: list[tuple[torch.Tensor, engine.RunStats] | None] = [None] * n
-    errors: list[BaseException] = []
+    if isinstance(spec, NodeLayout) and gather and n > TIER_BY_TIER_RANKS and not spec.flat:
+        if spec.world_size != n:
+            raise ValueError(f"layout {spec.describe()} places {spec.world_size} ranks, not {n}")
+        calls = [
+            replace(call, codec=codecs[r], gather_codec=None if gcodecs is None else gcodecs[r])
+            for r in range(n)
+        ]
+        results = _simulate_tiers(calls, [t.reshape(-1) for t in tensors], spec, intra)
+    else:
+        transports = make_inprocess_group(n)
 
-    def work(r: int) -> None:
-        try:
+        def work(r: int) -> tuple[torch.Tensor, engine.RunStats]:
             mine = replace(
                 call, codec=codecs[r], gather_codec=None if gcodecs is None else gcodecs[r]
             )
             flat = tensors[r].reshape(-1)
             if spec is None:
-                results[r] = engine.run(mine, flat, transports[r])
-            elif gather:
-                results[r] = hierarchy.run(mine, flat, transports[r], spec, intra.clone())
-            else:  # this rank's shard
-                results[r] = hierarchy.reduce_scatter(
-                    mine, flat, transports[r], spec, intra.clone()
-                )
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
-            errors.append(e)
-            transports[r].hub.abort()
+                return engine.run(mine, flat, transports[r])
+            if gather:
+                return hierarchy.run(mine, flat, transports[r], spec, intra.clone())
+            return hierarchy.reduce_scatter(mine, flat, transports[r], spec, intra.clone())
 
-    if n == 1:
-        work(0)
-    else:
-        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(n)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    if errors:
-        # the rank that failed first, not the peers that lost it
-        raise next((e for e in errors if not isinstance(e, TransportError)), errors[0])
-    done = [r for r in results if r is not None]
+        results = _run_ranks(work, transports)
+    done = results
     proto.load_state_dict(codecs[0].state_dict())
     if gproto is not None and gcodecs is not None:
         gproto.load_state_dict(gcodecs[0].state_dict())

@@ -131,10 +131,14 @@ def agree_layout(
     assert extras is not None
     claims = [tuple(int(v) for v in e.view(torch.int64).tolist()) for e in extras]
     lay = layouts.from_claims(claims, spec)  # type: ignore[arg-type]
+    return lay, layout_agreement_bytes(n), time.perf_counter() - t0
+
+
+def layout_agreement_bytes(n: int) -> int:
+    """Bytes one rank sends in the whole group's agreement of a two-tier call."""
     block = 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
     messages = n - 1 if n <= DIRECT_EXCHANGE_MAX else max(1, (n - 1).bit_length())
-    nbytes = (n - 1) * block + messages * framing.header_nbytes(1)
-    return lay, nbytes, time.perf_counter() - t0
+    return (n - 1) * block + messages * framing.header_nbytes(1)
 
 
 def run(
@@ -182,17 +186,10 @@ def run(
     cuts = tier_pieces(x.numel(), lay.per_node)
     tiers = _Pipeline(call, x, intra_t, inter_t, lay, intra, deadline, cuts)
     y, intra_stats, s2 = tiers.run()
-    info = RunStats(
-        rank=transport.rank, world_size=n, numel=x.numel(),
-        payload_bytes=intra_stats.payload_bytes + s2.payload_bytes,
-        stats_bytes=intra_stats.stats_bytes + s2.stats_bytes,
-        frame_bytes=intra_stats.frame_bytes + s2.frame_bytes + agree_bytes,
-        hops_per_chunk=s2.hops_per_chunk, phases=("reduce", "gather"),
-        seconds=time.perf_counter() - t_start,
-        comm_seconds=agree_s + tiers.comm_seconds,
+    info = call_stats(
+        transport.rank, n, x.numel(), intra_stats, s2, agree_bytes,
+        seconds=time.perf_counter() - t_start, comm_seconds=agree_s + tiers.comm_seconds,
         cpu_seconds=time.thread_time() - cpu_start + tiers.worker_cpu,
-        microshards=s2.microshards, owned=s2.owned,
-        tiers={"intra": intra_stats, "inter": s2},
     )  # fmt: skip
     return y, info
 
@@ -203,6 +200,33 @@ def run(
 #: the size 174-190: each piece's inter-node call pays its own round trips).
 PIECE_COORDS = 1 << 20
 MAX_PIECES = 8
+
+
+def intra_call(call: Call, intra: Codec, shards: tuple[int, ...], timeout: float) -> Call:
+    """The intra-node reduce-scatter of a piece of ``call`` over its node-shards
+    ``shards`` (offsets within the piece), with the intra-node codec ``intra``."""
+    return Call(
+        codec=intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed, key=call.key,
+        timeout=timeout, premul=call.premul, gather=False, shards=shards, microshards=None,
+        pipeline=call.pipeline, in_place=call.in_place, agree=False,
+    )  # fmt: skip
+
+
+def inter_call(call: Call, a: int, b: int, timeout: float) -> Call:
+    """The inter-node all-reduce of the node-shard ``[a, b)`` of ``call``'s
+    vector (a sum: an average divides at the end), under its own key (what the
+    optimizer gave the bucket's key, DynamiQ's step sizes or GComp's
+    thresholds, is cut to the node-shard for it)."""
+    key2 = shard_key(call.key, a, b)
+    if isinstance(call.codec, ReadsOptimizer):
+        call.codec.narrow_optimizer_input(call.key, a, b, key2)
+    return replace(call, op=ReduceOp.SUM, premul=None, timeout=timeout, shards=None, key=key2)
+
+
+def piece_node_shard(cuts: tuple[int, ...], j: int, per_node: int, g: int) -> tuple[int, int]:
+    """``[a, b)``: local rank ``g``'s node-shard of piece ``j``, in the whole vector."""
+    ns = equal_shards(cuts[j + 1] - cuts[j], per_node)
+    return cuts[j] + ns[g], cuts[j] + ns[g + 1]
 
 
 def tier_pieces(numel: int, per_node: int) -> tuple[int, ...]:
@@ -274,12 +298,7 @@ class _Pipeline:
         """Piece j's intra-node reduce-scatter: this rank's node-shard of it."""
         lo, hi = self.cuts[j], self.cuts[j + 1]
         ns = self.shards(j)
-        call = self.call
-        c1 = Call(
-            codec=self.intra, topology=INTRA_TOPOLOGY, op=ReduceOp.SUM, seed=call.seed,
-            key=call.key, timeout=self.left(), premul=call.premul, gather=False, shards=ns,
-            microshards=None, pipeline=call.pipeline, in_place=call.in_place, agree=False,
-        )  # fmt: skip
+        c1 = intra_call(self.call, self.intra, ns, self.left())
         y1, s1 = engine.run(c1, self.x[lo:hi], self.intra_t)
         mine = y1[ns[self.g] : ns[self.g + 1]]
         # the next piece's reduce-scatter may reuse the view's receive arena
@@ -336,17 +355,9 @@ class _Pipeline:
         average divides at the end), under its own key: what the optimizer
         gave the bucket's key (DynamiQ's step sizes, GComp's thresholds) is
         cut to this node-shard for it."""
-        ns = self.shards(j)
-        a, b = self.cuts[j] + ns[self.g], self.cuts[j] + ns[self.g + 1]
+        a, b = piece_node_shard(self.cuts, j, self.per, self.g)
         call = self.call
-        key2 = shard_key(call.key, a, b)
-        if isinstance(call.codec, ReadsOptimizer):
-            call.codec.narrow_optimizer_input(call.key, a, b, key2)
-        c2 = replace(
-            call, op=ReduceOp.SUM, premul=None, timeout=self.left(), in_place=call.in_place,
-            shards=None, key=key2,
-        )  # fmt: skip
-        y2, s2 = engine.run(c2, y1, self.inter_t)
+        y2, s2 = engine.run(inter_call(call, a, b, self.left()), y1, self.inter_t)
         if call.op is ReduceOp.AVG:
             y2 = y2 / self.inter_t.parent.world_size
         s2.owned = tuple((a + lo, a + hi) for lo, hi in s2.owned)
@@ -411,35 +422,9 @@ class _Pipeline:
             ns = self.shards(j)
             parts += [got[h][: ns[h + 1] - ns[h]] for h in range(self.per)]
         y = torch.cat(parts).to(torch.float32)
-        per, d = self.per, self.x.numel()
-        gather_bytes = (
-            sum((per - 1) * (self.shards(j)[1] - self.shards(j)[0]) for j in range(self.k))
-            * torch.empty(0, dtype=self.wire).element_size()
-        )
-        gather_frames = self.k * max(1, (per - 1).bit_length()) * framing.header_nbytes(1)
-        rs = self.rs_stats
-        intra_stats = RunStats(
-            rank=self.g, world_size=per, numel=d,
-            payload_bytes=sum(s.payload_bytes for s in rs) + gather_bytes,
-            stats_bytes=sum(s.stats_bytes for s in rs),
-            frame_bytes=sum(s.frame_bytes for s in rs) + gather_frames,
-            hops_per_chunk=rs[0].hops_per_chunk, phases=("reduce", "gather"),
-            seconds=sum(s.seconds for s in rs) + self.gather_s,
-            comm_seconds=sum(s.comm_seconds for s in rs) + self.gather_s,
-            cpu_seconds=sum(s.cpu_seconds for s in rs) + self.gather_cpu,
-            microshards=rs[0].microshards, owned=rs[0].owned,
-        )  # fmt: skip
-        st = inter_stats
-        inter = RunStats(
-            rank=st[0].rank, world_size=st[0].world_size, numel=sum(s.numel for s in st),
-            payload_bytes=sum(s.payload_bytes for s in st),
-            stats_bytes=sum(s.stats_bytes for s in st),
-            frame_bytes=sum(s.frame_bytes for s in st),
-            hops_per_chunk=max(s.hops_per_chunk for s in st), phases=st[0].phases,
-            seconds=sum(s.seconds for s in st), comm_seconds=sum(s.comm_seconds for s in st),
-            cpu_seconds=sum(s.cpu_seconds for s in st),
-            microshards=max(s.microshards for s in st),
-            owned=tuple(o for s in st for o in s.owned),
+        intra_stats, inter = tier_stats(
+            self.g, self.per, self.x.numel(), self.wire, self.cuts, self.rs_stats, inter_stats,
+            self.gather_s, self.gather_cpu,
         )  # fmt: skip
         if self.k > 1:  # overlapped: the calling thread waited on the inter-node tier's
             # transport and on the worker's (the intra-node tier's)
@@ -447,6 +432,75 @@ class _Pipeline:
         else:
             self.comm_seconds = intra_stats.comm_seconds + inter.comm_seconds
         return y, intra_stats, inter
+
+
+def tier_stats(
+    g: int,
+    per: int,
+    numel: int,
+    wire: torch.dtype,
+    cuts: tuple[int, ...],
+    reduced: list[RunStats],
+    summed: list[RunStats],
+    gather_s: float = 0.0,
+    gather_cpu: float = 0.0,
+) -> tuple[RunStats, RunStats]:
+    """One rank's intra-node stats (its pieces' reduce-scatters ``reduced`` and
+    the gathers of ``wire`` node-shards) and inter-node stats (its pieces'
+    all-reduces ``summed``) of a two-tier all-reduce over the pieces ``cuts``."""
+    k = len(cuts) - 1
+    widths = [equal_shards(cuts[j + 1] - cuts[j], per) for j in range(k)]
+    gather_bytes = sum((per - 1) * (ns[1] - ns[0]) for ns in widths)
+    gather_bytes *= torch.empty(0, dtype=wire).element_size()
+    gather_frames = k * max(1, (per - 1).bit_length()) * framing.header_nbytes(1)
+    rs = reduced
+    intra = RunStats(
+        rank=g, world_size=per, numel=numel,
+        payload_bytes=sum(s.payload_bytes for s in rs) + gather_bytes,
+        stats_bytes=sum(s.stats_bytes for s in rs),
+        frame_bytes=sum(s.frame_bytes for s in rs) + gather_frames,
+        hops_per_chunk=rs[0].hops_per_chunk, phases=("reduce", "gather"),
+        seconds=sum(s.seconds for s in rs) + gather_s,
+        comm_seconds=sum(s.comm_seconds for s in rs) + gather_s,
+        cpu_seconds=sum(s.cpu_seconds for s in rs) + gather_cpu,
+        microshards=rs[0].microshards, owned=rs[0].owned,
+    )  # fmt: skip
+    st = summed
+    inter = RunStats(
+        rank=st[0].rank, world_size=st[0].world_size, numel=sum(s.numel for s in st),
+        payload_bytes=sum(s.payload_bytes for s in st),
+        stats_bytes=sum(s.stats_bytes for s in st),
+        frame_bytes=sum(s.frame_bytes for s in st),
+        hops_per_chunk=max(s.hops_per_chunk for s in st), phases=st[0].phases,
+        seconds=sum(s.seconds for s in st), comm_seconds=sum(s.comm_seconds for s in st),
+        cpu_seconds=sum(s.cpu_seconds for s in st),
+        microshards=max(s.microshards for s in st),
+        owned=tuple(o for s in st for o in s.owned),
+    )  # fmt: skip
+    return intra, inter
+
+
+def call_stats(
+    rank: int,
+    world_size: int,
+    numel: int,
+    intra: RunStats,
+    inter: RunStats,
+    agree_bytes: int = 0,
+    seconds: float = 0.0,
+    comm_seconds: float = 0.0,
+    cpu_seconds: float = 0.0,
+) -> RunStats:
+    """A two-tier all-reduce's stats on one rank, from its tiers'."""
+    return RunStats(
+        rank=rank, world_size=world_size, numel=numel,
+        payload_bytes=intra.payload_bytes + inter.payload_bytes,
+        stats_bytes=intra.stats_bytes + inter.stats_bytes,
+        frame_bytes=intra.frame_bytes + inter.frame_bytes + agree_bytes,
+        hops_per_chunk=inter.hops_per_chunk, phases=("reduce", "gather"), seconds=seconds,
+        comm_seconds=comm_seconds, cpu_seconds=cpu_seconds, microshards=inter.microshards,
+        owned=inter.owned, tiers={"intra": intra, "inter": inter},
+    )  # fmt: skip
 
 
 def _is_notice(intra: BaseException, inter: BaseException | None) -> bool:
