@@ -204,8 +204,8 @@ def test_refusals_and_views(monkeypatch):
         hopq.FSDPReduceScatter(topology="star")
     assert comm.allocate((2, 3), dtype=torch.bfloat16, device=torch.device("cpu")).shape == (2, 3)
     opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="takes no optimizer"):
-        hopq.FSDPReduceScatter("bf16", optimizer=opt)
+    with pytest.warns(UserWarning, match="takes no optimizer.*ignored"):
+        assert hopq.FSDPReduceScatter("bf16", optimizer=opt)._shared.optimizer is None
     with pytest.raises(ValueError, match="thresholds_every"):
         hopq.FSDPReduceScatter("gcomp", optimizer=opt, thresholds_every=0)
     # a fixed truncation level leaves nothing for the optimizer to decide

@@ -11,8 +11,19 @@ up, not found, and silently dropped. Register on the prepared model instead::
     ...
     accelerator.log(state.step_metrics(), step=step)
 
-Several CPU processes: ``accelerate launch --cpu --num_processes 2 script.py``
-(or ``torchrun --nproc_per_node 2 script.py`` with ``Accelerator(cpu=True)``).
+``register_hook`` also registers the state for checkpointing
+(``accelerator.register_for_checkpointing``), so ``accelerator.save_state`` saves
+the codec's round counter and adaptive state and ``accelerator.load_state``
+restores them (call ``register_hook`` before ``load_state``, in the same order
+relative to your own registered objects).
+
+Several CPU processes, with ``Accelerator(cpu=True)`` in the script:
+``accelerate launch --multi_gpu --num_processes 2 --num_machines 1 script.py``
+(despite its name, ``--multi_gpu`` picks Accelerate's torchrun launcher, which
+starts the processes; they run on Gloo as ``MULTI_CPU``), or ``torchrun
+--nproc_per_node 2 script.py``. ``accelerate launch --cpu --num_processes 2``
+starts one process (several CPU processes through it need ``mpirun`` and
+``--mpirun_hostfile``), and Accelerate has no ``--multi_cpu`` flag.
 """
 
 from __future__ import annotations
@@ -60,7 +71,9 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
     Raises when the model is not DDP (FSDP, DeepSpeed: those do not use DDP
     hooks) in a multi-process run, or when the accelerator's kwargs carry a
     hook (see :func:`check_kwargs`). In a single process there is nothing to
-    average and nothing is registered.
+    average and no hook is registered. The state is registered for
+    checkpointing (``accelerator.register_for_checkpointing``, once), so
+    ``save_state`` / ``load_state`` carry it.
     """
     if isinstance(state, str):
         state = HookState(codec=state)
@@ -72,6 +85,7 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
         model.register_comm_hook(state, ddp_hook)
         # the optimizer prepare() wrapped, for the codecs that read it
         adopt_optimizer(state, getattr(accelerator, "_optimizers", []), "register_hook")
+        _checkpointed(accelerator, state)
         return state
     if accelerator.num_processes > 1:
         raise TypeError(
@@ -79,4 +93,11 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
             f"{type(model).__name__} (distributed type {accelerator.distributed_type}). "
             "Pass the prepared model; FSDP and DeepSpeed do not use DDP hooks"
         )
+    _checkpointed(accelerator, state)
     return state
+
+
+def _checkpointed(accelerator: Any, state: HookState) -> None:
+    """``save_state`` / ``load_state`` carry ``state`` (registered once)."""
+    if not any(o is state for o in getattr(accelerator, "_custom_objects", [])):
+        accelerator.register_for_checkpointing(state)

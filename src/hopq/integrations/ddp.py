@@ -27,7 +27,8 @@ the thread shares the group.
 # with dist.GradBucket and Future[Tensor] as objects.
 import atexit
 import contextlib
-import io
+import logging
+import sys
 import threading
 import time
 import warnings
@@ -49,7 +50,14 @@ from hopq.comm.layout import resolve_spec
 from hopq.comm.topology import get_schedule
 from hopq.comm.transport import carrier, device_backend, group_timeout
 from hopq.errors import HookNotEngagedWarning
-from hopq.integrations.records import MAX_KEPT_CALLS, CallRecords, StepMetrics
+from hopq.integrations.records import (
+    MAX_KEPT_CALLS,
+    CallRecords,
+    StepMetrics,
+    pack_codec_state,
+    reads_no_optimizer,
+    unpack_codec_state,
+)
 from hopq.options import check_int, check_timeout
 
 # before DDP imports it after the group exists and keeps the group alive to the
@@ -108,8 +116,9 @@ class HookState(CallRecords):
         TypeError: ``group=`` instead of ``process_group=``, an option the
             codec does not have, or an argument of the wrong type
             (``overlap``, ``own_group``, ``seed``).
-        ValueError: An unknown codec or topology, an optimizer the codec does
-            not use or has no rule for, ``own_group`` with ``overlap=False``,
+        ValueError: An unknown codec or topology, an optimizer the codec has
+            no rule for (one given to a codec that reads none is ignored, with a
+            UserWarning), ``own_group`` with ``overlap=False``,
             a ``gather_codec`` that cannot code a gather stage, a ``layout``
             that is not one, or an option out of range.
 
@@ -153,11 +162,19 @@ class HookState(CallRecords):
                 "HookState takes the process group as process_group= (DDP's name), not group="
             )
         self.codec = get_codec(codec, **codec_config)
+        self._said_optimizer_unused = False
         #: The optimizer whose state the codec reads before each bucket (codecs
         #: with ``use_optimizer``: GComp's per-coordinate thresholds, DynamiQ's
-        #: step sizes); None: the codec works without it.
+        #: step sizes); None: the codec works without it. One given to a codec
+        #: that reads none is accepted, ignored and said once (a UserWarning),
+        #: so that changing only the codec's name never breaks a script.
         if optimizer is not None:
-            check_takes_optimizer(self.codec, optimizer)
+            why = reads_no_optimizer(self.codec)
+            if why:
+                self._ignore_optimizer(why, "HookState(optimizer=...)")
+                optimizer = None
+            else:
+                check_takes_optimizer(self.codec, optimizer)
         self.optimizer = optimizer
         #: Whether ``optimizer`` was handed over by a framework integration
         #: (``adopt_optimizer``), which replaces it when the framework makes another.
@@ -215,7 +232,30 @@ class HookState(CallRecords):
         self._unengaged_by_optimizer: dict[int, int] = {}
         self._world: int | None = None
         self._warned = False
+        #: The parameters of the model this state serves (id -> weak reference)
+        #: and the bucket indices seen: a second model is refused (_check_one_model).
+        self._params_seen: dict[int, Any] = {}
+        self._indices_seen: set[int] = set()
+        #: Built by the top level of the launching script as a spawned process
+        #: re-imports it (multiprocessing's ``__mp_main__``): the launcher's own
+        #: state reaches this process by pickling, and this module-level copy
+        #: stays idle (see _check_engaged).
+        self._spawned_copy = _built_by_spawned_main()
         _watch(self)
+
+    def _ignore_optimizer(self, why: str, where: str, *, handed: bool = False) -> None:
+        """Say once per state that an optimizer reached a codec that does not
+        read it (``why``) and is ignored: a UserWarning when the user passed it
+        (``optimizer=``), an INFO record of the ``hopq`` logger when a framework
+        integration handed it over (``handed``: the user asked for nothing)."""
+        if self._said_optimizer_unused:
+            return
+        self._said_optimizer_unused = True
+        msg = f"{where}: {why}; the optimizer is ignored"
+        if handed:
+            logging.getLogger("hopq").info(msg)
+        else:
+            warnings.warn(msg, UserWarning, stacklevel=3)
 
     @property
     def _steps_unengaged(self) -> int:
@@ -295,20 +335,7 @@ class HookState(CallRecords):
             dcp.save({"model": model.state_dict(), "hopq": state}, checkpoint_id=path)
             ```
         """
-        full = self.codec.state_dict()
-        agreed = self.codec.agreed_state()
-        shared, local = full, {}
-        if isinstance(agreed, dict) and set(agreed) <= set(full):
-            shared = {k: full[k] for k in agreed}
-            local = {k: v for k, v in full.items() if k not in agreed}
-        out: dict[str, Any] = {
-            "codec_name": self.codec.name,
-            "seed": self.seed,
-            "codec": _pack(shared),
-        }
-        if local:
-            out["codec_local"] = {str(self._rank()): _pack(local)}
-        return out
+        return pack_codec_state(self.codec, self.seed, self._rank())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``state_dict()``'s output (also the older form with the
@@ -332,26 +359,38 @@ class HookState(CallRecords):
             dcp.load(to_load, checkpoint_id=path)  # calls state.load_state_dict
             ```
         """
-        name = state.get("codec_name")
-        if name is not None and name != self.codec.name:
-            raise ValueError(
-                f"this checkpoint holds codec {name!r}, this HookState runs {self.codec.name!r}"
-            )
-        shared = state["codec"]
-        if isinstance(shared, (bytes, bytearray)):
-            merged = self.codec.state_dict()
-            merged.update(_unpack(bytes(shared)))
-            local = state.get("codec_local", {}).get(str(self._rank()))
-            if local is not None:
-                merged.update(_unpack(local))
-            shared = merged
-        self.codec.load_state_dict(shared)
-        self.seed = int(state["seed"])
+        self.seed = unpack_codec_state(self.codec, state, self._rank(), "HookState")
 
     def _rank(self) -> int:
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(self.process_group)
         return 0
+
+    def _check_one_model(self, index: int, params: list[torch.Tensor]) -> None:
+        """Raise ValueError when a bucket's parameters belong to another model
+        than the buckets before it (a bucket index seen before, none of its
+        parameters known while the first model's are alive): one state keyed by
+        bucket index would mix two models' budgets and statistics."""
+        if not params:
+            return
+        seen = self._params_seen
+        ref = seen.get(id(params[0]))
+        if ref is not None and ref() is params[0]:
+            return  # the model served so far (one look-up per bucket)
+        alive = any(r() is not None for r in list(seen.values()))
+        known = any((r := seen.get(id(p))) is not None and r() is p for p in params)
+        if index in self._indices_seen and alive and not known:
+            raise ValueError(
+                "hopq: this HookState is registered on two DDP models (bucket "
+                f"{index} came with parameters of another model than before): the "
+                "codec keys its round, bit budget and statistics by bucket index, "
+                "which the models would share. Make one HookState per model, e.g. "
+                "ddp_g.register_comm_hook(hopq.HookState(...), hopq.ddp_hook) and "
+                "ddp_d.register_comm_hook(hopq.HookState(...), hopq.ddp_hook)"
+            )
+        for p in params:
+            seen[id(p)] = weakref.ref(p, _forget(seen, id(p)))
+        self._indices_seen.add(index)
 
     def _world_size(self) -> int | None:
         """The group's size once known (remembered: the group may be gone at exit)."""
@@ -379,6 +418,7 @@ class HookState(CallRecords):
     def __getstate__(self) -> dict[str, Any]:
         d = self.__dict__.copy()
         d["_lock"] = d["_pool"] = d["_stream"] = d["_thread_group"] = None
+        d["_params_seen"], d["_indices_seen"] = {}, set()  # the copy serves its own model
         if not isinstance(d.get("own_group"), (bool, type(None))):
             d["own_group"] = True  # a process group does not travel; the copy makes its own
         return d
@@ -387,6 +427,10 @@ class HookState(CallRecords):
         self.__dict__.update(d)
         self.__dict__.setdefault("own_group", None)  # a state pickled before own_group
         self.__dict__.setdefault("_optimizer_adopted", False)  # ... or before adoption
+        self.__dict__.setdefault("_said_optimizer_unused", False)
+        self.__dict__.setdefault("_params_seen", {})
+        self.__dict__.setdefault("_indices_seen", set())
+        self._spawned_copy = False  # the launcher's state itself, sent here
         self._lock = threading.Lock()
         self._world = None  # a copy sent to another process: its own group
         self._unengaged_by_optimizer = {}  # optimizers' ids do not travel
@@ -577,17 +621,20 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
         ```
     """
     buf = bucket.buffer()
+    bucket_params = list(bucket.parameters())
+    state._check_one_model(bucket.index(), bucket_params)
     if not state._optimizer_checked:  # the first bucket: the optimizer is set by now if ever
         state._optimizer_checked = True
         why = missing_optimizer(state.codec, state.optimizer, "HookState")
         if why:
             warnings.warn(why, UserWarning, stacklevel=2)
     state._engaged = True
+    _ENGAGED_HERE[0] = True
     # the optimizer's state is read with the bucket's reduction (on the
     # thread, as codec work): its state and the parameters do not change before
     # the backward pass ends, which waits for every bucket's future
     weighs = state.measure_error and state._weighs_error() is not None
-    params = list(bucket.parameters()) if state.optimizer is not None or weighs else None
+    params = bucket_params if state.optimizer is not None or weighs else None
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
         devices=[buf.device] if buf.is_cuda else None
     )
@@ -607,21 +654,33 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
     return fut.then(_unwrap)
 
 
+def _forget(seen: dict[int, Any], key: int) -> Any:
+    def drop(_ref: Any) -> None:
+        seen.pop(key, None)
+
+    return drop
+
+
+def _built_by_spawned_main() -> bool:
+    """Whether the caller runs in a process that multiprocessing spawned, as it
+    re-imports the launching script under ``__mp_main__`` (Lightning's
+    ``start_method="spawn"``, ``torch.multiprocessing.spawn``): the script's
+    module-level code builds its objects again there."""
+    if "__mp_main__" not in sys.modules:
+        return False
+    f: Any = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_name == "<module>" and f.f_globals.get("__name__") == "__mp_main__":
+            return True
+        f = f.f_back
+    return False
+
+
 def _unwrap(fut: "torch.futures.Future[torch.Tensor]") -> torch.Tensor:
     try:
         return fut.value()
     except Exception as e:
         raise RuntimeError(f"hopq.ddp_hook: {type(e).__name__}: {e}") from e
-
-
-def _pack(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _unpack(blob: bytes) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=True)
 
 
 # -- "is the hook engaged?" ------------------------------------------------------
@@ -652,6 +711,10 @@ _WATCHED: "weakref.WeakSet[HookState]" = weakref.WeakSet()
 _STEP_HOOK: Any = None
 _AT_EXIT = False
 _WATCH_LOCK = threading.Lock()
+#: Whether any state's hook ran in this process (a spawned copy of the
+#: launching script's state stays silent then: the launcher's own state, sent to
+#: this process, is the one that served).
+_ENGAGED_HERE = [False]
 
 
 def _watch(state: HookState) -> None:
@@ -690,6 +753,8 @@ def _at_exit() -> None:
 def _check_engaged(state: HookState, when: str) -> None:
     """Warn (once) if this state was never called and its group has several ranks."""
     if state._engaged or state._warned:
+        return
+    if state._spawned_copy and _ENGAGED_HERE[0]:
         return
     world = state._world_size()
     if world is None or world <= 1:
@@ -746,7 +811,10 @@ def adopt_optimizer(state: HookState, optimizers: Any, where: str) -> None:
     wrappers allowed (their ``.optimizer``). Where that cannot be decided
     (several optimizers, or one the codec has no rule for) it warns and the
     codec works without one."""
-    if optimizer_unused(state.codec) is not None:
+    why = optimizer_unused(state.codec)
+    if why is not None:
+        if reads_no_optimizer(state.codec) and any(o is not None for o in optimizers):
+            state._ignore_optimizer(why, where, handed=True)
         return
     if state.optimizer is not None and not state._optimizer_adopted:
         return  # the user's

@@ -61,7 +61,13 @@ from hopq.comm.collectives import Op, reduce_scatter_with_stats
 from hopq.comm.engine import RunStats
 from hopq.comm.layout import resolve_spec
 from hopq.comm.topology import get_schedule
-from hopq.integrations.records import CallRecords, StepMetrics
+from hopq.integrations.records import (
+    CallRecords,
+    StepMetrics,
+    pack_codec_state,
+    reads_no_optimizer,
+    unpack_codec_state,
+)
 from hopq.options import check_int, check_timeout
 
 if TYPE_CHECKING:
@@ -100,6 +106,14 @@ def _require_api() -> None:
 
 #: Calls of a module between refreshes of an optimizer's thresholds (GComp).
 THRESHOLDS_EVERY = 10
+
+
+def _rank() -> int:
+    """This process's rank in the default group (0 without one): the key of its
+    rank-local counters in a checkpoint."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class _Shared(CallRecords):
@@ -147,7 +161,8 @@ class FSDPReduceScatter(_ReduceScatterBase):
             state sets the truncation thresholds, exchanged every
             ``thresholds_every`` calls of a module, one byte per coordinate)
             and DynamiQ (its step sizes weigh the bit allocation, exchanged
-            before every call); it needs :meth:`install`.
+            before every call); it needs :meth:`install`. One given to a codec
+            that reads none is ignored, with a UserWarning.
         thresholds_every: Calls of a module between refreshes of GComp's
             thresholds; only with GComp and ``optimizer``.
         layout: The nodes the ranks run on, for two-tier reduce-scatters, as
@@ -161,8 +176,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         ImportError: torch is older than 2.9.
         TypeError: An option the codec does not have, or an argument of the
             wrong type.
-        ValueError: An unknown codec or topology, an ``optimizer`` with a codec
-            other than GComp or DynamiQ, ``thresholds_every`` without GComp and
+        ValueError: An unknown codec or topology, ``thresholds_every`` without GComp and
             an optimizer, a ``layout`` that is not one or comes with an
             ``optimizer``, or an option out of range.
 
@@ -208,6 +222,14 @@ class FSDPReduceScatter(_ReduceScatterBase):
             )
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         c = get_codec(codec, **codec_config)
+        unused = reads_no_optimizer(c) if optimizer is not None else None
+        if unused:  # accepted and ignored, as HookState does: said once
+            warnings.warn(
+                f"FSDPReduceScatter(optimizer=...): {unused}; the optimizer is ignored",
+                UserWarning,
+                stacklevel=2,
+            )
+            optimizer = None
         if optimizer is not None:
             check_takes_optimizer(c, optimizer)
             if not hasattr(c, "set_thresholds") and not hasattr(c, "set_supergroup_weights"):
@@ -541,35 +563,45 @@ class FSDPReduceScatter(_ReduceScatterBase):
         return self._shared.step_metrics(prefix)
 
     def state_dict(self) -> dict[str, Any]:
-        """What a resumed job needs to continue bit for bit.
+        """What a resumed job needs to continue bit for bit: the seed and the
+        codec's state (round counter, DynamiQ's budget shares and statistics),
+        shared by every view. A ``torch.distributed.checkpoint`` Stateful: the
+        codec's state is one opaque entry (bytes), because its structure grows
+        during training and DCP loads only the keys a fresh instance has (the
+        same packed form as :meth:`hopq.HookState.state_dict`); rank-local
+        counters go under ``codec_local/<rank>``.
 
         Returns:
-            ``{"codec": <the codec's state_dict()>, "seed": seed}``, shared by
-            every view.
+            ``{"codec_name", "seed", "codec"}`` and, where the codec has
+            rank-local counters, ``"codec_local"``.
 
         Example:
             ```python
-            torch.save({"hopq": comm.state_dict()}, path)
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"model": model.state_dict(), "hopq": comm}, checkpoint_id=path)
             ```
         """
-        return {"codec": self.codec.state_dict(), "seed": self.seed}
+        return pack_codec_state(self.codec, self.seed, _rank())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (for every view).
+        """Restore :meth:`state_dict`'s output (for every view; also the older
+        form with the codec's state as a plain dict).
 
         Args:
-            state: What :meth:`state_dict` returned.
+            state: What :meth:`state_dict` returned (on any rank).
 
         Raises:
+            ValueError: The checkpoint holds another codec than this one runs.
             KeyError: ``state`` lacks ``"codec"`` or ``"seed"``.
 
         Example:
             ```python
-            comm.load_state_dict(torch.load(path)["hopq"])
+            comm = hopq.FSDPReduceScatter("dynamiq")
+            dcp.load({"model": model.state_dict(), "hopq": comm}, checkpoint_id=path)
             ```
         """
-        self.codec.load_state_dict(state["codec"])
-        self._shared.seed = int(state["seed"])
+        self._shared.seed = unpack_codec_state(self.codec, state, _rank(), "FSDPReduceScatter")
 
     def __repr__(self) -> str:
         return f"FSDPReduceScatter({self.codec.name!r}, topology={self.topology!r}, key={self.key})"

@@ -8,22 +8,33 @@ registers the hook on every device type, right after Lightning wraps the model::
     from hopq.integrations.lightning import HopqDDPStrategy
     trainer = Trainer(strategy=HopqDDPStrategy(hopq.HookState(codec="dynamiq")), ...)
 
+or ``Trainer(strategy="hopq_ddp")`` (registered with Lightning's
+``StrategyRegistry`` when this module is imported; DynamiQ with its defaults).
+
 Log the communication from the LightningModule with
 ``self.log_dict(trainer.strategy.hook_state.step_metrics())`` in
 ``on_train_batch_end``, or add :class:`HopqMetrics` to the callbacks.
+
+Lightning's own checkpoints carry hopq's state: the strategy adds
+``checkpoint["hopq"]`` (:meth:`hopq.HookState.state_dict`, with every rank's
+rank-local counters) when it saves, and restores it when ``fit(ckpt_path=...)``
+loads one, so a resumed job continues with the codec's round counter and
+adaptive state (DynamiQ's budget shares and statistics) where it stopped.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
+from hopq.integrations.records import merge_local
 
 try:
     from lightning.pytorch import Callback
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "hopq.integrations.lightning needs Lightning: pip install lightning "
@@ -48,10 +59,15 @@ class HopqDDPStrategy(DDPStrategy):
     ``start_method``, ...), except the hook arguments, which this strategy
     owns. With ``start_method="spawn"`` each process gets its own copy of the
     state: read the metrics in the training processes (the LightningModule or
-    a callback), not in the launching one.
+    a callback), not in the launching one. Lightning's checkpoints carry the
+    state under ``"hopq"`` (saved and restored by :meth:`save_checkpoint` and
+    :meth:`load_checkpoint`).
     """
 
     strategy_name = "hopq_ddp"
+
+    #: The key of hopq's state in Lightning's checkpoint dictionary.
+    checkpoint_key = "hopq"
 
     def __init__(self, state: HookState | str = "dynamiq", **kwargs: Any) -> None:
         taken = [k for k in ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper") if k in kwargs]
@@ -81,6 +97,39 @@ class HopqDDPStrategy(DDPStrategy):
         assert isinstance(self.model, DistributedDataParallel)
         check_same_group(self.model, self.hook_state)
         self.model.register_comm_hook(self.hook_state, ddp_hook)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        """Add the hook state (every rank's rank-local counters gathered: Lightning
+        calls this on every rank and writes rank 0's dictionary) to ``checkpoint``,
+        then save it as ``DDPStrategy`` does."""
+        mine = self.hook_state.state_dict()
+        group = self.hook_state.process_group
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+            every: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(every, mine, group=group)
+            mine = merge_local(every)
+        checkpoint[self.checkpoint_key] = mine
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load the checkpoint as ``DDPStrategy`` does and restore the hook
+        state it carries (a checkpoint saved without hopq's state leaves it as
+        it is)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        saved = checkpoint.get(self.checkpoint_key)
+        if saved is not None:
+            self.hook_state.load_state_dict(saved)
+        return checkpoint
+
+
+if HopqDDPStrategy.strategy_name not in StrategyRegistry:  # Trainer(strategy="hopq_ddp")
+    StrategyRegistry.register(
+        HopqDDPStrategy.strategy_name,
+        HopqDDPStrategy,
+        description="DDP with hopq's compressed all-reduce hook (DynamiQ by default)",
+    )
 
 
 class HopqMetrics(Callback):

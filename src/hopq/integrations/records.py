@@ -3,9 +3,13 @@ hook's buckets, FSDP's reduce-scatters), summed per training step."""
 
 from __future__ import annotations
 
+import io
 import threading
 import warnings
 from dataclasses import dataclass
+from typing import Any
+
+import torch
 
 from hopq.comm.engine import RunStats
 
@@ -256,3 +260,78 @@ class CallRecords:
             ```
         """
         return self.pop_step().as_dict(prefix)
+
+
+def reads_no_optimizer(codec: Any) -> str | None:
+    """Why ``codec`` reads no optimizer at all (bf16, MX, EQuARX, Global-QSGD, ...),
+    or None for the codecs that read one (GComp, DynamiQ). An optimizer handed to
+    the former is accepted and ignored (said once), so that changing only the
+    codec's name never breaks a script; a configuration of the latter that would
+    leave it unused (GComp's ``fixed_level``) is still refused."""
+    from hopq.codecs.base import ReadsOptimizer, optimizer_unused
+
+    return None if isinstance(codec, ReadsOptimizer) else optimizer_unused(codec)
+
+
+# -- checkpoints -------------------------------------------------------------------
+# The DDP hook's state and FSDP's reduce-scatter save their codec the same way: the
+# codec's state is one opaque entry (bytes), because its structure grows during
+# training (DynamiQ's shares and statistics per key) and torch.distributed.checkpoint
+# loads only the keys a fresh instance has; rank-local counters go under their rank.
+
+
+def pack_codec_state(codec: Any, seed: int, rank: int) -> dict[str, Any]:
+    """``{"codec_name", "seed", "codec"}`` (the codec's agreed state as bytes) and,
+    where the codec has rank-local counters, ``{"codec_local": {str(rank): bytes}}``."""
+    full = codec.state_dict()
+    agreed = codec.agreed_state()
+    shared, local = full, {}
+    if isinstance(agreed, dict) and set(agreed) <= set(full):
+        shared = {k: full[k] for k in agreed}
+        local = {k: v for k, v in full.items() if k not in agreed}
+    out: dict[str, Any] = {"codec_name": codec.name, "seed": seed, "codec": _pack(shared)}
+    if local:
+        out["codec_local"] = {str(rank): _pack(local)}
+    return out
+
+
+def unpack_codec_state(codec: Any, state: dict[str, Any], rank: int, owner: str) -> int:
+    """Load :func:`pack_codec_state`'s output (or the older form with the codec's
+    state as a plain dict) into ``codec`` and return the seed. Rank-local counters
+    come from ``rank``'s entry; without one they keep their current values."""
+    name = state.get("codec_name")
+    if name is not None and name != codec.name:
+        raise ValueError(f"this checkpoint holds codec {name!r}, this {owner} runs {codec.name!r}")
+    shared = state["codec"]
+    if isinstance(shared, (bytes, bytearray)):
+        merged = codec.state_dict()
+        merged.update(_unpack(bytes(shared)))
+        local = (state.get("codec_local") or {}).get(str(rank))
+        if local is not None:
+            merged.update(_unpack(bytes(local)))
+        shared = merged
+    codec.load_state_dict(shared)
+    return int(state["seed"])
+
+
+def merge_local(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state from every rank's :func:`pack_codec_state` (gathered where a
+    framework saves one file for all ranks): rank 0's, with every rank's
+    rank-local counters."""
+    out = dict(states[0])
+    local: dict[str, Any] = {}
+    for s in states:
+        local.update(s.get("codec_local") or {})
+    if local:
+        out["codec_local"] = local
+    return out
+
+
+def _pack(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=True)

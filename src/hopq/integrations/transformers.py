@@ -12,13 +12,23 @@ W&B, ...) gets ``hopq/bits_per_coordinate`` and the rest beside it::
     trainer = Trainer(model=model, args=args, train_dataset=data)
     attach(trainer, hopq.HookState(codec="dynamiq"))
     trainer.train()
+
+The Trainer's checkpoints carry hopq's state: at every save the callback writes
+``hopq_state_rank<r>.pt`` (:meth:`hopq.HookState.state_dict`) into the
+checkpoint's folder, and ``trainer.train(resume_from_checkpoint=...)`` restores
+it, so the codec's round counter and adaptive state (DynamiQ's budget shares and
+statistics) continue where they stopped.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 import weakref
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import (
@@ -31,6 +41,7 @@ from hopq.integrations.ddp import (
 
 try:
     from transformers import TrainerCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "hopq.integrations.transformers needs transformers: pip install transformers "
@@ -44,8 +55,13 @@ class HopqCallback(TrainerCallback):
     last log entry; this rank's) into the Trainer's training log entries.
 
     Use :func:`attach`, which also puts the callback first, so that its
-    ``on_log`` runs before the reporting callbacks read the entry.
+    ``on_log`` runs before the reporting callbacks read the entry, and lets
+    ``train(resume_from_checkpoint=...)`` restore hopq's state from the
+    checkpoint's folder (written by ``on_save``).
     """
+
+    #: The file of each rank's state in a checkpoint's folder.
+    file_pattern = "hopq_state_rank{rank}.pt"
 
     def __init__(self, state: HookState, trainer: Any, prefix: str = "hopq/") -> None:
         if not isinstance(state, HookState):
@@ -55,6 +71,41 @@ class HopqCallback(TrainerCallback):
         self._trainer = weakref.ref(trainer)
         self._hooked: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
         self._window: StepMetrics | None = None
+        #: The checkpoint folder the Trainer resumes from (set by :func:`attach`'s
+        #: wrapper of the Trainer's loading), read at ``on_train_begin``.
+        self.resume_dir: str | None = None
+
+    def _rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Write this rank's hopq state into the checkpoint the Trainer just saved."""
+        trainer = self._trainer()
+        out = getattr(trainer, "_get_output_dir", None)
+        root = out(trial=None) if callable(out) else args.output_dir
+        folder = os.path.join(root, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, self.file_pattern.format(rank=self._rank()))
+        torch.save(self.state.state_dict(), path)
+
+    def _restore(self, args: Any, state: Any) -> None:
+        folder, self.resume_dir = self.resume_dir, None
+        if folder is None and state.global_step > 0:  # resumed, the folder not seen
+            folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if folder is None:
+            return
+        for rank in (self._rank(), 0):  # this rank's counters, else rank 0's state
+            path = os.path.join(folder, self.file_pattern.format(rank=rank))
+            if os.path.isfile(path):
+                self.state.load_state_dict(torch.load(path, weights_only=True))
+                return
+        warnings.warn(
+            f"HopqCallback: resuming from {folder}, which holds no hopq state (saved "
+            "without HopqCallback): the codec starts from its initial state, so the "
+            "resumed run is not bit-identical to an uninterrupted one",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
@@ -75,6 +126,7 @@ class HopqCallback(TrainerCallback):
                 "DDP (FSDP and DeepSpeed do not use DDP hooks)"
             )
         self._window = None
+        self._restore(args, state)
         handler = trainer.callback_handler
         if handler.callbacks[0] is not self:  # a new list: call_event's loop is unaffected
             handler.callbacks = [self] + [c for c in handler.callbacks if c is not self]
@@ -99,9 +151,21 @@ class HopqCallback(TrainerCallback):
 
 def attach(trainer: Any, state: HookState | str = "dynamiq", prefix: str = "hopq/") -> HookState:
     """Add a :class:`HopqCallback` to ``trainer`` (first among its callbacks) and
-    return the state; call before ``trainer.train()``."""
+    return the state; call before ``trainer.train()``. The Trainer's checkpoints
+    then carry hopq's state, and ``train(resume_from_checkpoint=...)`` restores it."""
     if isinstance(state, str):
         state = HookState(codec=state)
     cb = HopqCallback(state, trainer, prefix)
     trainer.callback_handler.callbacks.insert(0, cb)
+    # the Trainer loads the optimizer from the folder it resumes from before
+    # on_train_begin: note the folder there (any path, not only output_dir's)
+    load = getattr(trainer, "_load_optimizer_and_scheduler", None)
+    if callable(load):
+
+        def load_and_note(checkpoint: Any, *args: Any, **kwargs: Any) -> Any:
+            if checkpoint is not None:
+                cb.resume_dir = str(checkpoint)
+            return load(checkpoint, *args, **kwargs)
+
+        trainer._load_optimizer_and_scheduler = load_and_note
     return state
