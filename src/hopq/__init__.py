@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from hopq.codecs import Codec, available_codecs, get_codec
 from hopq.comm import RunStats, all_reduce, reduce_scatter
 from hopq.comm.layout import NodeLayout
+from hopq.comm.plan import Plan, PlanInputs, plan
 from hopq.errors import (
     CodecError,
     HookNotEngagedWarning,
@@ -32,6 +33,8 @@ __all__ = [
     "MismatchError",
     "NodeLayout",
     "PayloadError",
+    "Plan",
+    "PlanInputs",
     "RunStats",
     "SimResult",
     "SimShards",
@@ -40,6 +43,7 @@ __all__ = [
     "available_codecs",
     "ddp_hook",
     "get_codec",
+    "plan",
     "reduce_scatter",
     "simulate",
     "simulate_reduce_scatter",

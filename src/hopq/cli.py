@@ -1,4 +1,4 @@
-"""The command line: ``hopq train``, ``hopq bench ...`` and ``hopq codecs``.
+"""The command line: ``hopq train``, ``hopq bench ...``, ``hopq plan`` and ``hopq codecs``.
 
 Every option is generated from a job's frozen option dataclass (help text and
 choices come from the fields' metadata, see :func:`hopq.options.option`), and the
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hopq.options import enum_type, field_types, parse_value
+from hopq.options import enum_type, field_types, option, parse_value
 
 
 def _default_text(v: Any) -> str:
@@ -156,6 +156,155 @@ def codecs_text() -> str:
     return "\n".join(lines)
 
 
+#: Gradient coordinates of the workloads of ``hopq train`` (docs/bench/vnmse.md).
+WORKLOAD_PARAMS = {"gpt": 3_257_856, "minilm": 22_744_506}
+_SCHEDULES = ("ring", "butterfly", "hier:ring", "hier:butterfly")
+
+
+def _codec_names() -> list[str]:
+    from hopq.codecs.registry import available_codecs
+
+    return available_codecs()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """``hopq plan``: the cluster and the model to plan for."""
+
+    nodes: int = option(1, "N, the machines", lo=1)
+    workers_per_node: int = option(1, "G, the workers (GPUs, processes) of each machine", lo=1)
+    inter_gbit: float | None = option(
+        None, "each node's uplink to the others, Gbit/s per direction (default 10)"
+    )
+    inter_mbit: float | None = option(None, "the same in Mbit/s")
+    intra_gbit: float | None = option(
+        None, "each worker's link inside its node, Gbit/s (default 100)"
+    )
+    intra_mbit: float | None = option(None, "the same in Mbit/s")
+    inter_latency_us: float = option(20.0, "latency of a step between nodes, microseconds")
+    intra_latency_us: float = option(2.0, "latency of a step inside a node, microseconds")
+    cores_per_node: int | None = option(
+        None, "CPU cores each node's workers share for codec work (none: one per worker)"
+    )
+    duplex: float = option(
+        1.0, "how much longer two ranks sending to each other take (1: full duplex)"
+    )
+    params: int | None = option(None, "gradient coordinates of the model (default 25,000,000)")
+    workload: str | None = option(
+        None, "take the model size of a workload of hopq train", choices=tuple(WORKLOAD_PARAMS)
+    )
+    bucket_mb: float = option(25.0, "DDP's bucket_cap_mb (the first bucket 1 MiB, as DDP)")
+    compute_s: float | None = option(
+        None, "seconds of the backward pass, to predict the exposed time (none: sync time)"
+    )
+    lossless: bool = option(False, "only codecs that return the exact sum (fp32, GComp)")
+    max_loss_gap: float | None = option(
+        0.5,
+        "percent of training loss above torch's fp16 hook a codec may have had (none: no limit)",
+    )
+    max_vnmse: float | None = option(0.1, "largest predicted vNMSE allowed (none: no limit)")
+    codecs: tuple[str, ...] = option((), "codecs to consider (default: all)", choices=_codec_names)
+    schedules: tuple[str, ...] = option(_SCHEDULES, "flat topologies and hier:<topology>")
+    budgets: tuple[float, ...] = option((4.0, 5.0, 6.0, 8.0), "DynamiQ's bit budgets to consider")
+    measure: bool = option(False, "time this machine's codec kernels first (one core, seconds)")
+    rows: int = option(0, "show the fastest ROWS candidates only (0: all)", lo=0)
+    json: bool = option(False, "print the plan as JSON (to pin it) instead of the table")
+
+    def __post_init__(self) -> None:
+        for a, b in (("inter_gbit", "inter_mbit"), ("intra_gbit", "intra_mbit")):
+            if getattr(self, a) is not None and getattr(self, b) is not None:
+                raise ValueError(
+                    f"give --{a.replace('_', '-')} or --{b.replace('_', '-')}, not both"
+                )
+        if self.params is not None and self.workload is not None:
+            raise ValueError("give --params or --workload, not both")
+        self.inputs()  # checks the rest
+
+    def inputs(self, speeds: dict[str, tuple[float, ...]] | None = None) -> Any:
+        """The planner's inputs."""
+        from hopq.comm.plan import PlanInputs
+
+        def rate(gbit: float | None, mbit: float | None, default: float) -> float:
+            return gbit if gbit is not None else mbit / 1000 if mbit is not None else default
+
+        params = self.params
+        if params is None:
+            params = WORKLOAD_PARAMS[self.workload] if self.workload else 25_000_000
+        return PlanInputs(
+            nodes=self.nodes,
+            per_node=self.workers_per_node,
+            inter_gbit=rate(self.inter_gbit, self.inter_mbit, 10.0),
+            intra_gbit=rate(self.intra_gbit, self.intra_mbit, 100.0),
+            inter_latency_us=self.inter_latency_us,
+            intra_latency_us=self.intra_latency_us,
+            cores_per_node=self.cores_per_node,
+            duplex=self.duplex,
+            params=params,
+            bucket_mb=self.bucket_mb,
+            compute_s=self.compute_s,
+            lossless=self.lossless,
+            max_loss_gap=self.max_loss_gap,
+            max_vnmse=self.max_vnmse,
+            codecs=self.codecs,
+            schedules=self.schedules,
+            budgets=self.budgets,
+            speeds=speeds or {},
+        )
+
+
+def measure_speeds(codecs: Sequence[str], coords: int = 1 << 19) -> dict[str, tuple[float, ...]]:
+    """This machine's codec speeds on one core (``hopq bench model``'s calibration),
+    in ns per coordinate; the bits of GComp and OmniReduce, which depend on the
+    gradient, stay those measured in training."""
+    from hopq.bench.cost_model import calibrate
+    from hopq.comm.plan import DEFAULT_SPEEDS
+
+    out: dict[str, tuple[float, ...]] = {}
+    for c in codecs:
+        k = calibrate(c, coords)
+        bits = DEFAULT_SPEEDS[c][4] if c in ("gcomp", "omnireduce") else k.bits
+        out[c] = (k.plan * 1e9, k.enc * 1e9, k.hop * 1e9, k.dec * 1e9, bits)
+    return out
+
+
+def plan_text(o: PlanOptions) -> str:
+    """``hopq plan``: the candidates' predicted time and error, and the pick."""
+    import time
+
+    from hopq.comm.plan import DEFAULT_SPEEDS
+    from hopq.comm.plan import plan as make_plan
+
+    lines = []
+    speeds = None
+    if o.measure:
+        t0 = time.perf_counter()
+        names = list(o.codecs) or [c for c in _codec_names() if c in DEFAULT_SPEEDS]
+        speeds = measure_speeds(names)
+        lines.append(
+            f"Codec speeds measured on this machine, one core, in {time.perf_counter() - t0:.1f} s."
+        )
+    else:
+        lines.append(
+            "Codec speeds: the calibrated defaults (one CPU core; --measure times this machine)."
+        )
+    inp = o.inputs(speeds)
+    p = make_plan(inp)
+    if o.json:
+        return p.to_json()
+    sizes = inp.bucket_sizes()
+    lines.append(
+        f"Cluster: {inp.nodes} x {inp.per_node} ranks, {inp.inter_gbit:g} Gbit/s between nodes "
+        f"({inp.inter_latency_us:g} us), {inp.intra_gbit:g} Gbit/s inside ({inp.intra_latency_us:g} us); "
+        f"{sum(sizes):,} coordinates in {len(sizes)} buckets"
+        + (f", {inp.compute_s:g} s of backward pass" if inp.compute_s is not None else "")
+        + "."
+    )
+    lines += ["", p.table(o.rows or None), ""]
+    kw = ", ".join(f"{k}={v!r}" for k, v in p.hook_kwargs().items())
+    lines.append(f"Pin it: hopq.HookState({kw}) (hopq plan --json keeps the whole plan)")
+    return "\n".join(lines)
+
+
 def parser() -> tuple[
     argparse.ArgumentParser, dict[str, tuple[argparse.ArgumentParser, type, Any]]
 ]:
@@ -179,7 +328,7 @@ def parser() -> tuple[
     from hopq import __version__
 
     top.add_argument("--version", action="version", version=f"hopq {__version__}")
-    sub = top.add_subparsers(dest="cmd", required=True, metavar="{train,bench,codecs,cluster}")
+    sub = top.add_subparsers(dest="cmd", required=True, metavar="{train,bench,codecs,cluster,plan}")
     commands: dict[str, tuple[argparse.ArgumentParser, type, Any]] = {}
     tr = sub.add_parser(
         "train",
@@ -192,6 +341,13 @@ def parser() -> tuple[
     add_options(tr, TrainOptions)
     commands["train"] = (tr, TrainOptions, "hopq.train.job")
     sub.add_parser("codecs", help="list the registered codecs and their options")
+    what_plan = (
+        "pick the codec, bit budget and schedule for a cluster from the calibrated cost model "
+        "and the measured errors; prints every candidate's predicted time and error"
+    )
+    pl = sub.add_parser("plan", help=what_plan, description=what_plan)
+    add_options(pl, PlanOptions)
+    commands["plan"] = (pl, PlanOptions, None)
     from hopq.cluster.run import ClusterRunOptions
 
     cluster = sub.add_parser("cluster", help="an emulated cluster on this machine (root, tc)")
@@ -248,6 +404,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = top.parse_args(argv)
     if ns.cmd == "codecs":
         print(codecs_text())
+        return 0
+    if ns.cmd == "plan":
+        p, cls, _ = commands["plan"]
+        print(plan_text(build(cls, ns, p)))
         return 0
     if ns.cmd == "cluster":
         from hopq.cluster.run import run as run_cluster

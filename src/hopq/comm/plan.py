@@ -1,0 +1,898 @@
+"""The planner: which codec, bit budget and schedule suit a cluster, and why.
+
+:func:`plan` runs every candidate (each codec, DynamiQ at several bit budgets,
+each schedule, flat or two-tier) through the calibrated cost model of
+:mod:`hopq.comm.cost`, once per gradient bucket, and through a table of measured
+errors; it picks the fastest candidate whose error stays within the budget. The
+uncompressed codecs (fp32, as DDP's own all-reduce, and fp16/bf16, as torch's
+compression hooks) are candidates too, so "nothing compressed pays" is a
+possible answer. A pure function of plain data: no process group, no timing
+(``hopq plan --measure`` times this machine's codec kernels first).
+
+What it reads, by default:
+
+* **codec speeds**: :data:`DEFAULT_SPEEDS`, seconds per coordinate of each
+  kernel on one CPU core, measured with ``hopq.bench.cost_model.calibrate``
+  (docs/bench/model.md);
+* **errors**: :data:`VNMSE_AT_4`, each codec's vNMSE on real gradients at its
+  defaults (docs/bench/vnmse.md, "Every codec on the same gradients": the worse
+  of MiniLM and the GPT, 4 ranks on a ring, a chain of 4 compressions), scaled
+  to the candidate's chain of recompressions by :data:`VNMSE_GROWTH` (the same
+  page's "vNMSE against the world size");
+* **training loss**: :data:`LOSS_GAP`, each codec's final held-out loss against
+  torch's fp16 hook in the same run (docs/bench/train.md, the GPT over 4 workers,
+  60 steps).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from hopq.codecs.registry import available_codecs, codec_info
+from hopq.comm.cost import (
+    EXACT_BITS,
+    STATS_BELOW_BITS,
+    CodecCost,
+    Network,
+    Prediction,
+    _steps_crossing,
+    _walk,
+)
+from hopq.comm.topology import get_schedule
+
+#: Seconds per coordinate (plan+prepare+finish, encode, fused hop, decode, in ns)
+#: and bits per coordinate of each codec on one CPU core: ``calibrate(codec,
+#: 1 << 20)`` of ``hopq.bench.cost_model`` on an AMD EPYC (2 cores, torch 2.13
+#: CPU). GComp's and OmniReduce's bits are those of training (docs/bench/train.md);
+#: on the calibration's random vector GComp sends 30 bits.
+DEFAULT_SPEEDS: dict[str, tuple[float, float, float, float, float]] = {
+    "dynamiq": (1.82, 1.69, 2.37, 0.81, 5.0),
+    "fp32": (0.14, 0.0, 0.23, 0.12, 32.0),
+    "bf16": (0.10, 0.29, 0.63, 0.10, 16.0),
+    "fp16": (0.12, 0.25, 0.61, 0.08, 16.0),
+    "equarx": (0.16, 0.42, 0.65, 0.16, 8.25),
+    "gcomp": (1.63, 2.30, 5.97, 3.18, 23.52),
+    "gqsgd-linear": (3.85, 0.10, 0.50, 0.34, 8.0),
+    "gqsgd-exp": (9.45, 1.19, 1.08, 7.44, 8.0),
+    "mxfp8": (0.87, 1.24, 2.57, 1.54, 8.5),
+    "mxfp6": (0.88, 1.50, 2.81, 1.38, 6.5),
+    "mxfp4": (0.90, 1.34, 2.69, 2.17, 4.5),
+    "omnireduce": (1.27, 0.46, 0.88, 0.19, 6.49),
+    "thc": (8.61, 0.30, 0.83, 0.43, 8.0),
+}
+
+#: Final held-out loss against torch's fp16 hook, percent (docs/bench/train.md:
+#: the GPT, 4 workers, 60 steps; fp32 is torch's DDP, fp16 the hook itself).
+LOSS_GAP: dict[str, float] = {
+    "fp32": -0.03,
+    "fp16": 0.0,
+    "bf16": -0.03,
+    "gcomp": -0.03,
+    "mxfp8": -0.02,
+    "mxfp6": 0.48,
+    "mxfp4": -0.89,
+    "dynamiq": 0.17,
+    "equarx": 0.57,
+    "gqsgd-exp": 0.58,
+    "gqsgd-linear": 1.08,
+    "omnireduce": 3.20,
+    "thc": 3.17,
+}
+
+#: vNMSE at each codec's defaults, 4 ranks on a ring (docs/bench/vnmse.md, "Every
+#: codec on the same gradients": the worse of MiniLM and the GPT).
+VNMSE_AT_4: dict[str, float] = {
+    "dynamiq": 1.95e-3,
+    "fp32": 1.84e-15,
+    "bf16": 7.25e-6,
+    "fp16": 1.15e-7,
+    "equarx": 2.6e-4,
+    "gcomp": 1.84e-15,
+    "gqsgd-linear": 1.42,
+    "gqsgd-exp": 0.266,
+    "mxfp8": 1.88e-3,
+    "mxfp6": 7.34e-3,
+    "mxfp4": 0.119,
+    "omnireduce": 9.46e-3,
+    "thc": 0.163,
+}
+
+#: vNMSE against the chain of compressions, relative to a chain of 4: (chain,
+#: factor) points from docs/bench/vnmse.md's "vNMSE against the world size" (a
+#: ring of n ranks, a chain of n; the worse of MiniLM and the GPT at each n;
+#: a butterfly of the same chain had less error there). Beyond 64 the last
+#: segment's slope goes on, the error held at 1 (what sending nothing gives).
+#: Codecs without a row keep their error (fp16 follows bf16, EQuARX MXFP8).
+VNMSE_GROWTH: dict[str, tuple[tuple[int, float], ...]] = {
+    "dynamiq": (
+        (2, 0.628),
+        (3, 0.825),
+        (4, 1.0),
+        (6, 1.46),
+        (8, 1.79),
+        (16, 2.87),
+        (32, 4.3),
+        (64, 5.87),
+    ),
+    "mxfp8": (
+        (2, 0.542),
+        (3, 0.754),
+        (4, 1.0),
+        (6, 1.27),
+        (8, 1.66),
+        (16, 2.66),
+        (32, 4.73),
+        (64, 19.8),
+    ),
+    "mxfp6": (
+        (2, 0.556),
+        (3, 0.785),
+        (4, 1.0),
+        (6, 1.3),
+        (8, 1.73),
+        (16, 2.65),
+        (32, 6.78),
+        (64, 27.1),
+    ),
+    "mxfp4": (
+        (2, 0.22),
+        (3, 0.495),
+        (4, 1.0),
+        (6, 1.55),
+        (8, 2.12),
+        (16, 4.98),
+        (32, 7.0),
+        (64, 7.0),
+    ),
+    "bf16": (
+        (2, 0.567),
+        (3, 0.761),
+        (4, 1.0),
+        (6, 1.29),
+        (8, 1.64),
+        (16, 2.72),
+        (32, 4.78),
+        (64, 9.18),
+    ),
+    "omnireduce": (
+        (2, 0.993),
+        (3, 1.04),
+        (4, 1.0),
+        (6, 0.975),
+        (8, 0.955),
+        (16, 0.937),
+        (32, 0.835),
+        (64, 0.745),
+    ),
+    "thc": (
+        (2, 0.689),
+        (3, 0.737),
+        (4, 1.0),
+        (6, 0.689),
+        (8, 0.627),
+        (16, 0.487),
+        (32, 0.666),
+        (64, 0.694),
+    ),
+}
+VNMSE_GROWTH["fp16"] = VNMSE_GROWTH["bf16"]
+VNMSE_GROWTH["equarx"] = VNMSE_GROWTH["mxfp8"]
+
+#: DynamiQ's vNMSE at each bit budget relative to 5 bits (docs/bench/vnmse.md,
+#: "Bit budget", the worse of MiniLM and the GPT, 4 ranks, ring).
+DYNAMIQ_BUDGET_FACTOR: dict[float, float] = {
+    3.0: 38.9,
+    4.0: 6.88,
+    5.0: 1.0,
+    6.0: 0.284,
+    7.0: 0.123,
+    8.0: 0.066,
+}
+
+#: Codecs that return the exact sum: fp32, and GComp without an optimizer (no
+#: mantissa truncation).
+LOSSLESS = ("fp32", "gcomp")
+#: What torch itself offers: DDP's all-reduce (fp32) and its compression hooks.
+UNCOMPRESSED = ("fp32", "fp16", "bf16")
+
+#: Flat worlds larger than this use the ring's closed form instead of walking it.
+_WALK_RING_UP_TO = 64
+#: Other schedules are walked step by step up to this many ranks (a butterfly
+#: of 1024 takes seconds); beyond, only their two-tier forms are candidates.
+WALK_UP_TO = 256
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the planner plans for: the cluster, the buckets and the error budget.
+
+    Attributes:
+        nodes: N, the machines.
+        per_node: G, the workers of each machine.
+        inter_gbit: Each node's uplink to the other nodes, Gbit/s per direction.
+        intra_gbit: Each worker's link to the workers of its node, Gbit/s.
+        inter_latency_us: Latency of a step between nodes, microseconds.
+        intra_latency_us: Latency of a step inside a node, microseconds.
+        cores_per_node: CPU cores a node's workers share for codec work (None:
+            one per worker, as with GPUs).
+        duplex: How much longer two ranks sending to each other take than one
+            way (1: full-duplex links).
+        params: Gradient coordinates of the model (float32), split into
+            buckets as DDP does (one of ``first_bucket_mb``, then
+            ``bucket_mb`` each); ignored when ``buckets`` is given.
+        bucket_mb: DDP's ``bucket_cap_mb``.
+        first_bucket_mb: DDP's first bucket.
+        buckets: Coordinates of each bucket, in the order the backward pass
+            makes them ready; empty: from ``params``.
+        compute_s: Seconds of the backward pass, over which the buckets become
+            ready evenly by size (None: no overlap modelled; the pick is then
+            the fastest synchronization).
+        lossless: Only codecs that return the exact sum (fp32, GComp).
+        max_loss_gap: Percent of final training loss above torch's fp16 hook a
+            codec may have had (docs/bench/train.md); None: no such limit.
+            Codecs never trained (DynamiQ below 5 bits) exceed any limit.
+        max_vnmse: The largest predicted vNMSE allowed; None: no limit.
+        codecs: Codecs to consider; empty: every registered one that has a
+            speed.
+        schedules: Flat topologies (``"ring"``, ``"butterfly"``, ...) and
+            two-tier ones (``"hier:<topology>"``, only when N > 1 and G > 1).
+            Schedules other than the ring are walked step by step up to
+            :data:`WALK_UP_TO` ranks; beyond, they are left out.
+        budgets: DynamiQ's bit budgets to consider.
+        speeds: Codec -> (plan, encode, fused hop, decode in ns per coordinate
+            on one core, bits per coordinate), over :data:`DEFAULT_SPEEDS`.
+        vnmse: Codec -> vNMSE at a chain of 4, over :data:`VNMSE_AT_4`.
+
+    Example:
+        >>> from hopq import PlanInputs, plan
+        >>> inp = PlanInputs(nodes=2, per_node=8, inter_gbit=25, params=125_000_000)
+        >>> len(inp.bucket_sizes()), inp.bucket_sizes()[0]  # DDP's 1 MiB, then 25 MiB each
+        (21, 262144)
+        >>> PlanInputs.from_dict(inp.to_dict()) == inp
+        True
+        >>> plan(inp, compute_s=0.3).inputs.compute_s
+        0.3
+    """
+
+    nodes: int = 1
+    per_node: int = 1
+    inter_gbit: float = 10.0
+    intra_gbit: float = 100.0
+    inter_latency_us: float = 20.0
+    intra_latency_us: float = 2.0
+    cores_per_node: int | None = None
+    duplex: float = 1.0
+    params: int = 25_000_000
+    bucket_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    buckets: tuple[int, ...] = ()
+    compute_s: float | None = None
+    lossless: bool = False
+    max_loss_gap: float | None = 0.5
+    max_vnmse: float | None = 0.1
+    codecs: tuple[str, ...] = ()
+    schedules: tuple[str, ...] = ("ring", "butterfly", "hier:ring", "hier:butterfly")
+    budgets: tuple[float, ...] = (4.0, 5.0, 6.0, 8.0)
+    speeds: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    vnmse: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # the network checks its own fields
+        self.network()
+        object.__setattr__(self, "buckets", tuple(int(b) for b in self.buckets))
+        object.__setattr__(self, "codecs", tuple(self.codecs))
+        object.__setattr__(self, "schedules", tuple(self.schedules))
+        object.__setattr__(self, "budgets", tuple(float(b) for b in self.budgets))
+        speeds = {k: tuple(float(x) for x in v) for k, v in self.speeds.items()}
+        object.__setattr__(self, "speeds", speeds)
+        object.__setattr__(self, "vnmse", {k: float(v) for k, v in self.vnmse.items()})
+        if not isinstance(self.params, int) or self.params < 0:
+            raise ValueError(f"params must be an int >= 0, got {self.params!r}")
+        if any(b < 0 for b in self.buckets):
+            raise ValueError(f"bucket sizes must be >= 0, got {self.buckets}")
+        for name in ("bucket_mb", "first_bucket_mb"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.compute_s is not None and not self.compute_s >= 0:
+            raise ValueError(f"compute_s must be >= 0 or None, got {self.compute_s!r}")
+        for name, v in speeds.items():
+            if len(v) != 5 or any(not (x >= 0) for x in v) or not v[4] > 0:
+                raise ValueError(
+                    f"speeds[{name!r}]: expected (plan, encode, hop, decode ns/coord, bits), got {v}"
+                )
+        if not self.schedules:
+            raise ValueError("schedules: give at least one")
+        for b in self.budgets:
+            if not 1 <= b <= 16:
+                raise ValueError(f"DynamiQ budgets must lie in 1..16 bits, got {b}")
+        known = set(available_codecs())
+        bad = [c for c in self.codecs if c not in known]
+        if bad:
+            raise ValueError(f"unknown codecs {bad}; available: {sorted(known)}")
+
+    def network(self) -> Network:
+        """The cluster as :class:`hopq.comm.cost.Network`."""
+        return Network(
+            self.nodes,
+            self.per_node,
+            self.inter_gbit,
+            self.intra_gbit,
+            self.inter_latency_us,
+            self.intra_latency_us,
+            self.cores_per_node,
+            self.duplex,
+        )
+
+    def bucket_sizes(self) -> tuple[int, ...]:
+        """Coordinates per bucket: ``buckets``, or ``params`` cut as DDP cuts it."""
+        if self.buckets:
+            return self.buckets
+        first = max(1, int(self.first_bucket_mb * (1 << 20) / 4))
+        cap = max(1, int(self.bucket_mb * (1 << 20) / 4))
+        left = self.params
+        out = [min(left, first)] if left else []
+        left -= out[0] if out else 0
+        while left > 0:
+            out.append(min(left, cap))
+            left -= cap
+        return tuple(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready)."""
+        d = dataclasses.asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        d["speeds"] = {k: list(v) for k, v in self.speeds.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlanInputs:
+        """The inputs back from :meth:`to_dict`."""
+        kw = dict(d)
+        for k in ("buckets", "codecs", "schedules", "budgets"):
+            if k in kw:
+                kw[k] = tuple(kw[k])
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One candidate's predicted time and error.
+
+    Attributes:
+        codec: The registered codec name.
+        config: Its options (DynamiQ's ``budget``).
+        schedule: ``"ring"``, ``"butterfly"``, ... or ``"hier:<topology>"``.
+        bits: Bits per coordinate on the wire.
+        sync_s: Seconds to synchronize every bucket, one after the other.
+        exposed_s: Seconds of that beyond the backward pass (None without
+            ``compute_s``).
+        recompressions: The longest chain of compressions.
+        vnmse: Predicted vNMSE.
+        loss_gap: Measured final loss against torch's fp16 hook, percent (None:
+            never trained).
+        excluded: Why the error budget leaves it out ("" when it is within).
+    """
+
+    codec: str
+    config: dict[str, Any]
+    schedule: str
+    bits: float
+    sync_s: float
+    exposed_s: float | None
+    recompressions: int
+    vnmse: float
+    loss_gap: float | None
+    excluded: str = ""
+
+    @property
+    def label(self) -> str:
+        """``codec`` or ``codec(budget=6)``."""
+        if not self.config:
+            return self.codec
+        return self.codec + "(" + ",".join(f"{k}={v:g}" for k, v in self.config.items()) + ")"
+
+    @property
+    def time_s(self) -> float:
+        """What the pick minimizes: exposed seconds, else synchronization seconds."""
+        return self.sync_s if self.exposed_s is None else self.exposed_s
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's pick, its reason, and every candidate it weighed.
+
+    Print :meth:`table` to read it; keep :meth:`to_json` to pin it, and pass
+    :meth:`hook_kwargs` to :class:`hopq.HookState` (or :meth:`all_reduce_kwargs`
+    to :func:`hopq.all_reduce`).
+
+    Attributes:
+        codec: The picked codec.
+        codec_config: Its options (e.g. ``{"budget": 6.0}`` for DynamiQ).
+        topology: The schedule between the ranks (two-tier: between the nodes).
+        layout: ``"NxG"`` for a two-tier all-reduce, None for a flat one.
+        reason: One line: why this pick.
+        inputs: What it planned for.
+        candidates: Every candidate, fastest first.
+
+    Example:
+        >>> import hopq
+        >>> p = hopq.plan(nodes=2, per_node=2, inter_gbit=0.2, params=3_000_000)
+        >>> p.codec != "fp32", p.layout
+        (True, '2x2')
+        >>> hopq.Plan.from_json(p.to_json()) == p
+        True
+    """
+
+    codec: str
+    codec_config: dict[str, Any]
+    topology: str
+    layout: str | None
+    reason: str
+    inputs: PlanInputs
+    candidates: tuple[Candidate, ...]
+
+    @property
+    def schedule(self) -> str:
+        """``topology``, or ``"hier:<topology>"`` for a two-tier pick."""
+        return f"hier:{self.topology}" if self.layout else self.topology
+
+    @property
+    def pick(self) -> Candidate:
+        """The picked candidate."""
+        for c in self.candidates:
+            if (c.codec, c.config, c.schedule) == (self.codec, self.codec_config, self.schedule):
+                return c
+        raise LookupError("the pick is not among the candidates")
+
+    def hook_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`hopq.HookState` for this pick.
+
+        Returns:
+            ``codec``, ``topology``, ``layout`` and the codec's options.
+
+        Example:
+            >>> import hopq
+            >>> p = hopq.plan(nodes=1, per_node=4, intra_gbit=0.1, params=1 << 20)
+            >>> sorted(p.hook_kwargs())[:3]
+            ['codec', 'layout', 'topology']
+        """
+        return {
+            "codec": self.codec,
+            "topology": self.topology,
+            "layout": self.layout,
+            **self.codec_config,
+        }
+
+    def all_reduce_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :func:`hopq.all_reduce` for this pick.
+
+        Returns:
+            ``codec`` (an instance with the pick's options when it has any),
+            ``topology`` and ``layout``.
+        """
+        from hopq.codecs.registry import get_codec
+
+        codec: Any = get_codec(self.codec, **self.codec_config) if self.codec_config else self.codec
+        return {"codec": codec, "topology": self.topology, "layout": self.layout}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready).
+
+        Returns:
+            The pick, its reason, the inputs and every candidate.
+        """
+        return {
+            "codec": self.codec,
+            "codec_config": dict(self.codec_config),
+            "topology": self.topology,
+            "layout": self.layout,
+            "reason": self.reason,
+            "inputs": self.inputs.to_dict(),
+            "candidates": [dataclasses.asdict(c) for c in self.candidates],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """The plan back from :meth:`to_dict`.
+
+        Args:
+            d: What :meth:`to_dict` returned.
+
+        Returns:
+            An equal plan.
+        """
+        return cls(
+            d["codec"],
+            dict(d["codec_config"]),
+            d["topology"],
+            d["layout"],
+            d["reason"],
+            PlanInputs.from_dict(d["inputs"]),
+            tuple(Candidate(**c) for c in d["candidates"]),
+        )
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as JSON.
+
+        Returns:
+            A JSON string.
+        """
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """The plan back from :meth:`to_json`.
+
+        Args:
+            text: What :meth:`to_json` returned.
+
+        Returns:
+            An equal plan.
+        """
+        return cls.from_dict(json.loads(text))
+
+    def table(self, limit: int | None = None) -> str:
+        """The candidates as a markdown table, fastest first, and the pick.
+
+        Args:
+            limit: Show at most this many rows (None: all).
+
+        Returns:
+            The table and a last line naming the pick and why.
+        """
+        fp16 = _best_of(self.candidates, "fp16")
+        rows = []
+        shown = self.candidates if limit is None else self.candidates[:limit]
+        for c in shown:
+            rows.append(
+                [
+                    ("**" + c.label + "**") if c == self.pick else c.label,
+                    c.schedule,
+                    f"{c.bits:.2f}",
+                    f"{c.sync_s * 1e3:.1f}",
+                    "" if c.exposed_s is None else f"{c.exposed_s * 1e3:.1f}",
+                    f"{c.time_s / fp16.time_s:.2f}x" if fp16 and fp16.time_s > 0 else "",
+                    c.recompressions,
+                    f"{c.vnmse:.2g}",
+                    "" if c.loss_gap is None else f"{c.loss_gap:+.2f}%",
+                    c.excluded or "yes",
+                ]
+            )
+        header = [
+            "candidate",
+            "schedule",
+            "bits/coord",
+            "sync (ms)",
+            "exposed (ms)",
+            "vs fp16",
+            "recompressions",
+            "vNMSE",
+            "loss vs fp16",
+            "within budget",
+        ]
+        return _table(header, rows) + f"\n\nPick: {self.reason}"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> str:
+    cells = [header, *[[str(x) for x in r] for r in rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"]
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in cells[1:]:
+        lines.append("| " + " | ".join(x.ljust(w) for x, w in zip(r, widths, strict=True)) + " |")
+    return "\n".join(lines)
+
+
+def _best_of(cands: tuple[Candidate, ...], codec: str) -> Candidate | None:
+    mine = [c for c in cands if c.codec == codec]
+    return min(mine, key=lambda c: c.time_s) if mine else None
+
+
+def _growth(codec: str, chain: int) -> float:
+    """VNMSE_GROWTH at ``chain``: log-log between points, flat beyond the ends."""
+    pts = VNMSE_GROWTH.get(codec)
+    if not pts or chain <= 0:
+        return 1.0
+    if chain <= pts[0][0]:
+        return pts[0][1]
+    if chain >= pts[-1][0]:
+        (c0, f0), (c1, f1) = pts[-2], pts[-1]
+        return f1 * (chain / c1) ** (math.log(f1 / f0) / math.log(c1 / c0))
+    for (c0, f0), (c1, f1) in zip(pts, pts[1:], strict=False):
+        if c0 <= chain <= c1:
+            t = math.log(chain / c0) / math.log(c1 / c0)
+            return math.exp(math.log(f0) + t * (math.log(f1) - math.log(f0)))
+    return pts[-1][1]  # pragma: no cover
+
+
+def _ring_closed(
+    cost: CodecCost, net: Network, n: int, numel: float, flows: int, per_node: int
+) -> tuple[float, float, float, float, float, int]:
+    """cost._flat's terms for a ring of n ranks in closed form (a ring of
+    thousands of ranks is slow to walk step by step): every step each rank sends
+    a 1/n chunk to the next, the last rank of each node (``per_node``
+    consecutive ranks) across to the next node, ``flows`` rings at once; each
+    rank encodes 2 chunks (leaf and sink), runs the fused hop on n - 2,
+    decode-adds 1 and decodes n - 1."""
+    nodes = n // per_node
+    steps = 2 * (n - 1)
+    nbytes = numel * cost.bits / 8
+    cross = steps if nodes > 1 else 0
+    local = 0 if nodes > 1 else steps
+    both = n == 2 and nodes == 2
+    w_inter = steps / n * flows * (net.duplex if both else 1.0) if nodes > 1 else 0.0
+    w_intra = steps / n if per_node > 1 else 0.0
+    inter = cross * net.inter_latency_us * 1e-6 + w_inter * nbytes / (net.inter_gbit * 1e9 / 8)
+    intra = local * net.intra_latency_us * 1e-6 + w_intra * nbytes / (net.intra_gbit * 1e9 / 8)
+    per = cost.plan + (2 * cost.enc + (n - 2) * cost.hop + cost.dec + (n - 1) * cost.dec) / n
+    codec = net.overload * numel * per
+    stats = 0.0
+    if cost.bits < STATS_BELOW_BITS:
+        lat = net.inter_latency_us if cross else net.intra_latency_us
+        stats = 2 * (n - 1) * lat * 1e-6
+    up = (steps / n * flows if nodes > 1 else 0.0) * nbytes
+    return inter, intra, codec, up, stats, n
+
+
+@lru_cache(maxsize=64)
+def _shape(
+    topology: str, world: int, per_node: int, flows: int, duplex: float
+) -> tuple[Any, int, int]:
+    """A schedule's walk and its (crossing, local) step counts, cached by plain
+    keys (a large Schedule is slow to hash on every lookup)."""
+    s = get_schedule(topology, world)
+    return (_walk(s, per_node, flows, duplex), *_steps_crossing(s, per_node))
+
+
+def _flat_terms(
+    cost: CodecCost, topology: str, world: int, net: Network, d: float, flows: int, per_node: int
+) -> tuple[float, float, float, float, float, int]:
+    """cost._flat's terms (inter s, intra s, codec s, uplink bytes, stats s, chain)."""
+    if topology == "ring" and world > _WALK_RING_UP_TO:
+        return _ring_closed(cost, net, world, d, flows, per_node)
+    w, cross, local = _shape(topology, world, per_node, flows, net.duplex)
+    nbytes = d * cost.bits / 8
+    inter = cross * net.inter_latency_us * 1e-6 + w.inter * nbytes / (net.inter_gbit * 1e9 / 8)
+    intra = local * net.intra_latency_us * 1e-6 + w.intra * nbytes / (net.intra_gbit * 1e9 / 8)
+    codec = net.overload * max(
+        d * (cost.plan + e * cost.enc + h * cost.hop + a * cost.dec + g * cost.dec)
+        for e, h, a, g in w.work
+    )
+    stats = 0.0
+    if cost.bits < STATS_BELOW_BITS and world > 1:
+        lat = net.inter_latency_us if cross else net.intra_latency_us
+        stats = 2 * (world - 1) * lat * 1e-6
+    return inter, intra, codec, w.uplink * nbytes, stats, w.chain
+
+
+def _predict(
+    cost: CodecCost, schedule: str, net: Network, numel: float, exact: CodecCost
+) -> Prediction:
+    """:func:`hopq.comm.cost.predict`, the same terms (tests/test_plan.py checks
+    it), with the walks cached by plain keys and a large flat ring in closed form."""
+    if not schedule.startswith("hier:"):
+        i, o, c, up, st, chain = _flat_terms(
+            cost, schedule, net.world_size, net, numel, 1, net.per_node
+        )
+        return Prediction(schedule, i + o + c + st, i + st, o, c, up, chain)
+    topology = schedule.split(":", 1)[1]
+    n, g = net.nodes, net.per_node
+    ex = CodecCost(exact.codec, exact.plan, exact.enc, exact.hop, exact.dec, EXACT_BITS)
+    inter = intra = codec = up = stats = 0.0
+    chain = 1 if g > 1 else 0
+    if g > 1:
+        i, o, c, _, _, _ = _flat_terms(ex, "ring", g, net, numel, 1, g)
+        intra += i + o
+        codec += c
+    if n > 1:
+        i, o, c, u, st, chain = _flat_terms(cost, topology, n, net, numel / g, g, 1)
+        inter, intra, codec, up, stats = inter + i, intra + o, codec + c, u, st
+    return Prediction(
+        schedule, inter + intra + codec + stats, inter + stats, intra, codec, up, chain
+    )
+
+
+def _cost(
+    name: str, speeds: dict[str, tuple[float, ...]], bits: float | None = None
+) -> CodecCost | None:
+    v = speeds.get(name, DEFAULT_SPEEDS.get(name))
+    if v is None:
+        return None
+    p, e, h, d, b = v
+    return CodecCost(name, p * 1e-9, e * 1e-9, h * 1e-9, d * 1e-9, b if bits is None else bits)
+
+
+def _applies(codec: str, schedule: str, net: Network) -> bool:
+    if schedule.startswith("hier:"):
+        if net.nodes < 2 or net.per_node < 2:
+            return False
+        topology = schedule.split(":", 1)[1]
+        if topology != "ring" and net.nodes > WALK_UP_TO:
+            return False
+    else:
+        topology = schedule
+        if topology != "ring" and net.world_size > WALK_UP_TO:
+            return False
+    allowed = codec_info(codec).topologies
+    return allowed is None or topology in allowed
+
+
+def _exposed(times: list[float], sizes: tuple[int, ...], compute_s: float) -> float:
+    """Buckets ready evenly by size over the backward pass, synchronized one
+    after the other: the seconds the last one ends after the pass."""
+    total = sum(sizes) or 1
+    end = done = 0.0
+    for t, s in zip(times, sizes, strict=True):
+        done += s
+        end = max(end, compute_s * done / total) + t
+    return max(0.0, end - compute_s)
+
+
+def plan(inputs: PlanInputs | None = None, **fields: Any) -> Plan:
+    """Pick the codec, bit budget and schedule for a cluster, and say why.
+
+    Every registered codec with a known speed (and DynamiQ at each budget of
+    ``budgets``) on every schedule of ``schedules`` is timed by the calibrated
+    cost model (:func:`hopq.comm.cost.predict`) for each bucket, and given a
+    predicted vNMSE and its measured training loss; the fastest within the
+    error budget wins (with ``compute_s``: the least exposed). Torch's own
+    options (fp32, fp16, bf16) are candidates, so the pick may be uncompressed.
+    Pure: no process group, no timing.
+
+    Args:
+        inputs: The inputs; None: :class:`PlanInputs` defaults.
+        **fields: :class:`PlanInputs` fields that replace those of ``inputs``
+            (``nodes=8, per_node=8, inter_gbit=25, params=125_000_000``).
+
+    Returns:
+        The :class:`Plan`: the pick (``codec``, ``codec_config``,
+        ``topology``, ``layout``), a one-line ``reason``, and every candidate
+        with its predicted time and error.
+
+    Raises:
+        ValueError: An input out of range, an unknown codec, or no candidate
+            within the error budget (say which limit to loosen).
+        TypeError: A field :class:`PlanInputs` does not have.
+
+    Example:
+        >>> import hopq
+        >>> slow = hopq.plan(nodes=4, inter_gbit=0.15, params=3_000_000)
+        >>> slow.codec in ("fp32", "fp16", "bf16")
+        False
+        >>> fast = hopq.plan(nodes=8, inter_gbit=10, params=3_000_000)
+        >>> fast.codec in ("fp32", "fp16", "bf16")  # nothing compressed pays on CPU workers
+        True
+        >>> hopq.plan(nodes=4, inter_gbit=0.15, lossless=True).codec in ("fp32", "gcomp")
+        True
+    """
+    base = inputs if inputs is not None else PlanInputs()
+    if fields:
+        base = dataclasses.replace(base, **fields)
+    net = base.network()
+    sizes = base.bucket_sizes()
+    exact = _cost("fp32", base.speeds) or CodecCost("fp32", 0.0, 0.0, 0.0, 0.0, 32.0)
+    names = list(base.codecs) or [c for c in available_codecs()]
+    if base.lossless:
+        names = [c for c in names if c in LOSSLESS]
+    variants: list[tuple[str, dict[str, Any], CodecCost]] = []
+    for name in names:
+        if name == "dynamiq":  # one candidate per bit budget
+            for b in base.budgets:
+                cost = _cost(name, base.speeds, b)
+                if cost is not None:
+                    variants.append((name, {} if b == 5.0 else {"budget": b}, cost))
+            continue
+        cost = _cost(name, base.speeds)
+        if cost is not None:
+            variants.append((name, {}, cost))
+    if not variants:
+        raise ValueError(f"no codec with a known speed among {names}; give speeds=")
+    cands: list[Candidate] = []
+    for name, config, cost in variants:
+        for sched in base.schedules:
+            if not _applies(name, sched, net):
+                continue
+            # every term is affine in the size: two predictions give all buckets
+            p0 = _predict(cost, sched, net, 0, exact)
+            p1 = _predict(cost, sched, net, 1 << 20, exact)
+            slope = (p1.seconds - p0.seconds) / (1 << 20)
+            times = [p0.seconds + slope * s if s else 0.0 for s in sizes]
+            chain = p1.recompressions
+            cands.append(
+                _candidate(base, name, config, cost, sched, sum(times), times, sizes, chain)
+            )
+    if not cands:
+        raise ValueError(f"no codec runs on the schedules {list(base.schedules)}")
+    cands.sort(key=lambda c: (c.time_s, c.vnmse))
+    ok = [c for c in cands if not c.excluded]
+    if not ok:
+        raise ValueError(
+            "no candidate within the error budget: loosen max_loss_gap or max_vnmse "
+            f"(fastest left out: {cands[0].label}, {cands[0].excluded})"
+        )
+    best = ok[0]
+    reason = _reason(best, tuple(cands), net, len(ok))
+    topology = (
+        best.schedule.split(":", 1)[1] if best.schedule.startswith("hier:") else best.schedule
+    )
+    layout = f"{net.nodes}x{net.per_node}" if best.schedule.startswith("hier:") else None
+    return Plan(best.codec, dict(best.config), topology, layout, reason, base, tuple(cands))
+
+
+def _candidate(
+    inp: PlanInputs,
+    name: str,
+    config: dict[str, Any],
+    cost: CodecCost,
+    sched: str,
+    sync: float,
+    times: list[float],
+    sizes: tuple[int, ...],
+    chain: int,
+) -> Candidate:
+    base = inp.vnmse.get(name, VNMSE_AT_4.get(name, math.nan))
+    if name == "dynamiq":
+        base *= _budget_factor(cost.bits)
+    vnmse = base * _growth(name, chain)
+    if chain > 64:
+        vnmse = min(vnmse, max(1.0, base * _growth(name, 64)))
+    gap = LOSS_GAP.get(name)
+    if name == "dynamiq" and cost.bits < 5.0:
+        gap = None  # trained at 5 bits only
+    why = ""
+    if inp.lossless and name not in LOSSLESS:
+        why = "not lossless"
+    elif inp.max_loss_gap is not None and gap is None:
+        why = "never trained"
+    elif inp.max_loss_gap is not None and gap is not None and gap > inp.max_loss_gap:
+        why = f"loss +{gap:.2f}% > {inp.max_loss_gap:g}%"
+    elif inp.max_vnmse is not None and not vnmse <= inp.max_vnmse:
+        why = f"vNMSE {vnmse:.2g} > {inp.max_vnmse:g}"
+    exposed = None if inp.compute_s is None else _exposed(times, sizes, inp.compute_s)
+    return Candidate(name, config, sched, cost.bits, sync, exposed, chain, vnmse, gap, why)
+
+
+def _budget_factor(bits: float) -> float:
+    pts = sorted(DYNAMIQ_BUDGET_FACTOR.items())
+    if bits <= pts[0][0]:
+        return pts[0][1]
+    if bits >= pts[-1][0]:
+        return pts[-1][1]
+    for (b0, f0), (b1, f1) in zip(pts, pts[1:], strict=False):
+        if b0 <= bits <= b1:
+            t = (bits - b0) / (b1 - b0)
+            return math.exp(math.log(f0) + t * (math.log(f1) - math.log(f0)))
+    return 1.0  # pragma: no cover
+
+
+def _reason(best: Candidate, cands: tuple[Candidate, ...], net: Network, n_ok: int) -> str:
+    what = "exposed" if best.exposed_s is not None else "to synchronize"
+    fp16 = _best_of(cands, "fp16")
+    vs = (
+        f", {best.time_s / fp16.time_s:.2f}x of fp16's {fp16.time_s * 1e3:.1f} ms"
+        if fp16 is not None and fp16.time_s > 0 and best.codec != "fp16"
+        else ""
+    )
+    head = (
+        f"{best.label} on {best.schedule} ({net.nodes}x{net.per_node}): "
+        f"{best.time_s * 1e3:.1f} ms {what} per step{vs}"
+    )
+    if best.codec in UNCOMPRESSED:
+        comp = [c for c in cands if c.codec not in UNCOMPRESSED and not c.excluded]
+        tail = (
+            f"; nothing compressed pays (fastest: {comp[0].label} on {comp[0].schedule}, "
+            f"{comp[0].time_s * 1e3:.1f} ms)"
+            if comp
+            else "; no compressed codec within the error budget"
+        )
+    else:
+        gap = "" if best.loss_gap is None else f", training loss {best.loss_gap:+.2f}% vs fp16"
+        tail = f"; predicted vNMSE {best.vnmse:.2g}{gap}"
+    return head + tail + f" ({n_ok} of {len(cands)} candidates within the error budget)"

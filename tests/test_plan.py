@@ -1,0 +1,210 @@
+"""The planner (hopq.plan) and ``hopq plan``: picks on clear cases, the error
+budget, the plain-data round trip, and agreement with the cost model."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+
+import pytest
+
+import hopq
+from hopq.cli import main
+from hopq.comm import plan as plan_mod
+from hopq.comm.cost import Network, predict
+from hopq.comm.plan import LOSS_GAP, LOSSLESS, UNCOMPRESSED, PlanInputs, _cost, _predict
+
+GPT = 3_257_856
+
+
+def test_slow_link_picks_a_compressed_codec() -> None:
+    p = hopq.plan(nodes=2, per_node=2, inter_gbit=0.18, params=GPT)
+    assert p.codec not in UNCOMPRESSED
+    assert p.pick.time_s < 0.5 * min(c.time_s for c in p.candidates if c.codec == "fp16")
+    assert "predicted vNMSE" in p.reason
+
+
+def test_fast_link_on_cpu_picks_uncompressed() -> None:
+    p = hopq.plan(nodes=8, inter_gbit=10, params=25_000_000)
+    assert p.codec in ("bf16", "fp16", "fp32")
+    assert "nothing compressed pays" in p.reason
+    # the compressed candidates were weighed and are slower
+    comp = [c for c in p.candidates if c.codec not in UNCOMPRESSED and not c.excluded]
+    assert comp and min(c.time_s for c in comp) > p.pick.time_s
+
+
+def test_lossless_mode_keeps_only_lossless_codecs() -> None:
+    p = hopq.plan(nodes=4, inter_gbit=0.15, params=GPT, lossless=True)
+    assert p.codec in LOSSLESS
+    assert {c.codec for c in p.candidates} <= set(LOSSLESS)
+
+
+def test_error_budget_excludes_codecs_above_it() -> None:
+    p = hopq.plan(nodes=4, inter_gbit=0.15, params=GPT)
+    for c in p.candidates:
+        if c.loss_gap is not None and c.loss_gap > 0.5:
+            assert c.excluded.startswith("loss"), c
+    assert {"thc", "omnireduce", "gqsgd-linear"} <= {c.codec for c in p.candidates if c.excluded}
+    assert LOSS_GAP[p.codec] <= 0.5
+    # a tight vNMSE limit moves the pick to a more accurate candidate
+    tight = hopq.plan(nodes=4, inter_gbit=0.15, params=GPT, max_vnmse=1e-3)
+    assert tight.pick.vnmse <= 1e-3 < p.pick.vnmse
+    assert all(c.excluded for c in tight.candidates if c.vnmse > 1e-3)
+    assert tight.pick.time_s >= p.pick.time_s
+    # DynamiQ below its trained budget counts as never trained; without a loss
+    # limit it may win
+    free = hopq.plan(nodes=4, inter_gbit=0.15, params=GPT, max_loss_gap=None, max_vnmse=None)
+    assert free.pick.time_s <= p.pick.time_s
+    with pytest.raises(ValueError, match="no candidate within the error budget"):
+        hopq.plan(nodes=4, params=GPT, max_vnmse=1e-20)
+
+
+def test_dynamiq_budgets_are_candidates() -> None:
+    p = hopq.plan(nodes=4, inter_gbit=0.15, params=GPT, codecs=("dynamiq",), budgets=(5, 6, 8))
+    bits = sorted({c.bits for c in p.candidates})
+    assert bits == [5.0, 6.0, 8.0]
+    errs = {c.bits: c.vnmse for c in p.candidates if c.schedule == "ring"}
+    assert errs[5.0] > errs[6.0] > errs[8.0]
+    p6 = hopq.plan(p.inputs, max_vnmse=errs[6.0] * 1.01, schedules=("ring",))
+    assert p6.codec_config == {"budget": 6.0}
+    assert p6.hook_kwargs() == {
+        "codec": "dynamiq",
+        "topology": "ring",
+        "layout": None,
+        "budget": 6.0,
+    }
+    assert hopq.get_codec("dynamiq", **p6.codec_config).config.budget == 6.0
+
+
+def test_exposed_time_with_compute() -> None:
+    slow = PlanInputs(nodes=2, per_node=2, inter_gbit=0.2, params=GPT)
+    p = hopq.plan(slow, compute_s=0.05)
+    for c in p.candidates:
+        assert c.exposed_s is not None and 0 <= c.exposed_s <= c.sync_s + 1e-12
+    # a long backward pass hides every bucket but the last, ready at its end
+    two = hopq.plan(slow, buckets=(1 << 20, 1 << 20), compute_s=100.0)
+    for c in two.candidates:
+        assert c.exposed_s == pytest.approx(c.sync_s / 2, rel=1e-9)
+    # no backward pass: nothing hides
+    none = hopq.plan(slow, compute_s=0.0)
+    assert all(c.exposed_s == pytest.approx(c.sync_s) for c in none.candidates)
+
+
+def test_1024_ranks_plan_fast() -> None:
+    t0 = time.perf_counter()
+    p = hopq.plan(nodes=128, per_node=8, inter_gbit=100, intra_gbit=900, params=125_000_000)
+    took = time.perf_counter() - t0
+    assert p.layout in ("128x8", None)
+    assert {c.schedule for c in p.candidates} == {"ring", "hier:ring", "hier:butterfly"}
+    assert took < 60, took  # seconds on a loaded 2-core machine; well under one normally
+    # the flat ring over 1024 ranks recompresses 1024 times: its error is far above the tree's
+    ring = next(c for c in p.candidates if c.codec == "dynamiq" and c.schedule == "ring")
+    tree = next(c for c in p.candidates if c.codec == "dynamiq" and c.schedule == "hier:butterfly")
+    assert ring.recompressions == 1024 and tree.recompressions < 16
+    assert ring.vnmse > 3 * tree.vnmse
+
+
+def test_plan_round_trips_as_plain_data() -> None:
+    p = hopq.plan(nodes=2, per_node=4, inter_gbit=0.5, params=GPT, compute_s=0.2)
+    d = json.loads(json.dumps(p.to_dict()))
+    assert hopq.Plan.from_dict(d) == p
+    assert hopq.Plan.from_json(p.to_json()) == p
+    assert PlanInputs.from_dict(p.inputs.to_dict()) == p.inputs
+    # replanning from the printed inputs gives the same plan
+    assert hopq.plan(PlanInputs.from_dict(d["inputs"])) == p
+    kw = p.all_reduce_kwargs()
+    assert kw["topology"] == p.topology and kw["layout"] == p.layout
+
+
+def test_planner_matches_the_cost_model() -> None:
+    """The planner's cached walks and closed-form ring give cost.predict's terms."""
+    exact = _cost("fp32", {})
+    assert exact is not None
+    layouts = [(1, 4), (2, 1), (2, 2), (3, 2), (4, 4), (8, 8), (5, 3)]
+    schedules = ["ring", "butterfly", "hier:ring", "hier:butterfly"]
+    for (n, g), s, c in itertools.product(layouts, schedules, ["dynamiq", "bf16"]):
+        net = Network(n, g, 0.5, 20, 30, 3, cores_per_node=1, duplex=2.0)
+        cost = _cost(c, {})
+        assert cost is not None
+        want = predict(cost, s, net, 123_457, exact)
+        got = _predict(cost, s, net, 123_457, exact)
+        assert got.seconds == pytest.approx(want.seconds, rel=1e-12), (n, g, s, c)
+        assert got.uplink_bytes == pytest.approx(want.uplink_bytes, rel=1e-12)
+        assert got.recompressions == want.recompressions
+
+
+def test_closed_form_ring_matches_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_mod, "_WALK_RING_UP_TO", 1)
+    exact = _cost("fp32", {})
+    assert exact is not None
+    for (n, g), s in itertools.product(
+        [(2, 1), (2, 2), (3, 2), (5, 1), (4, 4), (8, 8)], ["ring", "hier:ring"]
+    ):
+        net = Network(n, g, 0.5, 20, 30, 3, duplex=2.0)
+        cost = _cost("dynamiq", {})
+        assert cost is not None
+        want = predict(cost, s, net, 123_457, exact)
+        got = _predict(cost, s, net, 123_457, exact)
+        assert got.seconds == pytest.approx(want.seconds, rel=1e-12), (n, g, s)
+        assert got.uplink_bytes == pytest.approx(want.uplink_bytes, rel=1e-12)
+        assert got.recompressions == want.recompressions
+
+
+def test_inputs_are_checked() -> None:
+    with pytest.raises(ValueError, match="unknown codecs"):
+        PlanInputs(codecs=("nope",))
+    with pytest.raises(ValueError, match="nodes"):
+        PlanInputs(nodes=0)
+    with pytest.raises(ValueError, match="speeds"):
+        PlanInputs(speeds={"bf16": (1.0, 2.0)})
+    with pytest.raises(TypeError):
+        hopq.plan(colour="blue")
+
+
+def test_cli_prints_a_table_and_a_pick(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--nodes", "2", "--workers-per-node", "2", "--inter-mbit", "180"]
+    assert main([*argv, "--workload", "gpt", "--rows", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "| candidate" in out and "| vNMSE" not in out.splitlines()[0]
+    assert "Pick: " in out and "Pin it: hopq.HookState(codec=" in out
+    assert "3,257,856 coordinates" in out
+    table_rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert len(table_rows) == 1 + 6
+    assert main([*argv, "--params", "1000000", "--json"]) == 0
+    p = hopq.Plan.from_json(capsys.readouterr().out)
+    assert p.inputs.inter_gbit == pytest.approx(0.18) and p.inputs.params == 1_000_000
+    assert (
+        main(["plan", "--nodes", "128", "--workers-per-node", "8", "--lossless", "--rows", "3"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "128 x 8 ranks" in out and ("gcomp" in out or "fp32" in out)
+
+
+def test_cli_rejects_conflicting_rates(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--inter-gbit", "1", "--inter-mbit", "100"])
+    assert e.value.code == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_cli_measure(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(
+            [
+                "plan",
+                "--nodes",
+                "4",
+                "--inter-mbit",
+                "150",
+                "--codecs",
+                "bf16",
+                "dynamiq",
+                "--measure",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "measured on this machine" in out and "Pick: " in out
