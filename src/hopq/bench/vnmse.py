@@ -22,13 +22,14 @@ import torch
 from hopq.codecs.base import Codec
 from hopq.codecs.dynamiq import DEFAULT_EPS, PAPER, DynamiQ
 from hopq.codecs.registry import available_codecs, get_codec
+from hopq.comm.layout import NodeLayout
 from hopq.comm.topology import TOPOLOGIES, get_schedule
 from hopq.options import check_scoped, option
 from hopq.reporting import Progress, machine, markdown_table, pyplot, save_figure
 from hopq.sim import simulate
 from hopq.train.workloads import WORKLOADS
 
-TABLES = ("norms", "eps", "ladder", "budget", "scale", "beyond", "codecs")
+TABLES = ("norms", "eps", "ladder", "budget", "scale", "beyond", "codecs", "layouts")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,17 @@ class VnmseOptions:
     sweep_worlds: tuple[int, ...] = option(
         (2, 3, 4, 6, 8, 16, 32, 64), "world sizes of the scaling table"
     )
-    sweep_coords: int = option(1_000_000, "coordinates per worker in the scaling table")
+    sweep_coords: int = option(
+        1_000_000, "coordinates per worker in the scaling and layouts tables"
+    )
+    layouts: tuple[str, ...] = option(
+        ("1x8", "8x8", "32x8", "128x8"),
+        "clusters (nodes x workers per node) of the layouts table: DynamiQ flat and two-tier",
+    )
+    flat_max: int = option(
+        64,
+        "largest world the layouts table simulates flat (one thread per rank; above: tier by tier only)",
+    )
     minilm_warmup: int = option(20, "AdamW steps before MiniLM's gradients are taken")
     gpt_warmup: int = option(300, "AdamW steps before the GPT's gradients are taken")
     batch: int = option(4, "sequences per worker")
@@ -74,13 +85,21 @@ class VnmseOptions:
             raise ValueError(f"unknown codecs {sorted(bad)}; choose from {available_codecs()}")
         if any(n < 1 for n in (*self.worlds, *self.sweep_worlds)):
             raise ValueError("world sizes must be >= 1")
+        for spec in self.layouts:
+            NodeLayout.parse(spec)  # a bad layout is refused here, not after the gradients
         check_scoped(
             self, {"minilm_warmup": ("minilm", "minilm-cls"), "gpt_warmup": ("gpt",)}, self.workloads,
             "--workloads",
         )  # fmt: skip
         check_scoped(
             self,
-            {"sweep_worlds": ("scale",), "sweep_coords": ("scale",), "plots": ("norms",)},
+            {
+                "sweep_worlds": ("scale",),
+                "sweep_coords": ("scale", "layouts"),
+                "plots": ("norms",),
+                "layouts": ("layouts",),
+                "flat_max": ("layouts",),
+            },
             self.tables,
             "--tables",
         )
@@ -163,6 +182,64 @@ def _plot_norms(curves: dict[str, tuple[list[float], list[float]]], path: Path) 
     return save_figure(fig, path)
 
 
+def _layouts_table(
+    o: VnmseOptions,
+    w: str,
+    grads: list[torch.Tensor],
+    subset: slice,
+    nfull: int,
+    prog: Progress,
+) -> str:
+    """DynamiQ (hopq's default, 5 bits) flat and two-tier on each layout of
+    ``o.layouts``: vNMSE, and the two-tier call's inter-node bits per
+    coordinate; flat only up to ``o.flat_max`` ranks."""
+    rows = []
+    base = None
+    for spec in o.layouts:
+        lay = NodeLayout.parse(spec)
+        p = lay.world_size
+        xs = [g[subset] if i < nfull else g for i, g in enumerate(grads[:p])]
+        row = [spec, str(p)]
+        for topo in ("ring", "butterfly"):
+            if p <= o.flat_max:
+                r = simulate(xs, "dynamiq", topo, seed=o.seed)
+                row.append(f"{_fmt(r.vnmse)} ({r.bits_per_coord:.2f} b)")
+                if p == 8 and topo == "ring":
+                    base = r.vnmse
+            else:
+                row.append("")
+            prog.update(f"{w} {spec} flat {topo}")
+        hier = []
+        for topo in ("ring", "butterfly"):
+            r = simulate(xs, "dynamiq", topo, seed=o.seed, layout=lay)
+            bits = sum(s.inter_bits_per_coord for s in r.stats) / len(r.stats)
+            row.append(f"{_fmt(r.vnmse)} ({bits:.2f} b)")
+            hier.append(r.vnmse)
+            prog.update(f"{w} {spec} two-tier {topo}")
+        row.append("" if base is None else f"{min(hier) / base:.2f}x")
+        rows.append(row)
+    return (
+        f"\n### Flat and two-tier DynamiQ against the cluster, {w} ({o.sweep_coords:,} "
+        "coordinates per worker)\n\nvNMSE (bits per coordinate: a flat call's, a two-tier "
+        "call's between nodes); two-tier: exact float32 sums inside a node, DynamiQ between "
+        "nodes on a ring or a butterfly; flat cells above "
+        f"{o.flat_max} ranks are not simulated. The last column: the better two-tier "
+        "vNMSE over the 8-rank flat ring's.\n\n"
+        + markdown_table(
+            [
+                "layout",
+                "ranks",
+                "flat ring",
+                "flat butterfly",
+                "two-tier ring",
+                "two-tier butterfly",
+                "two-tier / 8-rank ring",
+            ],
+            rows,
+        )  # fmt: skip
+    )
+
+
 def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
     from hopq.train import workloads
 
@@ -183,6 +260,8 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
     subsets: dict[str, slice] = {}
     nfull = max(*o.worlds, 4)  # the eps and budget tables use n = 4
     nmax = max(max(o.sweep_worlds), nfull) if "scale" in o.tables else nfull
+    if "layouts" in o.tables:
+        nmax = max(nmax, *(NodeLayout.parse(s).world_size for s in o.layouts))
     for w in o.workloads:
         say(f"collecting {nmax} worker gradients for {w} ...")
         wl = workloads.make(w, o.seed)
@@ -217,6 +296,7 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
         "budget": len(o.workloads) * len(o.topologies) * 6,
         "scale": len(o.workloads) * len(o.topologies) * len(o.sweep_worlds) * (1 + len(others)),
         "beyond": len(o.workloads) * len(o.worlds) * len(BEYOND),
+        "layouts": len(o.workloads) * len(o.layouts) * 4,
         "codecs": len(o.workloads) * len(o.worlds) * len(o.topologies) * len(every),
     }
     results: dict[Any, tuple[float, float]] = {}
@@ -389,7 +469,12 @@ def run(o: VnmseOptions, log: Callable[[str], None] | None = None) -> str:
                     )
                 )
 
-        # 6. beyond the paper
+        # 6. flat and two-tier DynamiQ on clusters of up to 128 x 8
+        if "layouts" in o.tables:
+            for w in o.workloads:
+                sections.append(_layouts_table(o, w, grads[w], subsets[w], nfull, prog))
+
+        # 7. beyond the paper
         if "beyond" in o.tables:
             for w in o.workloads:
                 rows = []
