@@ -208,3 +208,67 @@ def test_cli_measure(capsys: pytest.CaptureFixture[str]) -> None:
     )
     out = capsys.readouterr().out
     assert "measured on this machine" in out and "Pick: " in out
+
+
+def auto_worker(rank: int, n: int) -> dict[str, object]:
+    """codec="auto" on a real Gloo group: the same pick on every rank, one log line."""
+    import logging
+
+    import torch
+
+    from hopq.comm import plan as pm
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("hopq")
+    log.addHandler(Keep(level=logging.DEBUG))
+    log.setLevel(logging.DEBUG)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(50_000, generator=g)
+    want = sum(torch.randn(50_000, generator=torch.Generator().manual_seed(r)) for r in range(n))
+    y = x.clone()
+    hopq.all_reduce(y, codec="auto")
+    z = x.clone()
+    hopq.all_reduce(z, codec="auto")  # planned once: no second probe
+    picks = {k: dict(v) for k, v in pm._PICKS.items()}
+    w = torch.zeros(7)
+    hopq.all_reduce(w, codec="auto")  # another size: another plan, at debug level
+    try:
+        hopq.all_reduce(x.clone(), codec="auto", layout="1x2")
+        layout_error = ""
+    except ValueError as e:
+        layout_error = str(e)
+    err = float(((y.double() - want.double()).norm() / want.double().norm()) ** 2)
+    return {
+        "y": y,
+        "same": bool(torch.equal(y, z)),
+        "err": err,
+        "picks": [v for d in picks.values() for v in d.values()],
+        "info": [m for m in records if m.startswith("hopq codec='auto'")],
+        "probes": len(pm._PROBES),
+        "layout_error": layout_error,
+    }
+
+
+def test_auto_all_reduce_on_gloo_ranks() -> None:
+    from hopq.cluster.launch import run_workers
+
+    res = run_workers(2, auto_worker)
+    assert torch_equal(res[0]["y"], res[1]["y"])  # the same pick and bits on both ranks
+    for r in res:
+        assert r["same"] and r["err"] < 0.2
+        assert r["picks"] == res[0]["picks"] and len(r["picks"]) == 1
+        assert r["probes"] == 1
+        assert len(r["info"]) == 2 and "probed" in r["info"][0]
+        assert "plans flat calls" in r["layout_error"]
+
+
+def torch_equal(a: object, b: object) -> bool:
+    import torch
+
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    return bool(torch.equal(a, b))

@@ -227,6 +227,10 @@ def all_reduce(
         print(info.inter_bits_per_coord)  # what the network between nodes carries
         ```
     """
+    if isinstance(codec, str) and codec == "auto":  # codec and topology planned: docs/plan.md
+        from hopq.comm.plan import auto
+
+        codec, topology = auto(tensor, group, layout)
     call = check_call(
         tensor, codec, topology, op, seed, key, timeout, gather_codec,
         microshards=microshards, pipeline=pipeline,

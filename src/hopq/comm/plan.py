@@ -28,7 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import statistics
+import time
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -896,3 +900,106 @@ def _reason(best: Candidate, cands: tuple[Candidate, ...], net: Network, n_ok: i
         gap = "" if best.loss_gap is None else f", training loss {best.loss_gap:+.2f}% vs fp16"
         tail = f"; predicted vNMSE {best.vnmse:.2g}{gap}"
     return head + tail + f" ({n_ok} of {len(cands)} candidates within the error budget)"
+
+
+#: PlanInputs fields that ``codec="auto"`` uses over the probe's and the
+#: defaults (e.g. ``speeds`` of GPU kernels, ``max_vnmse``); the same on every
+#: rank (a different pick on some rank is a MismatchError).
+AUTO_OVERRIDES: dict[str, Any] = {}
+#: Per process group (held weakly: a destroyed group is freed): the agreed
+#: probe, and the pick per tensor size.
+_PROBES: weakref.WeakKeyDictionary[Any, tuple[float, float]] = weakref.WeakKeyDictionary()
+_PICKS: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, dict[str, Any], str]]] = (
+    weakref.WeakKeyDictionary()
+)
+_log = logging.getLogger("hopq")
+
+#: The probe: all-reduces of 1 float (latency) and of this many (the rate).
+PROBE_NUMEL = 1 << 18
+
+
+def _timed(tensor: Any, group: Any, reps: int) -> float:
+    import torch
+    import torch.distributed as dist
+
+    times = []
+    for _ in range(reps + 1):
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        t0 = time.perf_counter()
+        dist.all_reduce(tensor, group=group)
+        if tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def probe_link(group: Any = None, device: Any = "cpu") -> tuple[float, float]:
+    """Time a few small all-reduces on ``group`` (every rank must call it):
+    (latency per ring step in seconds, link rate in Gbit/s), the slowest rank's
+    timings, so every rank returns the same numbers."""
+    import torch
+    import torch.distributed as dist
+
+    n = dist.get_world_size(group)
+    small = _timed(torch.zeros(1, device=device), group, 5)
+    big = _timed(torch.zeros(PROBE_NUMEL, device=device), group, 3)
+    agreed = torch.tensor([small, big], dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
+    small, big = (float(v) for v in agreed.cpu())
+    steps = 2 * max(1, n - 1)
+    wire = 2 * (n - 1) / n * PROBE_NUMEL * 4 if n > 1 else PROBE_NUMEL * 4
+    rate = wire * 8 / max(big - small, 1e-9) / 1e9
+    return small / steps, rate
+
+
+def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str]:
+    """``codec="auto"`` of :func:`hopq.all_reduce`: (codec, topology) for this
+    call, planned once per group and size from a probe of the group's link
+    (:func:`probe_link`, on the first call per group) and the default speeds
+    and errors; every rank computes the same plan from the agreed probe."""
+    import torch.distributed as dist
+
+    if layout is not None:
+        raise ValueError(
+            "codec='auto' plans flat calls: pass layout=None, or pick the codec with "
+            "hopq.plan(...), which weighs two-tier schedules too"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized (call init_process_group)")
+    n = dist.get_world_size(group)
+    key = group if group is not None else dist.group.WORLD
+    numel = int(tensor.numel())
+    picks = _PICKS.setdefault(key, {})
+    pick = picks.get(numel)
+    if pick is None:
+        if n == 1:
+            pick = ("fp32", {}, "ring")
+        else:
+            first = key not in _PROBES
+            if first:
+                _PROBES[key] = probe_link(group, tensor.device)
+            latency, gbit = _PROBES[key]
+            fields: dict[str, Any] = {
+                "nodes": n,
+                "inter_gbit": gbit,
+                "inter_latency_us": latency * 1e6,
+                "buckets": (max(numel, 1),),
+                "schedules": ("ring", "butterfly"),
+            }
+            p = plan(PlanInputs(**{**fields, **AUTO_OVERRIDES}))
+            pick = (p.codec, dict(p.codec_config), p.topology)
+            (_log.info if first else _log.debug)(
+                "hopq codec='auto': %d ranks, probed %.3g Gbit/s and %.0f us per step; %s",
+                n,
+                gbit,
+                latency * 1e6,
+                p.reason,
+            )
+        picks[numel] = pick
+    name, config, topology = pick
+    if config:
+        from hopq.codecs.registry import get_codec
+
+        return get_codec(name, **config), topology
+    return name, topology
