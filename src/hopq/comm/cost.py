@@ -26,7 +26,10 @@ A *hierarchical* call (``"hier:<topology>"``) is the composition of
 :mod:`hopq.comm.hierarchy`: an exact (float32) reduce-scatter inside each node,
 the codec's all-reduce of each node-shard among the N nodes with ``topology``
 (the G workers of a node run theirs at once, sharing the uplink), and an
-all-gather inside each node. Only the inter-node hops recompress.
+all-gather inside each node. Only the inter-node hops recompress. A large call
+runs as a pipeline of pieces (:func:`hopq.comm.hierarchy.tier_pieces`): the
+tier inside the nodes is exposed for the first piece's reduce-scatter and the
+last piece's gather only, and each piece pays the statistics' latency.
 
 Pure functions of their inputs: no process group, no timing. The calibration
 (seconds per coordinate on this machine) and the check against the emulated
@@ -39,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 
+from hopq.comm import hierarchy
 from hopq.comm.topology import Phase, Schedule, get_schedule
 
 #: Bits per coordinate of the exact tier inside a node (float32 partial sums).
@@ -303,11 +307,14 @@ def _hierarchical(
     ex = CodecCost(ex.codec, ex.plan, ex.enc, ex.hop, ex.dec, EXACT_BITS)
     # inside a node: a ring's reduce-scatter and all-gather over G, exact
     inter = intra = codec = up = stats = 0.0
+    local_s = 0.0  # the tier inside the nodes: transfers and the exact codec's work
     if g > 1:
         local = get_schedule("ring", g)
         i_inter, i_intra, i_codec, _, _, _ = _flat(ex, local, net, numel, 1, g)
         intra += i_inter + i_intra  # one node: every transfer is local
         codec += i_codec
+        local_s = i_inter + i_intra + i_codec
+    pieces = len(hierarchy.tier_pieces(numel, g)) - 1 if n > 1 and g > 1 else 1
     if n > 1:
         across = get_schedule(topology, n)
         # G node-shards of numel / G, each all-reduced among the N nodes at once
@@ -319,6 +326,13 @@ def _hierarchical(
         stats += o_stats
     else:
         chain = 1 if g > 1 else 0
-    return Prediction(
-        schedule, inter + intra + codec + stats, inter + stats, intra, codec, up, chain
-    )
+    total = inter + intra + codec + stats
+    if pieces > 1:
+        # a pipeline of pieces: each pays the inter-node tier's statistics
+        # latency; inside the node only the first piece's reduce-scatter and
+        # the last piece's gather are exposed, the rest runs under the
+        # inter-node tier unless it takes longer
+        stats *= pieces
+        remote = total - local_s - stats / pieces + stats
+        total = local_s / pieces + max(remote, local_s * (pieces - 1) / pieces)
+    return Prediction(schedule, total, inter + stats, intra, codec, up, chain)
