@@ -158,6 +158,8 @@ def test_inputs_are_checked() -> None:
         PlanInputs(nodes=0)
     with pytest.raises(ValueError, match="speeds"):
         PlanInputs(speeds={"bf16": (1.0, 2.0)})
+    with pytest.raises(ValueError, match="schedule 'hier:foo'"):
+        PlanInputs(schedules=("ring", "hier:foo"))
     with pytest.raises(TypeError):
         hopq.plan(colour="blue")
 

@@ -174,11 +174,11 @@ class PlanOptions:
     nodes: int = option(1, "N, the machines", lo=1)
     workers_per_node: int = option(1, "G, the workers (GPUs, processes) of each machine", lo=1)
     inter_gbit: float | None = option(
-        None, "each node's uplink to the others, Gbit/s per direction (default 10)"
+        None, "each node's uplink to the others, Gbit/s per direction (none: 10)"
     )
     inter_mbit: float | None = option(None, "the same in Mbit/s")
     intra_gbit: float | None = option(
-        None, "each worker's link inside its node, Gbit/s (default 100)"
+        None, "each worker's link inside its node, Gbit/s (none: 100)"
     )
     intra_mbit: float | None = option(None, "the same in Mbit/s")
     inter_latency_us: float = option(20.0, "latency of a step between nodes, microseconds")
@@ -189,7 +189,9 @@ class PlanOptions:
     duplex: float = option(
         1.0, "how much longer two ranks sending to each other take (1: full duplex)"
     )
-    params: int | None = option(None, "gradient coordinates of the model (default 25,000,000)")
+    params: int | None = option(
+        None, "gradient coordinates of the model (none: 25,000,000, or --workload)"
+    )
     workload: str | None = option(
         None, "take the model size of a workload of hopq train", choices=tuple(WORKLOAD_PARAMS)
     )

@@ -47,7 +47,7 @@ from hopq.comm.cost import (
     _steps_crossing,
     _walk,
 )
-from hopq.comm.topology import get_schedule
+from hopq.comm.topology import TOPOLOGIES, get_schedule
 
 #: Seconds per coordinate (plan+prepare+finish, encode, fused hop, decode, in ns)
 #: and bits per coordinate of each codec on one CPU core: ``calibrate(codec,
@@ -311,6 +311,11 @@ class PlanInputs:
                 )
         if not self.schedules:
             raise ValueError("schedules: give at least one")
+        for sched in self.schedules:
+            if sched.removeprefix("hier:") not in TOPOLOGIES:
+                raise ValueError(
+                    f"schedule {sched!r}: expected one of {list(TOPOLOGIES)} or hier:<topology>"
+                )
         for b in self.budgets:
             if not 1 <= b <= 16:
                 raise ValueError(f"DynamiQ budgets must lie in 1..16 bits, got {b}")
