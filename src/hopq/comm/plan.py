@@ -982,8 +982,9 @@ def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str]:
             pick = ("fp32", {}, "ring")
         else:
             first = key not in _PROBES
-            if first:
-                _PROBES[key] = probe_link(group, tensor.device)
+            if first:  # NCCL moves CUDA tensors only; Gloo's probe runs on the CPU
+                nccl = "nccl" in str(dist.get_backend(group)).lower()
+                _PROBES[key] = probe_link(group, tensor.device if nccl else "cpu")
             latency, gbit = _PROBES[key]
             fields: dict[str, Any] = {
                 "nodes": n,
