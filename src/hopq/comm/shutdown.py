@@ -12,8 +12,21 @@ hopq therefore installs, the first time it communicates on a group, an exit
 handler that (1) waits for every rank to reach its own exit (a barrier with a
 short timeout, so a rank that died does not hold the others) and (2) destroys
 the process group in order, unless the script already did. Users need not know.
+
 ``hopq bench exits`` runs the README's example under torchrun repeatedly and
 counts the exit codes.
+
+A rank that ends with an uncaught exception (a user's bug, or hopq's own
+``TransportError`` after a peer failed) skips the barrier: its peers will never
+reach theirs in step with it, and while it waits there its connections stay
+open, so a peer blocked on a receive from it learns nothing until its own
+timeout (the group's, 30 minutes by default). It destroys the group at once
+instead and leaves; its peers' pending receives then fail within a second,
+naming this rank, and their own uncaught ``TransportError`` ends them the
+same way, so the job ends in seconds. hopq learns of the exception from
+``sys.excepthook`` (wrapped when the handler is installed) or from
+``sys.last_value`` / ``sys.last_exc``, which the interpreter sets when it
+reports an uncaught exception; ``sys.exit(code)`` is a normal exit.
 
 Destroying the group only helps if that frees it: Gloo's threads stop when the
 group object dies, and a group that outlives the script dies during interpreter
@@ -34,18 +47,49 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import sys
+from types import TracebackType
+from typing import Any
 
 #: Seconds the exit handler waits for the other ranks to reach their exit.
 EXIT_BARRIER_S = 30.0
 
 _installed = False
+#: Whether this process is ending with an uncaught exception (set by
+#: :func:`_wrap_excepthook`'s hook).
+_uncaught = False
 
 
 def install() -> None:
     global _installed
     if not _installed:
         atexit.register(at_exit)
+        _wrap_excepthook()
         _installed = True
+
+
+def _wrap_excepthook() -> None:
+    """Wrap ``sys.excepthook`` so that the exit handler knows the interpreter
+    ends with an uncaught exception (the wrapped hook still prints it)."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> Any:
+        global _uncaught
+        if not issubclass(kind, SystemExit):
+            _uncaught = True
+        return previous(kind, value, tb)
+
+    hook.__wrapped__ = previous  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def failing() -> bool:
+    """Whether the interpreter is ending with an uncaught exception (then the
+    exit handler skips its barrier)."""
+    if _uncaught:
+        return True
+    last = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+    return last is not None and not isinstance(last, SystemExit)
 
 
 def import_functional_early() -> None:
@@ -62,8 +106,6 @@ def release_destroyed_groups() -> int:
     """Replace every default argument of ``torch.distributed.nn.functional``
     that holds a process group no longer registered (destroyed) by None;
     returns how many were replaced."""
-    import sys
-
     import torch.distributed as dist
 
     mod = sys.modules.get("torch.distributed.nn.functional")
@@ -92,12 +134,13 @@ def at_exit() -> None:
     if not dist.is_available():
         return
     if dist.is_initialized():
-        try:
-            work = dist.barrier(async_op=True)
-            if work is not None:
-                work.wait(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
-        except Exception:  # noqa: BLE001 - a peer died: tear down anyway
-            pass
+        if not failing():  # a failing rank's peers must learn at once (see above)
+            try:
+                work = dist.barrier(async_op=True)
+                if work is not None:
+                    work.wait(timeout=datetime.timedelta(seconds=EXIT_BARRIER_S))
+            except Exception:  # noqa: BLE001 - a peer died: tear down anyway
+                pass
         with contextlib.suppress(Exception):  # already gone
             dist.destroy_process_group()
     released = 0

@@ -1,0 +1,142 @@
+"""A job ends in seconds when one rank fails: a rank that ends with an uncaught
+exception skips hopq's exit barrier (its peers learn at once, and are told
+which rank failed), every survivor of a rank that dies in the agreement or on
+its first send raises at once, and compiling DynamiQ's CPU kernels does not count
+against a call's timeout."""
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _python(code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+    )
+
+
+@pytest.mark.parametrize(
+    "end, failing",
+    [("raise RuntimeError('user bug')", True), ("sys.exit(3)", False), ("pass", False)],
+)
+def test_the_exit_handler_knows_an_uncaught_exception(end, failing):
+    p = _python(
+        f"""
+        import atexit, sys
+        from hopq.comm import shutdown
+        shutdown.install()
+        atexit.register(lambda: print("failing", shutdown.failing()))
+        {end}
+        """
+    )
+    assert f"failing {failing}" in p.stdout, p.stdout + p.stderr
+
+
+USER_BUG = """
+import datetime, os
+import torch, torch.distributed as dist
+import hopq
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+rank = dist.get_rank()
+t = torch.ones(1000)
+hopq.all_reduce(t, codec="bf16", topology="ring")
+if rank == 1:
+    raise RuntimeError("user bug")
+hopq.all_reduce(t, codec="bf16", topology="ring")
+"""
+
+
+def test_a_user_bug_on_one_rank_ends_the_job_in_seconds(tmp_path):
+    """Rank 1 raises between two calls under torchrun (group timeout 120 s): its
+    peers raise TransportError naming rank 1 and the job ends, in seconds."""
+    script = tmp_path / "user_bug.py"
+    script.write_text(USER_BUG)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
+        f"--master_port={_free_port()}", str(script),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"the job still ran after {e.timeout} s")
+    seconds = time.monotonic() - t0
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert "user bug" in out
+    assert seconds < 40, (seconds, out[-3000:])
+
+
+def _ranks(script: Path, n: int, timeout: float) -> tuple[list[int | None], list[str], float]:
+    """Run ``script`` as n plain processes of one env:// group (no launcher that
+    would end the others when one fails); their exit codes (None: still running
+    at ``timeout``, then killed), outputs and the seconds until the last ended."""
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=ROOT,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+                "RANK": str(r),
+                "WORLD_SIZE": str(n),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            },
+        )  # fmt: skip
+        for r in range(n)
+    ]
+    t0 = time.monotonic()
+    codes: list[int | None] = []
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, t0 + timeout - time.monotonic()))
+            codes.append(p.returncode)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            codes.append(None)
+        outs.append(out)
+    return codes, outs, time.monotonic() - t0
+
+
+def test_the_peers_of_a_failed_rank_are_told_which_rank_failed(tmp_path):
+    """The same job as three plain processes: nobody ends the peers for hopq.
+    Rank 1 exits at once, and ranks 0 and 2 raise TransportError naming rank 1
+    well within the group's 120 s."""
+    script = tmp_path / "user_bug.py"
+    script.write_text(USER_BUG)
+    codes, outs, seconds = _ranks(script, 3, timeout=45)
+    assert codes[1] == 1 and "user bug" in outs[1], outs[1][-2000:]
+    for r in (0, 2):
+        assert codes[r] == 1, (r, codes, outs[r][-2000:])
+        assert "TransportError" in outs[r] and "rank 1" in outs[r], outs[r][-2000:]
+    assert seconds < 40, seconds
