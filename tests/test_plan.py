@@ -224,7 +224,7 @@ def auto_worker(rank: int, n: int) -> dict[str, object]:
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
+            records.append(f"{record.levelname} {record.getMessage()}")
 
     log = logging.getLogger("hopq")
     log.addHandler(Keep(level=logging.DEBUG))
@@ -245,14 +245,23 @@ def auto_worker(rank: int, n: int) -> dict[str, object]:
     except ValueError as e:
         layout_error = str(e)
     err = float(((y.double() - want.double()).norm() / want.double().norm()) ** 2)
+    # a slow link (the probe's result replaced): a compressed codec, fewer bits
+    import torch.distributed as dist
+
+    pm._PROBES[dist.group.WORLD] = (1e-3, 0.1)
+    big = torch.randn(400_000, generator=g)
+    slow = hopq.all_reduce(big, codec="auto")
+    slow_pick = pm._PICKS[dist.group.WORLD][400_000]
     return {
         "y": y,
         "same": bool(torch.equal(y, z)),
         "err": err,
         "picks": [v for d in picks.values() for v in d.values()],
-        "info": [m for m in records if m.startswith("hopq codec='auto'")],
+        "info": [m for m in records if "hopq codec='auto'" in m],
         "probes": len(pm._PROBES),
         "layout_error": layout_error,
+        "slow_pick": slow_pick,
+        "slow_bits": slow.bits_per_coord,
     }
 
 
@@ -265,8 +274,12 @@ def test_auto_all_reduce_on_gloo_ranks() -> None:
         assert r["same"] and r["err"] < 0.2
         assert r["picks"] == res[0]["picks"] and len(r["picks"]) == 1
         assert r["probes"] == 1
-        assert len(r["info"]) == 2 and "probed" in r["info"][0]
+        assert len(r["info"]) == 3 and "probed" in r["info"][0]
+        assert [m.split()[0] for m in r["info"]] == ["INFO", "DEBUG", "DEBUG"]  # logged once
         assert "plans flat calls" in r["layout_error"]
+        assert r["slow_pick"] == res[0]["slow_pick"]
+        assert r["slow_pick"][0] not in ("fp32", "fp16", "bf16")
+        assert r["slow_bits"] < 10
 
 
 def torch_equal(a: object, b: object) -> bool:
