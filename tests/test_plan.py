@@ -123,13 +123,14 @@ def test_planner_matches_the_cost_model() -> None:
     assert exact is not None
     layouts = [(1, 4), (2, 1), (2, 2), (3, 2), (4, 4), (8, 8), (5, 3)]
     schedules = ["ring", "butterfly", "hier:ring", "hier:butterfly"]
-    for (n, g), s, c in itertools.product(layouts, schedules, ["dynamiq", "bf16"]):
+    sizes = [0, 123_457, 9_000_001]  # the largest runs two-tier calls as pieces
+    for (n, g), s, c, d in itertools.product(layouts, schedules, ["dynamiq", "bf16"], sizes):
         net = Network(n, g, 0.5, 20, 30, 3, cores_per_node=1, duplex=2.0)
         cost = _cost(c, {})
         assert cost is not None
-        want = predict(cost, s, net, 123_457, exact)
-        got = _predict(cost, s, net, 123_457, exact)
-        assert got.seconds == pytest.approx(want.seconds, rel=1e-12), (n, g, s, c)
+        want = predict(cost, s, net, d, exact)
+        got = _predict(cost, s, net, d, exact)
+        assert got.seconds == pytest.approx(want.seconds, rel=1e-12), (n, g, s, c, d)
         assert got.uplink_bytes == pytest.approx(want.uplink_bytes, rel=1e-12)
         assert got.recompressions == want.recompressions
 

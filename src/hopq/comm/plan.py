@@ -38,6 +38,7 @@ from functools import lru_cache
 from typing import Any
 
 from hopq.codecs.registry import available_codecs, codec_info
+from hopq.comm import hierarchy
 from hopq.comm.cost import (
     EXACT_BITS,
     STATS_BELOW_BITS,
@@ -695,17 +696,24 @@ def _predict(
     n, g = net.nodes, net.per_node
     ex = CodecCost(exact.codec, exact.plan, exact.enc, exact.hop, exact.dec, EXACT_BITS)
     inter = intra = codec = up = stats = 0.0
-    chain = 1 if g > 1 else 0
+    local_s = 0.0
     if g > 1:
         i, o, c, _, _, _ = _flat_terms(ex, "ring", g, net, numel, 1, g)
         intra += i + o
         codec += c
+        local_s = i + o + c
+    pieces = len(hierarchy.tier_pieces(int(numel), g)) - 1 if n > 1 and g > 1 else 1
     if n > 1:
         i, o, c, u, st, chain = _flat_terms(cost, topology, n, net, numel / g, g, 1)
         inter, intra, codec, up, stats = inter + i, intra + o, codec + c, u, st
-    return Prediction(
-        schedule, inter + intra + codec + stats, inter + stats, intra, codec, up, chain
-    )
+    else:
+        chain = 1 if g > 1 else 0
+    total = inter + intra + codec + stats
+    if pieces > 1:  # the pipeline of pieces, as cost.predict models it
+        stats *= pieces
+        remote = total - local_s - stats / pieces + stats
+        total = local_s / pieces + max(remote, local_s * (pieces - 1) / pieces)
+    return Prediction(schedule, total, inter + stats, intra, codec, up, chain)
 
 
 def _cost(
@@ -808,12 +816,9 @@ def plan(inputs: PlanInputs | None = None, **fields: Any) -> Plan:
         for sched in base.schedules:
             if not _applies(name, sched, net):
                 continue
-            # every term is affine in the size: two predictions give all buckets
-            p0 = _predict(cost, sched, net, 0, exact)
-            p1 = _predict(cost, sched, net, 1 << 20, exact)
-            slope = (p1.seconds - p0.seconds) / (1 << 20)
-            times = [p0.seconds + slope * s if s else 0.0 for s in sizes]
-            chain = p1.recompressions
+            preds = {s: _predict(cost, sched, net, s, exact) for s in set(sizes) if s}
+            times = [preds[s].seconds if s else 0.0 for s in sizes]
+            chain = max((q.recompressions for q in preds.values()), default=0)
             cands.append(
                 _candidate(base, name, config, cost, sched, sum(times), times, sizes, chain)
             )
