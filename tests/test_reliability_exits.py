@@ -140,3 +140,30 @@ def test_the_peers_of_a_failed_rank_are_told_which_rank_failed(tmp_path):
         assert codes[r] == 1, (r, codes, outs[r][-2000:])
         assert "TransportError" in outs[r] and "rank 1" in outs[r], outs[r][-2000:]
     assert seconds < 40, seconds
+
+
+def test_a_first_dynamiq_call_compiles_before_its_timeout_starts(tmp_path):
+    """With an empty numba cache, a first DynamiQ call whose timeout (3 s) is far
+    shorter than the compilation succeeds, and the warm-up left nothing for the
+    call to compile."""
+    pytest.importorskip("numba")
+    code = """
+        import torch, hopq
+        from hopq.codecs.dynamiq import _kernels_cpu_jit as jit, kernels_cpu
+
+        def compiled():
+            return sum(len(f.signatures) for f in vars(jit).values() if hasattr(f, "signatures"))
+
+        warm, seen = kernels_cpu.warm_up, []
+        kernels_cpu.warm_up = lambda: (warm(), seen.append(compiled()))
+        xs = [torch.randn(20000, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+        codec = hopq.get_codec("dynamiq")
+        assert codec.backend_name(torch.device("cpu")) == "cpu"
+        out = hopq.simulate(xs, codec, "butterfly", timeout=3.0).outputs[0]
+        hopq.simulate(xs, hopq.get_codec("dynamiq"), "ring", op="avg", timeout=3.0)
+        print("ok", seen[0], compiled(), bool(torch.isfinite(out).all()))
+    """
+    p = _python(code, timeout=400, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    _, before, after, finite = p.stdout.split()[-4:]
+    assert before == after and finite == "True", p.stdout

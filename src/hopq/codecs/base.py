@@ -604,6 +604,13 @@ class Codec(ABC, Generic[P]):
             "transform of its own input"
         )
 
+    def warm_up(self, device: torch.device) -> None:
+        """Compile (or load from a disk cache) the kernels that calls on
+        ``device`` tensors run, once per process. The engine calls it before a
+        call's timeout starts: compilation is not communication, and a first
+        call that compiles for longer than its timeout must not be taken for a
+        silent peer. Codecs without compiled kernels do nothing."""
+
     # -- state across rounds ----------------------------------------------
     def end_round(self, plan: P) -> None:
         """Called once after every round on every rank; adaptive codecs update state here."""

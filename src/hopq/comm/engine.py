@@ -811,6 +811,8 @@ def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
         premul = float(premul)
         x = x.to(torch.float32) * premul
         in_place = True  # our own copy
+    for c in {id(codec): codec, id(gcodec): gcodec}.values():
+        c.warm_up(x.device)  # compiling does not count against the timeout
     number = transport.next_call()
     u = (
         call.microshards

@@ -521,6 +521,8 @@ def _start(
 ) -> tuple[Deadline, NodeLayout, int, float]:
     """The agreement over the whole group (world size > 1): deadline, layout,
     agreement bytes and seconds."""
+    for c in (call.codec, call.stage_codec, intra):
+        c.warm_up(x.device)  # compiling does not count against the timeout
     deadline = Deadline(transport.call_timeout(call.timeout))
     lay, nbytes, seconds = agree_layout(call, x, transport, layout, intra, deadline)
     return deadline, lay, nbytes, seconds

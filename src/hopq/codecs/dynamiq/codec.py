@@ -126,6 +126,14 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
             self._kernel_cache[device.type] = resolve_kernels(self.config, device.type)
         return self._kernel_cache[device.type]
 
+    def warm_up(self, device: torch.device) -> None:
+        """Compile (or load from numba's disk cache) the CPU kernels, once per
+        process, before a call's timeout starts (with a cold cache this takes
+        tens of seconds; :meth:`Codec.warm_up <hopq.codecs.base.Codec.warm_up>`)."""
+        warm = getattr(self.kernels(device), "warm_up", None)
+        if device.type == "cpu" and warm is not None:
+            warm()
+
     def backend_name(self, device: torch.device) -> str:
         """ "reference", or the kernel backend's name ("cpu", "triton")."""
         kern = self.kernels(device)

@@ -86,8 +86,18 @@ def run_segment(call: SegmentCall) -> None:
     )  # fmt: skip
 
 
+#: Whether :func:`warm_up` ran in this process.
+_warm = False
+
+
 def warm_up() -> None:
-    """Compile (or load from numba's disk cache) the kernels of every width."""
+    """Compile (or load from numba's disk cache) every kernel a call runs: the
+    segments of every width, the super-group statistics and the row gather and
+    scatter; once per process (DynamiQ calls it before a call's timeout starts:
+    with a cold cache this takes tens of seconds)."""
+    global _warm
+    if _warm:
+        return
     x = torch.randn(512)
     streams = Streams(
         gamma_key=(1, 2), perm_key=(3, 4), peers=1, peer=0, units=(1,), scale_key=(5, 6)
@@ -99,6 +109,14 @@ def warm_up() -> None:
             payload = None if mode is Mode.ENCODE else out.clone()
             # 2 super-groups of 256 entries in groups of 16, from row 0, eps 0
             run_segment(SegmentCall(mode, w, 2, 256, 16, 0, 0.0, streams, payload, x, None, out))
+    perm = torch.tensor([1, 0], dtype=torch.int64)
+    mu = supergroup_stats(x, 256)[0].contiguous()
+    rows = gather_rows(x, perm, mu, 256)
+    gather_rows(x, perm[:1], mu, 256, out=rows[:256])
+    for avg in (False, True):
+        for saturate in (False, True):
+            scatter_rows(rows, perm, mu, 256, 2, avg, 512, saturate=saturate)
+    _warm = True
 
 
 def supergroup_stats(x: torch.Tensor, S: int) -> torch.Tensor:
