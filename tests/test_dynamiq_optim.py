@@ -245,7 +245,8 @@ def test_ddp_hook_with_adamw_weighs_the_allocation_in_a_real_gloo_job():
     res = run_workers(2, ddp_dynamiq_adamw, 4)
     for key in ("none", "opt"):
         assert torch.equal(res[0][key], res[1][key])  # replicas bit-identical
-        assert res[0][f"{key}/bits"] <= 5.0 + 1e-6
+        assert res[0][f"{key}/bits"] <= 5.0 + 1e-6  # DynamiQ's calls; small buckets run bf16
+        assert res[0][f"{key}/fallbacks"] > 0
         assert res[0][f"{key}/pending"] == 0
     assert not torch.equal(res[0]["none"], res[0]["opt"])
 

@@ -205,6 +205,11 @@ class PlanOptions:
         "percent of training loss above torch's fp16 hook a codec may have had (none: no limit)",
     )
     max_vnmse: float | None = option(0.1, "largest predicted vNMSE allowed (none: no limit)")
+    max_vnmse_ratio: float | None = option(
+        1.0,
+        "largest predicted vNMSE relative to DynamiQ's at 5 bits on the same chain "
+        "(none: no limit)",
+    )
     codecs: tuple[str, ...] = option((), "codecs to consider (default: all)", choices=_codec_names)
     schedules: tuple[str, ...] = option(_SCHEDULES, "flat topologies and hier:<topology>")
     budgets: tuple[float, ...] = option((4.0, 5.0, 6.0, 8.0), "DynamiQ's bit budgets to consider")
@@ -247,6 +252,7 @@ class PlanOptions:
             lossless=self.lossless,
             max_loss_gap=self.max_loss_gap,
             max_vnmse=self.max_vnmse,
+            max_vnmse_ratio=self.max_vnmse_ratio,
             codecs=self.codecs,
             schedules=self.schedules,
             budgets=self.budgets,

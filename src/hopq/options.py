@@ -127,6 +127,90 @@ def check_timeout(value: Any) -> float | None:
     return None if value is None else check_finite("timeout", value, positive=True)
 
 
+#: Range keys an :func:`option` may carry: ``lo``/``hi`` inclusive bounds,
+#: ``gt``/``lt`` exclusive ones; :func:`check_options` enforces them.
+RANGE_KEYS = ("lo", "hi", "gt", "lt")
+
+
+def _range_text(meta: Any) -> str:
+    parts = [
+        f"{op} {meta[k]}"
+        for k, op in zip(RANGE_KEYS, (">=", "<=", ">", "<"), strict=True)
+        if k in meta
+    ]
+    return " and ".join(parts)
+
+
+def _check_scalar(owner: str, name: str, hint: Any, value: Any, meta: Any) -> Any:
+    """One value of the scalar type ``hint`` (bool, int, float, str), its range
+    and choices checked; returns it (an int-valued float option as a float)."""
+    what = f"{owner}: {name}"
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"{what} must be True or False, got {value!r}")
+        return value
+    if hint is int:
+        v: Any = check_int(what, value)
+    elif hint is float:
+        v = check_finite(what, value)
+    elif hint is str:
+        if not isinstance(value, str):
+            raise TypeError(f"{what} must be a string, got {value!r}")
+        v = value
+    else:
+        return value
+    choices = meta.get("choices")
+    if choices is not None and not callable(choices) and v not in choices:
+        raise ValueError(f"{what} must be one of {list(choices)}, got {value!r}")
+    bounds = (
+        ("lo", lambda a, b: a >= b),
+        ("hi", lambda a, b: a <= b),
+        ("gt", lambda a, b: a > b),
+        ("lt", lambda a, b: a < b),
+    )
+    for key, ok in bounds:
+        if key in meta and not ok(v, meta[key]):
+            raise ValueError(f"{what} must be {_range_text(meta)}, got {value!r}")
+    return v
+
+
+def check_options(obj: Any, owner: str) -> None:
+    """Check every field of the frozen dataclass ``obj`` against its type hint and
+    its :func:`option` metadata, so that a wrong value fails at construction
+    with an error naming the option and what it accepts: enums are coerced
+    (:func:`coerce_enums`), bools must be bools (``"no"`` is not False), ints
+    ints (``8.0`` is refused), floats finite numbers, each within its ``lo``,
+    ``hi``, ``gt``, ``lt`` and ``choices``; ``X | None`` takes None; a
+    ``tuple[int, ...]`` is checked entry by entry. Other types are left to the
+    dataclass's own ``__post_init__``. Raises TypeError (a wrong type) or
+    ValueError (out of range)."""
+    coerce_enums(obj, owner)
+    for f in dataclasses.fields(obj):
+        hint = field_types(type(obj))[f.name]
+        value = getattr(obj, f.name)
+        args = typing.get_args(hint)
+        if type(None) in args:
+            if value is None:
+                continue
+            rest = [a for a in args if a is not type(None)]
+            hint = rest[0] if len(rest) == 1 else hint
+        elif value is None:
+            raise TypeError(f"{owner}: {f.name} takes no None (its default is {f.default!r})")
+        if enum_type(hint) is not None:
+            continue  # coerced above
+        if typing.get_origin(hint) is tuple:
+            targs = typing.get_args(hint)
+            if len(targs) == 2 and targs[1] is Ellipsis and targs[0] is int:
+                vals = int_tuple(f"{owner}: {f.name}", value)
+                for v in vals:
+                    _check_scalar(owner, f"{f.name} entry", int, v, f.metadata)
+                object.__setattr__(obj, f.name, vals)
+            continue
+        v = _check_scalar(owner, f.name, hint, value, f.metadata)
+        if hint is float and not isinstance(value, float):
+            object.__setattr__(obj, f.name, v)
+
+
 def int_tuple(name: str, value: Any) -> tuple[int, ...]:
     """A tuple of ints from a tuple or list of ints; a string is refused (``"248"``
     is not the widths 2, 4, 8)."""

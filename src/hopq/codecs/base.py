@@ -604,6 +604,26 @@ class Codec(ABC, Generic[P]):
             "transform of its own input"
         )
 
+    def small_call_codec(
+        self,
+        numel: int,
+        key: int | None = None,
+        shards: tuple[int, ...] | None = None,
+        phases: int = 2,
+    ) -> Codec[Any] | None:
+        """The codec that runs a call of ``numel`` entries in this one's place, or
+        None: this one serves it. A codec that cannot serve a size well (too few
+        entries for its statistics and padding to pay, as DynamiQ below a few
+        super-groups) names one that can. Decided from the size and the
+        configuration alone, so that every rank decides alike; the engine runs
+        the whole call (both stages) with it, counts its bytes in bits per
+        coordinate and names it in ``RunStats.fallback``. ``key``: the call's
+        (a codec drops what was set for that call's plan, which it will not
+        make); ``shards``: the rank shards' n + 1 offsets of a call over them
+        (their pieces are planned apart), or None; ``phases``: 1 for a
+        reduce-scatter, 2 for an all-reduce."""
+        return None
+
     def warm_up(self, device: torch.device) -> None:
         """Compile (or load from a disk cache) the kernels that calls on
         ``device`` tensors run, once per process. The engine calls it before a

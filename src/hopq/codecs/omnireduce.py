@@ -34,26 +34,20 @@ from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import WireCodec, working_copy
 from hopq.numerics.blocks import pad_to_blocks
 from hopq.numerics.div import div_
-from hopq.options import check_finite, check_int, option
+from hopq.options import check_options, option
 
 
 @dataclass(frozen=True)
 class OmniReduceConfig(CodecConfig):
-    block: int = option(256, "entries per block (the unit of top-k selection)")
+    block: int = option(256, "entries per block (the unit of top-k selection)", lo=1, hi=1 << 20)
     #: b: the union should hold b/16 of the blocks (each travels at 16 bits).
     budget: float = option(
-        8.0, "target bits per coordinate: the union holds budget/16 of the blocks"
+        8.0, "target bits per coordinate: the union holds budget/16 of the blocks", gt=0.0, hi=16.0
     )
-    momentum: float = option(0.8, "momentum g of k's adaptation")
+    momentum: float = option(0.8, "momentum g of k's adaptation", lo=0.0, hi=1.0)
 
     def __post_init__(self) -> None:
-        check_int("omnireduce: block", self.block, lo=1, hi=1 << 20)
-        check_finite("omnireduce: budget", self.budget)
-        check_finite("omnireduce: momentum", self.momentum)
-        if not 0 < self.budget <= 16:
-            raise ValueError(f"omnireduce: budget must be in (0, 16] bits, got {self.budget}")
-        if not 0 <= self.momentum <= 1:
-            raise ValueError(f"omnireduce: momentum must be in [0, 1], got {self.momentum}")
+        check_options(self, "omnireduce")
 
 
 @dataclass

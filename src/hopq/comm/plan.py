@@ -242,6 +242,14 @@ class PlanInputs:
             codec may have had (docs/bench/train.md); None: no such limit.
             Codecs never trained (DynamiQ below 5 bits) exceed any limit.
         max_vnmse: The largest predicted vNMSE allowed; None: no limit.
+        max_vnmse_ratio: The largest predicted vNMSE allowed relative to
+            DynamiQ's at 5 bits on the same chain of recompressions (its
+            measured error on real gradients, grown with the chain as
+            measured): 1 (the default) admits no codec noisier than DynamiQ's
+            default at that world size and schedule, so codecs whose error
+            grows faster with the hops (MXFP4, MXFP6, then MXFP8) fall out as
+            the world grows; larger values loosen it (about 60 admits MXFP4 at
+            4 ranks); None: no such limit.
         codecs: Codecs to consider; empty: every registered one that has a
             speed.
         schedules: Flat topologies (``"ring"``, ``"butterfly"``, ...) and
@@ -280,6 +288,7 @@ class PlanInputs:
     lossless: bool = False
     max_loss_gap: float | None = 0.5
     max_vnmse: float | None = 0.1
+    max_vnmse_ratio: float | None = 1.0
     codecs: tuple[str, ...] = ()
     schedules: tuple[str, ...] = ("ring", "butterfly", "hier:ring", "hier:butterfly")
     budgets: tuple[float, ...] = (4.0, 5.0, 6.0, 8.0)
@@ -303,6 +312,10 @@ class PlanInputs:
         for name in ("bucket_mb", "first_bucket_mb"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_vnmse_ratio is not None and not self.max_vnmse_ratio > 0:
+            raise ValueError(
+                f"max_vnmse_ratio must be positive or None, got {self.max_vnmse_ratio!r}"
+            )
         if self.compute_s is not None and not self.compute_s >= 0:
             raise ValueError(f"compute_s must be >= 0 or None, got {self.compute_s!r}")
         for name, v in speeds.items():
@@ -854,9 +867,8 @@ def _candidate(
     base = inp.vnmse.get(name, VNMSE_AT_4.get(name, math.nan))
     if name == "dynamiq":
         base *= _budget_factor(cost.bits)
-    vnmse = base * _growth(name, chain)
-    if chain > 64:
-        vnmse = min(vnmse, max(1.0, base * _growth(name, 64)))
+    vnmse = _grown(name, base, chain)
+    ref = _grown("dynamiq", inp.vnmse.get("dynamiq", VNMSE_AT_4["dynamiq"]), chain)
     gap = LOSS_GAP.get(name)
     if name == "dynamiq" and cost.bits < 5.0:
         gap = None  # trained at 5 bits only
@@ -869,8 +881,19 @@ def _candidate(
         why = f"loss +{gap:.2f}% > {inp.max_loss_gap:g}%"
     elif inp.max_vnmse is not None and not vnmse <= inp.max_vnmse:
         why = f"vNMSE {vnmse:.2g} > {inp.max_vnmse:g}"
+    elif inp.max_vnmse_ratio is not None and not vnmse <= inp.max_vnmse_ratio * ref * (1 + 1e-9):
+        ratio = "" if inp.max_vnmse_ratio == 1 else f"{inp.max_vnmse_ratio:g}x "
+        why = f"vNMSE {vnmse:.2g} > {ratio}DynamiQ's {ref:.2g}"
     exposed = None if inp.compute_s is None else _exposed(times, sizes, inp.compute_s)
     return Candidate(name, config, sched, cost.bits, sync, exposed, chain, vnmse, gap, why)
+
+
+def _grown(name: str, base: float, chain: int) -> float:
+    """``base`` (the vNMSE at a chain of 4) at a chain of ``chain`` compressions."""
+    vnmse = base * _growth(name, chain)
+    if chain > 64:
+        vnmse = min(vnmse, max(1.0, base * _growth(name, 64)))
+    return vnmse
 
 
 def _budget_factor(bits: float) -> float:
@@ -919,7 +942,7 @@ AUTO_OVERRIDES: dict[str, Any] = {}
 #: Per process group (held weakly: a destroyed group is freed): the agreed
 #: probe, and the pick per tensor size.
 _PROBES: weakref.WeakKeyDictionary[Any, tuple[float, float]] = weakref.WeakKeyDictionary()
-_PICKS: weakref.WeakKeyDictionary[Any, dict[int, tuple[str, dict[str, Any], str]]] = (
+_PICKS: weakref.WeakKeyDictionary[Any, dict[Any, tuple[str, dict[str, Any], str, Any]]] = (
     weakref.WeakKeyDictionary()
 )
 _log = logging.getLogger("hopq")
@@ -963,43 +986,130 @@ def probe_link(group: Any = None, device: Any = "cpu") -> tuple[float, float]:
     return small / steps, rate
 
 
-def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str]:
-    """``codec="auto"`` of :func:`hopq.all_reduce`: (codec, topology) for this
-    call, planned once per group and size from a probe of the group's link
-    (:func:`probe_link`, on the first call per group) and the default speeds
-    and errors; every rank computes the same plan from the agreed probe."""
+#: The seed of codec="auto"'s first message ("auto" in ASCII): an fp32
+#: all-reduce of one float whose agreement a named codec's call never matches.
+AUTO_SEED = 0x6175746F
+
+
+def _layout_key(layout: Any) -> int:
+    """The key of the first message: the layout asked for (None, "auto", NxG),
+    so that ranks that ask for different layouts disagree there."""
+    from hopq.comm.agreement import digest
+    from hopq.comm.layout import NodeLayout
+
+    spec = layout.node_of if isinstance(layout, NodeLayout) else layout
+    return digest(("codec='auto'", spec)) % (1 << 62)
+
+
+def _device(tensor: Any, group: Any) -> Any:
+    """Where the probe's tensors live: the tensor's GPU over NCCL, else the CPU."""
+    import torch
     import torch.distributed as dist
 
-    if layout is not None:
-        raise ValueError(
-            "codec='auto' plans flat calls: pass layout=None, or pick the codec with "
-            "hopq.plan(...), which weighs two-tier schedules too"
+    nccl = "nccl" in str(dist.get_backend(group)).lower()
+    return tensor.device if nccl else torch.device("cpu")
+
+
+def agree_auto(tensor: Any, group: Any, layout: Any) -> tuple[tuple[float, float], Any]:
+    """The start of ``codec="auto"`` on a group, on every rank: first an fp32
+    all-reduce of one float through hopq's agreement, whose fingerprint says
+    "auto" (seed :data:`AUTO_SEED`, a key naming the layout), so that a rank that
+    passed a named codec, or another layout, makes every rank raise
+    :class:`hopq.MismatchError` instead of waiting; then :func:`probe_link`;
+    then, with a layout, the agreed :class:`~hopq.comm.layout.NodeLayout`.
+    Returns ((latency per step s, Gbit/s), the layout or None)."""
+    import torch
+    import torch.distributed as dist
+
+    from hopq.comm.collectives import all_reduce
+    from hopq.comm.layout import NodeLayout, claim_of, from_claims, resolve_spec
+    from hopq.errors import MismatchError
+
+    spec = resolve_spec(layout)
+    dev = _device(tensor, group)
+    try:
+        all_reduce(torch.ones(1, device=dev), "fp32", "ring", "sum", group, AUTO_SEED,
+                   _layout_key(spec))  # fmt: skip
+    except MismatchError as e:
+        raise MismatchError(
+            f"codec='auto' on rank {dist.get_rank(group)}: its first message (an fp32 "
+            f"all-reduce of one float, seed {AUTO_SEED}) met another call: every rank must "
+            f"pass codec='auto', with the same layout ({e})"
+        ) from e
+    probe = probe_link(group, dev)
+    if spec is None:
+        return probe, None
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if isinstance(spec, NodeLayout):
+        return probe, from_claims([(0, 0, 0)] * n, spec)
+    mine = torch.tensor(claim_of(spec, rank, n), dtype=torch.int64, device=dev)
+    got = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(got, mine, group=group)
+    claims = [(int(t[0]), int(t[1]), int(t[2])) for t in got]
+    return probe, from_claims(claims, spec)
+
+
+def plan_call(numel: int, n: int, probe: tuple[float, float], lay: Any = None) -> Plan:
+    """The plan of one call of ``numel`` coordinates on ``n`` ranks from the
+    agreed probe (and layout: the two-tier schedules are candidates too), with
+    :data:`AUTO_OVERRIDES`: a pure function of agreed values, so the same on
+    every rank."""
+    latency, gbit = probe
+    fields: dict[str, Any] = {
+        "nodes": n,
+        "inter_gbit": gbit,
+        "inter_latency_us": latency * 1e6,
+        "buckets": (max(numel, 1),),
+        "schedules": ("ring", "butterfly"),
+    }
+    if lay is not None and lay.nodes > 1 and lay.per_node > 1:
+        fields.update(
+            nodes=lay.nodes,
+            per_node=lay.per_node,
+            intra_gbit=max(gbit, PlanInputs.intra_gbit),
+            schedules=("ring", "butterfly", "hier:ring", "hier:butterfly"),
         )
+    return plan(PlanInputs(**{**fields, **AUTO_OVERRIDES}))
+
+
+def _built(p: Plan, lay: Any) -> tuple[Any, str, Any]:
+    """(a fresh codec, topology, layout) of a plan's pick."""
+    from hopq.codecs.registry import get_codec
+
+    return get_codec(p.codec, **p.codec_config), p.topology, lay if p.layout else None
+
+
+def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str, Any]:
+    """``codec="auto"`` of :func:`hopq.all_reduce`: (codec, topology, layout)
+    for this call, planned once per group, layout and size from a probe of the
+    group's link (:func:`agree_auto`, on the first call per group) and the
+    default speeds and errors; every rank computes the same plan from the
+    agreed probe. A two-tier pick (with ``layout``) returns the agreed layout;
+    a flat one None."""
+    import torch.distributed as dist
+
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialized (call init_process_group)")
     n = dist.get_world_size(group)
     key = group if group is not None else dist.group.WORLD
     numel = int(tensor.numel())
     picks = _PICKS.setdefault(key, {})
-    pick = picks.get(numel)
-    if pick is None:
+    where = (numel, _layout_key(layout) if layout is not None else None)
+    got = picks.get(where)
+    if got is None:
         if n == 1:
-            pick = ("fp32", {}, "ring")
+            got = ("fp32", {}, "ring", None)
         else:
-            first = key not in _PROBES
-            if first:  # NCCL moves CUDA tensors only; Gloo's probe runs on the CPU
-                nccl = "nccl" in str(dist.get_backend(group)).lower()
-                _PROBES[key] = probe_link(group, tensor.device if nccl else "cpu")
+            first = key not in _PROBES or where[1] is not None and key not in _LAYOUTS
+            if first:
+                probe, lay = agree_auto(tensor, group, layout)
+                _PROBES[key] = probe
+                if lay is not None:
+                    _LAYOUTS[key] = lay
             latency, gbit = _PROBES[key]
-            fields: dict[str, Any] = {
-                "nodes": n,
-                "inter_gbit": gbit,
-                "inter_latency_us": latency * 1e6,
-                "buckets": (max(numel, 1),),
-                "schedules": ("ring", "butterfly"),
-            }
-            p = plan(PlanInputs(**{**fields, **AUTO_OVERRIDES}))
-            pick = (p.codec, dict(p.codec_config), p.topology)
+            lay = _LAYOUTS.get(key) if layout is not None else None
+            p = plan_call(numel, n, _PROBES[key], lay)
+            got = (p.codec, dict(p.codec_config), p.topology, lay if p.layout else None)
             (_log.info if first else _log.debug)(
                 "hopq codec='auto': %d ranks, probed %.3g Gbit/s and %.0f us per step; %s",
                 n,
@@ -1007,10 +1117,179 @@ def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str]:
                 latency * 1e6,
                 p.reason,
             )
-        picks[numel] = pick
-    name, config, topology = pick
+        picks[where] = got
+    name, config, topology, lay = got
     if config:
         from hopq.codecs.registry import get_codec
 
-        return get_codec(name, **config), topology
-    return name, topology
+        return get_codec(name, **config), topology, lay
+    return name, topology, lay
+
+
+#: Per process group: the layout that codec="auto" agreed on.
+_LAYOUTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Bucket:
+    numel: int
+    codec: Any
+    topology: str
+    layout: Any
+    plan: Plan
+    predicted: float
+
+
+class AutoPlanner:
+    """``codec="auto"`` of :class:`hopq.HookState` and
+    :class:`hopq.FSDPReduceScatter`: one plan per bucket (key) and size, from an
+    agreed probe of the link at the first call, re-planned when the measured
+    call times drift from the prediction.
+
+    Every rank sees the same calls in the same order (DDP's buckets, FSDP's
+    modules), so a key seen again starts a new step; at each step's end the
+    ranks agree on the step's slowest call time (one all-reduce of one float
+    per step) and compare it with the plan's prediction, scaled once by the
+    first measured step after a plan (the cost model's calibration to this
+    machine; :data:`WARMUP_STEPS` steps after a plan are left out, where
+    kernels compile). More than :data:`DRIFT` off for :data:`DRIFT_STEPS`
+    consecutive steps: a re-plan (logged, counted in ``replans``), from a new
+    probe at the next call; the re-planned buckets' codecs start fresh.
+
+    Args:
+        layout: The layout asked for (None: flat plans only; a layout adds the
+            two-tier candidates).
+        owner: Who plans, for the log line.
+    """
+
+    #: How far (a fraction) a step's measured time may drift from the calibrated prediction.
+    DRIFT = 0.25
+    #: Consecutive drifting steps that re-plan.
+    DRIFT_STEPS = 3
+    #: Steps after a (re-)plan left out of the calibration (kernels compile there).
+    WARMUP_STEPS = 1
+
+    def __init__(self, layout: Any = None, owner: str = "HookState") -> None:
+        self.layout = layout
+        self.owner = owner
+        #: Re-plans so far.
+        self.replans = 0
+        #: The last step's measured time over the calibrated prediction, minus 1.
+        self.drift = 0.0
+        self._device: Any = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._probe: tuple[float, float] | None = None
+        self._lay: Any = None
+        self._plans: dict[int, Plan] = {}
+        self._buckets: dict[Any, _Bucket] = {}
+        self._step_keys: set[Any] = set()
+        self._times: dict[Any, float] = {}
+        self._scale: float | None = None
+        self._warm = self.WARMUP_STEPS
+        self._drifted = 0
+        self._logged = False
+
+    def pick(self, tensor: Any, group: Any, key: Any) -> tuple[Any, str, Any]:
+        """(codec instance, topology, layout) of this call; every rank calls it
+        with the same keys in the same order."""
+        import torch.distributed as dist
+
+        if key in self._step_keys:
+            self._end_step(group)
+        self._step_keys.add(key)
+        numel = int(tensor.numel())
+        b = self._buckets.get(key)
+        if b is None or b.numel != numel:
+            n = dist.get_world_size(group)
+            self._device = _device(tensor, group)
+            if self._probe is None and n > 1:
+                self._probe, self._lay = agree_auto(tensor, group, self.layout)
+            p = self._plans.get(numel)
+            if p is None:
+                probe = self._probe if self._probe is not None else (1e-6, 1e3)
+                p = self._plans[numel] = plan_call(numel, n, probe, self._lay)
+            codec, topology, lay = _built(p, self._lay)
+            b = self._buckets[key] = _Bucket(numel, codec, topology, lay, p, p.pick.sync_s)
+            # new buckets (DDP rebuilds its buckets after the first step): recalibrate
+            self._scale, self._warm, self._drifted = None, self.WARMUP_STEPS, 0
+        return b.codec, b.topology, b.layout
+
+    def observe(self, key: Any, seconds: float) -> None:
+        """This rank's measured seconds of the call ``key`` just made."""
+        self._times[key] = self._times.get(key, 0.0) + float(seconds)
+
+    def _end_step(self, group: Any) -> None:
+        import torch
+        import torch.distributed as dist
+
+        times, self._times, self._step_keys = self._times, {}, set()
+        if not times:
+            return
+        t = torch.tensor([sum(times.values())], dtype=torch.float64, device=self._device)
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's
+        measured = float(t.cpu())
+        predicted = sum(self._buckets[k].predicted for k in times if k in self._buckets)
+        if not self._logged:
+            self._logged = True
+            _log.info("%s", self.describe(measured))
+        if self._warm > 0:
+            self._warm -= 1
+            return
+        if self._scale is None:
+            self._scale = measured / predicted if predicted > 0 and measured > 0 else 1.0
+            return
+        expect = self._scale * predicted
+        self.drift = measured / expect - 1 if expect > 0 else 0.0
+        self._drifted = self._drifted + 1 if abs(self.drift) > self.DRIFT else 0
+        if self._drifted >= self.DRIFT_STEPS:
+            self.replans += 1
+            _log.info(
+                "hopq codec='auto' (%s): re-planning (%d so far): the last %d steps took "
+                "%+.0f%% against the prediction (the last %.3g ms, expected %.3g ms); the "
+                "next call probes the link again and the re-planned buckets' codecs start fresh",
+                self.owner,
+                self.replans,
+                self._drifted,
+                100 * self.drift,
+                measured * 1e3,
+                expect * 1e3,
+            )
+            self._reset()
+
+    def describe(self, measured: float | None = None) -> str:
+        """One line: the probe and each bucket's pick."""
+        if self._probe is None:
+            head = "1 rank" if self._buckets else "nothing planned yet"
+        else:
+            head = f"probed {self._probe[1]:.3g} Gbit/s and {self._probe[0] * 1e6:.0f} us per step"
+        parts = [
+            f"{k}: {b.numel:,} coords -> {b.plan.pick.label} on {b.plan.schedule} "
+            f"({b.predicted * 1e3:.3g} ms predicted)"
+            for k, b in self._buckets.items()
+        ]
+        tail = "" if measured is None else f"; the first step took {measured * 1e3:.3g} ms"
+        return f"hopq codec='auto' ({self.owner}): {head}; " + "; ".join(parts) + tail
+
+    def metrics(self, prefix: str = "hopq/") -> dict[str, float]:
+        """``{prefix}plan/<key>/<codec>@<schedule>``: each bucket's pick (the
+        value: its predicted seconds), ``{prefix}replans`` and
+        ``{prefix}plan_drift`` (the last step's drift from the prediction)."""
+        out = {
+            f"{prefix}plan/{k}/{b.plan.pick.label}@{b.plan.schedule}": float(b.predicted)
+            for k, b in self._buckets.items()
+        }
+        out[f"{prefix}replans"] = float(self.replans)
+        out[f"{prefix}plan_drift"] = float(self.drift)
+        return out
+
+    def summary(self) -> str:
+        """The picks, shortest: ``dynamiq@ring`` or ``0: bf16@ring, 1: dynamiq@ring``."""
+        picks = {f"{b.plan.pick.label}@{b.plan.schedule}" for b in self._buckets.values()}
+        if len(picks) <= 1:
+            return next(iter(picks), "nothing planned")
+        return ", ".join(
+            f"{k}: {b.plan.pick.label}@{b.plan.schedule}" for k, b in self._buckets.items()
+        )

@@ -47,6 +47,7 @@ from hopq.comm import shutdown
 from hopq.comm.collectives import all_reduce
 from hopq.comm.engine import RunStats
 from hopq.comm.layout import resolve_spec
+from hopq.comm.plan import AutoPlanner
 from hopq.comm.topology import get_schedule
 from hopq.comm.transport import carrier, device_backend, group_timeout
 from hopq.errors import HookNotEngagedWarning
@@ -79,9 +80,16 @@ class HookState(CallRecords):
     training goes on warns with :class:`hopq.HookNotEngagedWarning`.
 
     Args:
-        codec: A registered name (built with ``codec_config``) or a
-            :class:`hopq.Codec` instance.
-        topology: The schedule, as in :func:`hopq.all_reduce`.
+        codec: A registered name (built with ``codec_config``), a
+            :class:`hopq.Codec` instance, or ``"auto"``: the first buckets probe
+            the link and every rank plans the same codec, budget and topology
+            per bucket (with ``layout``, also flat or two-tier), re-planned
+            when the measured times drift from the prediction; the picks are
+            in :meth:`step_metrics` (``hopq/plan/...``) and logged once
+            (docs/plan.md). Every rank must pass ``"auto"`` then, or all raise
+            :class:`hopq.MismatchError`.
+        topology: The schedule, as in :func:`hopq.all_reduce` (with
+            ``"auto"``: planned).
         process_group: The DDP model's group (None: the default group),
             resolved at the first call, so the state can be built before
             ``init_process_group``. The hook averages over it, whatever group
@@ -161,6 +169,17 @@ class HookState(CallRecords):
             raise TypeError(
                 "HookState takes the process group as process_group= (DDP's name), not group="
             )
+        #: codec="auto": the planner of every bucket's codec (None otherwise);
+        #: ``codec`` is then a stand-in (fp32) that no bucket runs.
+        self.auto: AutoPlanner | None = None
+        if isinstance(codec, str) and codec.strip().lower() == "auto":
+            if codec_config:
+                raise TypeError(
+                    f"HookState(codec='auto') plans the codec's options itself; got "
+                    f"{sorted(codec_config)} (hopq.comm.plan.AUTO_OVERRIDES changes what it assumes)"
+                )
+            self.auto = AutoPlanner(resolve_spec(layout), "HookState")
+            codec = "fp32"
         self.codec = get_codec(codec, **codec_config)
         self._said_optimizer_unused = False
         #: The optimizer whose state the codec reads before each bucket (codecs
@@ -530,11 +549,16 @@ def _reduce(
             state.exact_seconds += time.perf_counter() - t0
     # the bucket index names the bucket from step to step (DynamiQ shares the
     # step's bit budget across buckets by it)
+    codec, topology, layout = state.codec, state.topology, state.layout
+    if state.auto is not None:  # codec="auto": this bucket's plan (docs/plan.md)
+        codec, topology, layout = state.auto.pick(buf, group, index)
     info = all_reduce(
-        buf, state.codec, state.topology, "avg", group, state.seed, index,
-        timeout=state.timeout, gather_codec=state.gather_codec, layout=state.layout,
+        buf, codec, topology, "avg", group, state.seed, index,
+        timeout=state.timeout, gather_codec=state.gather_codec, layout=layout,
         intra_codec=state.intra_codec,
     )  # fmt: skip
+    if state.auto is not None:
+        state.auto.observe(index, info.seconds)
     info.seconds += t_thr  # codec work: seconds - comm_seconds
     info.cpu_seconds += c_thr
     err = ref = uerr = uref = 0.0

@@ -60,6 +60,7 @@ from hopq.codecs.registry import get_codec
 from hopq.comm.collectives import Op, reduce_scatter_with_stats
 from hopq.comm.engine import RunStats
 from hopq.comm.layout import resolve_spec
+from hopq.comm.plan import AutoPlanner
 from hopq.comm.topology import get_schedule
 from hopq.integrations.records import (
     CallRecords,
@@ -136,6 +137,8 @@ class _Shared(CallRecords):
         #: The two-tier layout and intra-node codec (set by FSDPReduceScatter).
         self.layout: Any = None
         self.intra_codec: str | Codec[Any] = "fp32"
+        #: codec="auto"'s planner (None: the codec above runs every call).
+        self.auto: AutoPlanner | None = None
         self._init_records()
 
 
@@ -150,9 +153,15 @@ class FSDPReduceScatter(_ReduceScatterBase):
     that bf16 is 16. Needs torch >= 2.9 (``FSDPModule.set_custom_reduce_scatter``).
 
     Args:
-        codec: A registered name (built with ``codec_config``) or a
-            :class:`hopq.Codec` instance, as in :func:`hopq.all_reduce`.
-        topology: The schedule, as in :func:`hopq.all_reduce`.
+        codec: A registered name (built with ``codec_config``), a
+            :class:`hopq.Codec` instance, as in :func:`hopq.all_reduce`, or
+            ``"auto"``: the first reduce-scatter probes the link and every rank
+            plans the same codec, budget and topology per module's size,
+            re-planned when the measured times drift from the prediction (as
+            :class:`hopq.HookState` does; docs/plan.md). Every rank must pass
+            ``"auto"`` then, or all raise :class:`hopq.MismatchError`.
+        topology: The schedule, as in :func:`hopq.all_reduce` (with
+            ``"auto"``: planned).
         seed: Seeds the RNG of stochastic codecs; the same on every rank.
         timeout: Seconds to wait for a peer; None: the group's own timeout.
         key: The calls' key when this object is set on one module by hand
@@ -221,6 +230,16 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 "optimizer, not both"
             )
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
+        planner = None
+        if isinstance(codec, str) and codec.strip().lower() == "auto":
+            if codec_config or optimizer is not None:
+                raise ValueError(
+                    "FSDPReduceScatter(codec='auto') plans the codec itself: pass no codec "
+                    "options and no optimizer (hopq.comm.plan.AUTO_OVERRIDES changes what it "
+                    "assumes)"
+                )
+            planner = AutoPlanner(spec, "FSDPReduceScatter")
+            codec = "fp32"  # a stand-in: every call runs its plan's codec
         c = get_codec(codec, **codec_config)
         unused = reads_no_optimizer(c) if optimizer is not None else None
         if unused:  # accepted and ignored, as HookState does: said once
@@ -261,6 +280,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         )
         #: The two-tier layout (None, "auto" or a NodeLayout) and intra-node codec.
         self._shared.layout, self._shared.intra_codec = spec, intra_codec
+        self._shared.auto = planner
         self.key = None if key is None else check_int("key", key, lo=0)
         self._module: FSDPModule | None = None
 
@@ -371,11 +391,16 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 else self._set_step_weights
             )
             gathered = exchange(output_tensor.numel(), group, input_tensor.device)
+        codec, topology, layout = shared.codec, shared.topology, shared.layout
+        if shared.auto is not None:  # codec="auto": this module's plan (docs/plan.md)
+            codec, topology, layout = shared.auto.pick(input_tensor, group, self.key)
         shard, info = reduce_scatter_with_stats(
-            input_tensor, shared.codec, shared.topology, op, group, shared.seed,
-            key=self.key, timeout=shared.timeout, shards="equal", layout=shared.layout,
+            input_tensor, codec, topology, op, group, shared.seed,
+            key=self.key, timeout=shared.timeout, shards="equal", layout=layout,
             intra_codec=shared.intra_codec,
         )  # fmt: skip
+        if shared.auto is not None:
+            shared.auto.observe(self.key, info.seconds)
         info.stats_bytes += gathered
         with torch.no_grad():
             output_tensor.copy_(shard.view(output_tensor.shape))

@@ -250,7 +250,9 @@ class CallRecords:
             ``inter_bits_per_coordinate`` when the calls were two-tier
             (``layout=``): what the network between nodes carried.
             ``bits_per_coordinate`` is NaN for a step without calls (a
-            gradient-accumulation micro-step).
+            gradient-accumulation micro-step). With ``codec="auto"`` also
+            ``plan/<key>/<codec>@<schedule>`` per bucket (the value: its
+            predicted seconds), ``replans`` and ``plan_drift``.
 
         Example:
             ```python
@@ -259,7 +261,11 @@ class CallRecords:
             wandb.log(state.step_metrics())  # {"hopq/bits_per_coordinate": 4.9, ...}
             ```
         """
-        return self.pop_step().as_dict(prefix)
+        out = self.pop_step().as_dict(prefix)
+        planner = getattr(self, "auto", None)  # codec="auto"'s picks
+        if planner is not None:
+            out.update(planner.metrics(prefix))
+        return out
 
 
 def reads_no_optimizer(codec: Any) -> str | None:

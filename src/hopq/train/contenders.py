@@ -1,9 +1,11 @@
 """What ``hopq train`` compares: hopq's codecs and what PyTorch users already have.
 
-A contender is a hopq codec name (``dynamiq``, ``bf16``, ...), the same with
-``@hier`` (``dynamiq@hier``: hopq's two-tier all-reduce over the job's nodes, exact
-inside a node and the codec between nodes), or one of torch's own options, named
-``torch:...``:
+A contender is a hopq codec name (``dynamiq``, ``bf16``, ...), ``auto`` among
+other names (``HookState(codec="auto")``: the planner picks per bucket from a
+probe of the link; the report names its picks; ``auto`` alone means the default
+set of contenders), the same with ``@hier`` (``dynamiq@hier``: hopq's two-tier
+all-reduce over the job's nodes, exact inside a node and the codec between
+nodes), or one of torch's own options, named ``torch:...``:
 
 * ``torch:ddp``: DDP's built-in fp32 all-reduce (no hook);
 * ``torch:fp16``: torch's ``fp16_compress_hook`` (its bf16 hook refuses CPU);
@@ -46,6 +48,14 @@ POWERSGD_RANK = 4
 
 #: The suffix of a hopq contender that runs the two-tier all-reduce.
 HIER = "@hier"
+#: The contender that plans its codec (``HookState(codec="auto")``) when named
+#: among others; alone, ``auto`` is the default set of contenders.
+AUTO = "auto"
+
+
+def is_auto(name: str) -> bool:
+    """Whether a contender plans its codec (``auto``, ``auto@hier``)."""
+    return codec_of(name) == AUTO
 
 
 def is_torch(name: str) -> bool:
@@ -63,7 +73,8 @@ def is_hierarchical(name: str) -> bool:
 
 def contender_choices() -> list[str]:
     codecs = codec_choices()
-    return [*codecs, *(f"{c}{HIER}" for c in codecs if c not in ("auto", "all")), *TORCH_CONTENDERS]
+    hier = [f"{c}{HIER}" for c in codecs if c != "all"]
+    return [*codecs, *hier, *TORCH_CONTENDERS]
 
 
 def _refusal(codec: str, topology: str) -> str | None:
@@ -84,7 +95,8 @@ def resolve_contenders(names: Sequence[str], topology: str = "ring") -> list[str
     for c in names:
         if is_torch(c) and c not in TORCH_CONTENDERS:
             raise ValueError(f"unknown contender {c!r}; torch's are {', '.join(TORCH_CONTENDERS)}")
-    for c in resolve_codecs([codec_of(c) for c in names if not is_torch(c)]):  # unknown raise
+    named = [codec_of(c) for c in names if not is_torch(c) and not is_auto(c)]
+    for c in resolve_codecs(named) if named else []:  # unknown raise
         why = _refusal(c, topology)
         if why:
             raise ValueError(why)
@@ -253,6 +265,14 @@ class Sync:
         self.counter: ByteCounter | None = None
         self.clock = BucketClock()
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
+        if is_auto(name):  # the planner's picks, per bucket, from a probe of the link
+            self.state = HookState(
+                codec="auto", topology=topology, seed=seed,
+                layout="auto" if is_hierarchical(name) else None,
+            )  # fmt: skip
+            self.state.error_optimizer = optimizer
+            ddp.register_comm_hook(self.state, self.clock.wrap(ddp_hook))
+            return
         if not is_torch(name):
             codec = get_codec(codec_of(name), **codec_config)
             # optimizer-aware codecs (GComp) get the job's optimizer, unless their

@@ -68,6 +68,7 @@ from hopq.train.contenders import (
     Sync,
     codec_of,
     contender_choices,
+    is_auto,
     is_hierarchical,
     is_torch,
     resolve_contenders,
@@ -246,7 +247,7 @@ class TrainOptions:
         """The options given for ``codec``, validated by building it once."""
         from hopq.codecs.registry import get_codec
 
-        if is_torch(codec):
+        if is_torch(codec) or is_auto(codec):
             return {}
         kw = {name: value for c, name, value in self.codec_options if c == codec_of(codec)}
         get_codec(codec_of(codec), **kw)
@@ -401,6 +402,9 @@ def worker(rank: int, n: int, o: TrainOptions, contenders: list[str]) -> list[Co
         bar.close()
     for lane in lanes:
         lane.run.bucket_bytes = bucket_bytes(lane.ddp)
+        planner = lane.sync.state.auto if lane.sync.state is not None else None
+        if planner is not None:  # the report names what codec="auto" picked
+            lane.run.codec = f"{lane.name} ({planner.summary()})"
     return [lane.run for lane in lanes]
 
 

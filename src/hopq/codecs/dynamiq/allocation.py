@@ -42,6 +42,42 @@ def allocate(
     return width
 
 
+def uniform_width(
+    cfg: DynamiQConfig, numel: int, spans: list[int] | None = None, stats_weight: float = 1.0
+) -> int | None:
+    """The widest of ``cfg.widths`` that the configured budget affords every
+    super-group of a call of ``numel`` entries (the last one's padding and the
+    statistics, times ``stats_weight``, included), or None where not even the
+    narrowest does. ``spans``: the sizes of the pieces whose super-groups start
+    at their own start (a call over rank shards), else the call is one."""
+    S = cfg.supergroup_size
+    m = sum(-(-k // S) for k in (spans if spans is not None else [numel]))
+    fit = [
+        w
+        for w in cfg.widths
+        if m * (cfg.sg_bits(w) + stats_weight * STATS_BITS) <= cfg.budget * numel
+    ]
+    return fit[-1] if fit else None
+
+
+def starved(
+    cfg: DynamiQConfig, numel: int, spans: list[int] | None = None, stats_weight: float = 1.0
+) -> bool:
+    """Whether a call of ``numel`` entries is too small for DynamiQ: its padding
+    and statistics leave the budget unable to give every super-group the width
+    that a large call gives each (4 bits at the default 5-bit budget). Such a
+    call would code some super-groups of full energy with 2-bit codes (vNMSE
+    about 3 on them): 1.1 at 769 entries, 0.83 at 1,025, 0.24 at 1,100, against
+    0.04 at 1,150 and beyond (4 ranks, ring, i.i.d. Gaussians; docs/codecs/dynamiq.md).
+    From the size and the configuration alone: every rank decides alike."""
+    if numel <= 0:
+        return False
+    S = cfg.supergroup_size
+    large = [w for w in cfg.widths if cfg.sg_bits(w) + stats_weight * STATS_BITS <= cfg.budget * S]
+    small = uniform_width(cfg, numel, spans, stats_weight)
+    return small is None or (bool(large) and small < large[-1])
+
+
 def heuristic(
     F: torch.Tensor, live: torch.Tensor, W: list[int], cost: dict[int, int], budget: float
 ) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from hopq.codecs.base import CodecConfig
 from hopq.numerics.levels import level_table
-from hopq.options import check_finite, check_int, coerce_enums, int_tuple, option
+from hopq.options import check_int, check_options, int_tuple, option
 
 SUPPORTED_WIDTHS = (2, 4, 8, 16)
 #: Bits of the statistics exchange per super-group: mean and sum of squares in bfloat16.
@@ -68,6 +68,12 @@ class Rounding(str, Enum):
     PATH = "path"
 
 
+def _eps_value(e: Any) -> float:
+    if isinstance(e, bool) or not isinstance(e, int | float):
+        raise TypeError(f"dynamiq: eps values must be numbers, got {e!r}")
+    return float(e)
+
+
 @dataclass(frozen=True)
 class DynamiQConfig(CodecConfig):
     """DynamiQ's knobs. The defaults are hopq's best measured configuration: the
@@ -80,14 +86,23 @@ class DynamiQConfig(CodecConfig):
     one option away: ``allocation="heuristic", widths=(2, 4, 8),
     zero_class=False, group_size=16`` (``PAPER``)."""
 
-    budget: float = option(5.0, "bits per coordinate, payload, scales and statistics included")
+    budget: float = option(
+        5.0, "bits per coordinate, payload, scales and statistics included", gt=0.0, hi=64.0
+    )
     widths: tuple[int, ...] = option(
-        (2, 4, 8, 16), "bit widths a super-group may get (subset of 2 4 8 16; the paper: 2 4 8)"
+        (2, 4, 8, 16),
+        "bit widths a super-group may get (subset of 2 4 8 16; the paper: 2 4 8)",
+        choices=SUPPORTED_WIDTHS,
     )
     group_size: int = option(
-        32, "entries per group (one scale each), a power of two (the paper: 16)"
+        32,
+        "entries per group (one scale each), a power of two (the paper: 16)",
+        lo=1,
+        hi=MAX_SUPERGROUP,
     )
-    supergroup_size: int = option(256, "entries per super-group (one width each), a power of two")
+    supergroup_size: int = option(
+        256, "entries per super-group (one width each), a power of two", lo=1, hi=MAX_SUPERGROUP
+    )
     allocation: Allocation = option(
         Allocation.EXACT, "how widths are chosen from statistics (the paper: heuristic)"
     )
@@ -100,7 +115,9 @@ class DynamiQConfig(CodecConfig):
     )
     #: eps per width, as ((width, eps), ...); None: DEFAULT_EPS.
     eps: tuple[tuple[int, float], ...] | None = option(
-        None, "eps of the non-uniform levels per width, ((width, eps), ...)"
+        None,
+        "eps of the non-uniform levels per width, ((width, eps), ...)",
+        invalid=((4, -0.1),),
     )
     backend: Backend = option(Backend.AUTO, "implementation of encode/decode (same bits)")
     share_budget: bool = option(
@@ -113,9 +130,15 @@ class DynamiQConfig(CodecConfig):
         "update's error, not the gradient's (beyond the paper)",
     )
 
+    small_call_fallback: bool = option(
+        True,
+        "calls too small for the budget to give every super-group the width a large call "
+        "gets run bf16 (RunStats.fallback names it; docs/codecs/dynamiq.md); False: "
+        "DynamiQ at any size",
+    )
+
     def __post_init__(self) -> None:
-        coerce_enums(self, "dynamiq")
-        check_finite("dynamiq: budget", self.budget, positive=True)
+        check_options(self, "dynamiq")
         widths = tuple(sorted(set(int_tuple("dynamiq: widths", self.widths))))
         if not widths or any(w not in SUPPORTED_WIDTHS for w in widths):
             raise ValueError(
@@ -142,7 +165,10 @@ class DynamiQConfig(CodecConfig):
                 isinstance(p, tuple | list) and len(p) == 2 for p in self.eps
             ):
                 raise TypeError(f"dynamiq: eps must be ((width, eps), ...), got {self.eps!r}")
-            pairs = tuple((check_int("dynamiq: eps width", w), float(e)) for w, e in self.eps)
+            pairs = tuple((check_int("dynamiq: eps width", w), _eps_value(e)) for w, e in self.eps)
+            seen = [w for w, _ in pairs]
+            if len(set(seen)) != len(seen):
+                raise ValueError(f"dynamiq: eps names each width at most once, got widths {seen}")
             for w, e in pairs:
                 if w not in SUPPORTED_WIDTHS or not (math.isfinite(e) and e >= 0):
                     raise ValueError(

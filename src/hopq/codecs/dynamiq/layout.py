@@ -63,6 +63,11 @@ class DynamiQPlan(Plan):
     out: torch.Tensor | None = None
     prepared: set[int] = field(default_factory=set)
     finished: set[int] = field(default_factory=set)
+    #: The power of two the working vector is scaled by (``mu`` is already):
+    #: below 1 only where a super-group's values come near float32's limit
+    #: (:meth:`~hopq.codecs.dynamiq.codec.DynamiQ.plan`), so that no partial
+    #: sum of the working vector overflows; ``finish`` scales back.
+    prescale: float = 1.0
 
     def chunk_segments(self, chunk: int) -> tuple[tuple[Segment, ...], int]:
         """The segments of ``chunk`` and the reordered index of its first super-group."""

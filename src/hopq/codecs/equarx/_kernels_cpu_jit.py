@@ -49,6 +49,15 @@ def _scale(inb, k, sbytes, bits, fbits):
 
 
 @njit(inline="always")
+def _acc(a, v):
+    """a + v, saturated at +-float32's maximum where two finite terms overflow
+    (the reference's ``add_saturating``); NaN and Inf terms keep their sum."""
+    s = a + v
+    t = min(max(s, -_FMAX), _FMAX)
+    return t if (abs(a) < _INF and abs(v) < _INF) else s
+
+
+@njit(inline="always")
 def _decoded(code, f):
     """The reference's dequantization of an int8 code with factor A / 127."""
     v = np.float32(code) * f
@@ -189,11 +198,11 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb, el, q, table):
                 if el == INT8:
                     for i in range(L):
                         v = _decoded(np.int32(np.int8(codes[i])), f)
-                        dst[i] = v if mode == DECODE else dst[i] + v
+                        dst[i] = v if mode == DECODE else _acc(dst[i], v)
                 else:
                     for i in range(L):
                         v = _decoded8(table[codes[i]], f)
-                        dst[i] = v if mode == DECODE else dst[i] + v
+                        dst[i] = v if mode == DECODE else _acc(dst[i], v)
             else:
                 for r0 in range(0, L, C):
                     w = min(C, L - r0)
@@ -203,11 +212,11 @@ def hop(mode, n, M, S, block, sbytes, inb, local, outf, outb, el, q, table):
                     if el == INT8:
                         for c in range(w):
                             v = _decoded(np.int32(np.int8(codes[c])), fac[c])
-                            dst[c] = v if mode == DECODE else dst[c] + v
+                            dst[c] = v if mode == DECODE else _acc(dst[c], v)
                     else:
                         for c in range(w):
                             v = _decoded8(table[codes[c]], fac[c])
-                            dst[c] = v if mode == DECODE else dst[c] + v
+                            dst[c] = v if mode == DECODE else _acc(dst[c], v)
         if mode in (DECODE, DECODE_ACC):
             continue
         # -- encode: per column the largest finite |x| ------------------------

@@ -46,7 +46,11 @@ hopq's choices, where the paper says nothing (section IV leaves them open):
 * **Zero block** (A = 0): scale 0 and all codes 0, decoded as exact zeros.
 * **Finite in, finite out**: a finite absmax beyond the largest bfloat16
   (3.39e38) saturates the scale there (entries beyond it clip to +-127 codes);
-  a decoded value is clamped to the float32 range.
+  a decoded value is clamped to the float32 range, and so is a partial sum of
+  two finite terms (a decoded partial sum and the local chunk) that overflows:
+  with a sum of magnitudes just below float32's maximum, the quantization
+  error of a hop could otherwise carry it past the range into Inf, which the
+  next hop codes as non-finite (NaN).
 
 A payload whose scales are negative, NaN or Inf, or whose size differs from the
 plan's, raises :class:`hopq.PayloadError`.
@@ -80,7 +84,7 @@ from hopq.errors import PayloadError
 from hopq.kernels import CpuBackend, Mode, resolve
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.div import div, div_
-from hopq.options import changed_options, check_int, coerce_enums, option
+from hopq.options import changed_options, check_options, option
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 #: int8 codes are symmetric; -128 marks a non-finite entry.
@@ -123,9 +127,11 @@ class EQuARXConfig(CodecConfig):
     element: Element = option(Element.INT8, "element format")
     layout: Layout = option(Layout.STRIDED, "block geometry: the paper's strided blocks or runs")
     #: Fig. 7's block size.
-    block: int = option(64, "entries per scale")
+    block: int = option(64, "entries per scale", lo=1, hi=1 << 20)
     #: 8x128: the TPU register tile the paper's scales follow (section III-B).
-    scales: int = option(1024, "scales per minishard (strided layout): the tile size")
+    scales: int = option(
+        1024, "scales per minishard (strided layout): the tile size", lo=1, hi=1 << 16
+    )
     scale: ScaleFormat = option(ScaleFormat.BF16, "scale format ('none': naive FP8 cast)")
     backend: CpuBackend = option(
         CpuBackend.AUTO,
@@ -134,9 +140,7 @@ class EQuARXConfig(CodecConfig):
     )
 
     def __post_init__(self) -> None:
-        coerce_enums(self, "equarx")
-        check_int("equarx: block", self.block, lo=1, hi=1 << 20)
-        check_int("equarx: scales", self.scales, lo=1, hi=1 << 16)
+        check_options(self, "equarx")
         if self.scale is ScaleFormat.NONE and self.element is Element.INT8:
             raise ValueError("equarx: scale 'none' (the naive cast) needs an FP8 element")
         if self.layout is Layout.CONTIGUOUS and "scales" in changed_options(self):
@@ -270,7 +274,9 @@ class EQuARXCodec(Codec[Plan]):
             Mode.DECODE_ACC, acc.numel(), acc.device, payload=payload.contiguous(), local=acc
         )
         if not self._bad_scales(bad):
-            super().decode_accumulate(plan, payload, acc, ctx)
+            tmp = torch.empty_like(acc)
+            self.decode(plan, payload, ctx, tmp)
+            add_saturating(acc, tmp)
 
     def decode_accumulate_encode(
         self, plan: Plan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
@@ -424,6 +430,20 @@ class EQuARXCodec(Codec[Plan]):
         if adds is not None and adds > chain:
             err += (adds - chain) * 2.0**-23 * (top + err)
         return torch.full_like(abs_sum, err)
+
+
+def add_saturating(acc: torch.Tensor, v: torch.Tensor) -> None:
+    """``acc += v``, where two finite terms whose sum overflows saturate at
+    +-float32's maximum: a partial sum whose exact value is finite may exceed the
+    range by its quantization error, and an Inf there would come out as NaN (the
+    int8 code of a non-finite entry). NaN and Inf terms keep their sum. The
+    kernels' ``_acc`` does the same per entry."""
+    s = acc + v
+    over = torch.isinf(s)
+    if bool(over.any()):
+        over &= torch.isfinite(acc) & torch.isfinite(v)
+        s = torch.where(over, s.clamp(-_FLOAT_MAX, _FLOAT_MAX), s)
+    acc.copy_(s)
 
 
 @lru_cache(maxsize=8)

@@ -58,7 +58,7 @@ from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
 from hopq.kernels import CpuBackend, resolve
 from hopq.numerics.div import div_
-from hopq.options import check_int, coerce_enums, option
+from hopq.options import check_options, option
 
 Backend = CpuBackend  # auto: hopq.codecs.gcomp.kernels_cpu when numba is installed
 
@@ -67,22 +67,25 @@ Backend = CpuBackend  # auto: hopq.codecs.gcomp.kernels_cpu when numba is instal
 class GCompConfig(CodecConfig):
     #: 10: a 1024-entry lookup table (L1-resident); exponents of fp32 gradients
     #: concentrate on ~15-20 values, so codes over 10 bits are rare and cost 18.
-    n_theta: int = option(10, "escape threshold: longer exponent codes go as prefix + 8 raw bits")
-    rebuild_every: int = option(
-        50, "calls per key between code-table rebuilds (paper: 50; 0: build once)"
+    n_theta: int = option(
+        10, "escape threshold: longer exponent codes go as prefix + 8 raw bits", lo=4, hi=16
     )
-    chunk_values: int = option(1 << 16, "values per chunk inside a payload (own header each)")
+    rebuild_every: int = option(
+        50, "calls per key between code-table rebuilds (paper: 50; 0: build once)", lo=0
+    )
+    chunk_values: int = option(
+        1 << 16, "values per chunk inside a payload (own header each)", lo=1, hi=1 << 24
+    )
     fixed_level: int = option(
-        -1, "truncate every value at this level (0-3: 0/6/12/18 bits); -1: by the thresholds"
+        -1,
+        "truncate every value at this level (0-3: 0/6/12/18 bits); -1: by the thresholds",
+        lo=-1,
+        hi=3,
     )
     backend: Backend = option(Backend.AUTO, "kernels", choices=[b.value for b in Backend])
 
     def __post_init__(self) -> None:
-        check_int("gcomp: n_theta", self.n_theta, lo=4, hi=16)
-        check_int("gcomp: rebuild_every", self.rebuild_every, lo=0)
-        check_int("gcomp: chunk_values", self.chunk_values, lo=1, hi=1 << 24)
-        check_int("gcomp: fixed_level", self.fixed_level, lo=-1, hi=3)
-        coerce_enums(self, "gcomp")
+        check_options(self, "gcomp")
 
 
 @dataclass

@@ -84,7 +84,7 @@ from hopq.numerics.bitpack import pack_bits, packed_nbytes, sign_extend, unpack_
 from hopq.numerics.div import div
 from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
-from hopq.options import check_int, option
+from hopq.options import check_int, check_options, option
 
 #: Stream coordinates (chunk field of stream_key; distinct from real chunks).
 LINEAR_STREAM, EXP_STREAM = 0xFFFF3, 0xFFFF4
@@ -249,7 +249,7 @@ def _kernels(codec: str, backend: Backend, device: torch.device) -> GQSGDExpKern
 class GQSGDLinearConfig(CodecConfig):
     bits: int = option(8, "nominal bits per coordinate on the wire", choices=(8, 4))
     min_levels: int = option(
-        1, "fewest per-rank levels before the integer lane widens (8, then 16 bits)"
+        1, "fewest per-rank levels before the integer lane widens (8, then 16 bits)", lo=1
     )
     backend: Backend = option(
         Backend.AUTO,
@@ -258,9 +258,7 @@ class GQSGDLinearConfig(CodecConfig):
     )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "backend", Backend(self.backend))
-        if self.bits not in (4, 8):
-            raise ValueError(f"gqsgd-linear: bits must be 4 or 8, got {self.bits}")
+        check_options(self, "gqsgd-linear")
         check_int("gqsgd-linear: min_levels", self.min_levels, lo=1, hi=(1 << (self.bits - 1)) - 1)
 
 
@@ -531,7 +529,7 @@ class GQSGDExpConfig(CodecConfig):
     )
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "backend", Backend(self.backend))
+        check_options(self, "gqsgd-exp")
 
 
 @dataclass

@@ -49,7 +49,7 @@ from hopq.numerics import fp_formats as fpf
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
 from hopq.numerics.div import div, div_
-from hopq.options import check_finite, check_int, coerce_enums, option
+from hopq.options import check_options, option
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 
@@ -61,14 +61,24 @@ class ScaleFormat(str, Enum):
 
 @dataclass(frozen=True)
 class MXConfig(CodecConfig):
-    block: int = option(32, "elements sharing one scale (the OCP MX block is 32)")
+    block: int = option(32, "elements sharing one scale (the OCP MX block is 32)", lo=1, hi=1 << 20)
     scale: ScaleFormat = option(ScaleFormat.BF16, "scale format")
     #: Initial mu; None: the world size (the sum of n blocks then cannot overflow).
-    mu_init: float | None = option(None, "initial scale factor mu; default: the world size")
+    #: At least 1: below, a block's own maximum saturates (every round, until mu
+    #: has doubled back); at most 2^16 (the world size it serves): above, the
+    #: scales put most entries below the element format's smallest value, and the
+    #: output is zero while mu shrinks by 2^(-1/1000) per round.
+    mu_init: float | None = option(
+        None, "initial scale factor mu; default: the world size", lo=1.0, hi=float(1 << 16)
+    )
     #: FP8-LM: more than 0.001% saturated entries double mu.
-    overflow_threshold: float = option(1e-5, "saturated share above which mu doubles")
+    overflow_threshold: float = option(
+        1e-5, "saturated share above which mu doubles", lo=0.0, lt=1.0
+    )
     #: Otherwise mu shrinks by this factor per round (FP8-LM's 2^(-1/1000)).
-    shrink: float = option(2 ** (-1 / 1000), "per-round shrink factor of mu otherwise")
+    shrink: float = option(
+        2 ** (-1 / 1000), "per-round shrink factor of mu otherwise", gt=0.0, hi=1.0
+    )
     backend: CpuBackend = option(
         CpuBackend.AUTO,
         "implementation of encode, decode and the fused hop (same bits)",
@@ -76,18 +86,8 @@ class MXConfig(CodecConfig):
     )
 
     def __post_init__(self) -> None:
-        coerce_enums(self, "mx")
-        check_int("mx: block", self.block, lo=1, hi=1 << 20)
-        if self.mu_init is not None:
-            check_finite("mx: mu_init", self.mu_init, positive=True)
-        if not 0 <= check_finite("mx: overflow_threshold", self.overflow_threshold) < 1:
-            # negative: mu doubles every round; 1 or more: it never does
-            raise ValueError(
-                f"mx: overflow_threshold is a share of saturated entries in [0, 1), "
-                f"got {self.overflow_threshold}"
-            )
-        if not 0 < check_finite("mx: shrink", self.shrink) <= 1:
-            raise ValueError(f"mx: shrink must be in (0, 1], got {self.shrink}")
+        # overflow_threshold: negative, mu would double every round; 1 or more, never
+        check_options(self, "mx")
 
 
 @dataclass

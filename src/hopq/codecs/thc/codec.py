@@ -52,7 +52,7 @@ from hopq.numerics.blocks import n_blocks, pad_to_blocks
 from hopq.numerics.div import div, div_
 from hopq.numerics.fp_formats import keep_finite
 from hopq.numerics.rng import hash32, stream_key, uniform
-from hopq.options import check_int, coerce_enums, option
+from hopq.options import check_options, option
 
 #: Stream coordinates of THC's randomness (chunk field; distinct from real chunks).
 SIGN_STREAM, ROUND_STREAM = 0xFFFF0, 0xFFFF1
@@ -65,10 +65,12 @@ _FLOAT_MAX = float(torch.finfo(torch.float32).max)
 
 @dataclass(frozen=True)
 class THCConfig(CodecConfig):
-    q: int = option(4, "bits per quantized coordinate (levels -(2^(q-1)-1) .. 2^(q-1)-1)")
+    q: int = option(
+        4, "bits per quantized coordinate (levels -(2^(q-1)-1) .. 2^(q-1)-1)", lo=2, hi=8
+    )
     #: Lane width b; None: chosen from the world size (see the module docstring).
     lane_bits: int | None = option(
-        None, "integer lane width; default: the narrowest that cannot overflow"
+        None, "integer lane width; default: the narrowest that cannot overflow", choices=LANES
     )
     #: Hadamard block H (a power of two); small vectors use the largest power of
     #: two <= d / 16, so that padding to whole blocks stays small. Block j holds
@@ -76,7 +78,7 @@ class THCConfig(CodecConfig):
     #: whole vector: with one global scale, contiguous blocks of skewed gradients
     #: leave low-energy blocks with far more rounding noise than signal (measured
     #: on MiniLM gradients, n = 4: vNMSE 1.7 contiguous vs interleaved, README).
-    hadamard_block: int = option(1 << 16, "Hadamard block (a power of two)")
+    hadamard_block: int = option(1 << 16, "Hadamard block (a power of two)", lo=1, hi=1 << 24)
     backend: CpuBackend = option(
         CpuBackend.AUTO,
         "implementation of the signs, uniforms and Hadamard transform (same bits)",
@@ -84,11 +86,8 @@ class THCConfig(CodecConfig):
     )
 
     def __post_init__(self) -> None:
-        coerce_enums(self, "thc")
-        check_int("thc: q", self.q, lo=2, hi=8)
-        if self.lane_bits is not None and self.lane_bits not in LANES:
-            raise ValueError(f"thc: lane_bits must be one of {LANES}, got {self.lane_bits}")
-        h = check_int("thc: hadamard_block", self.hadamard_block, lo=1, hi=1 << 24)
+        check_options(self, "thc")
+        h = self.hadamard_block
         if h & (h - 1):
             raise ValueError(f"thc: hadamard_block must be a power of two, got {h}")
 

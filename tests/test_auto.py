@@ -1,0 +1,157 @@
+"""codec="auto" in the integrations: HookState and FSDPReduceScatter plan per
+bucket from an agreed probe, the same on every rank, log it once, report it in
+step_metrics and re-plan once on a forced drift; a rank in auto mode beside one
+with a named codec raises MismatchError on both; ``hopq train`` takes ``auto``
+as a contender."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import hopq
+from hopq.cluster.launch import run_workers
+
+#: The training step the workers are at (the patched timings read it).
+STEP = [0]
+
+
+def _keep_log() -> list[str]:
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(f"{record.levelname} {record.getMessage()}")
+
+    log = logging.getLogger("hopq")
+    log.addHandler(Keep(level=logging.INFO))
+    log.setLevel(logging.INFO)
+    return records
+
+
+def _forced_timings(drift_at: int) -> None:
+    """Every call takes 10 ms, 30 ms from step ``drift_at`` on: the same on
+    every rank and free of the machine's noise."""
+    from hopq.comm import plan as pm
+
+    real = pm.AutoPlanner.observe
+
+    def observe(self: Any, key: Any, seconds: float) -> None:
+        real(self, key, 0.01 * (3.0 if STEP[0] >= drift_at else 1.0))
+
+    pm.AutoPlanner.observe = observe  # type: ignore[method-assign]
+
+
+def ddp_worker(rank: int, n: int, steps: int, drift_at: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hopq.comm import plan as pm
+
+    records = _keep_log()
+    _forced_timings(drift_at)
+    pm.AUTO_OVERRIDES["inter_gbit"] = 0.05  # a slow link: the large buckets compress
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = hopq.HookState(codec="auto")
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    metrics = []
+    for s in range(steps):
+        STEP[0] = s
+        loss = (ddp(torch.randn(16, 64, generator=g)) - 1).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        metrics.append(state.step_metrics())
+    state.close()
+    assert state.auto is not None
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "metrics": metrics,
+        "replans": state.auto.replans,
+        "summary": state.auto.summary(),
+        "log": [m for m in records if "codec='auto'" in m],
+    }
+
+
+def test_hook_auto_on_gloo_ranks() -> None:
+    res = run_workers(2, ddp_worker, 12, 5, timeout=300)
+    a, b = res
+    for p, q in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(p, q)  # the same plan and bits on both ranks
+    assert a["summary"] == b["summary"] and a["summary"] != "nothing planned"
+    for r in res:
+        last = r["metrics"][-1]
+        plans = [k for k in last if k.startswith("hopq/plan/")]
+        assert plans and all("@" in k for k in plans)
+        assert last["hopq/replans"] == 1.0  # one re-plan for one forced drift
+        assert r["replans"] == 1
+        info = [m for m in r["log"] if m.startswith("INFO")]
+        assert sum("re-planning" in m for m in info) == 1
+        assert "probed" in info[0]  # the plan, in one line, at the first step's end
+    assert a["metrics"][-1].keys() == b["metrics"][-1].keys()
+
+
+def mixed_worker(rank: int, n: int) -> dict[str, Any]:
+    x = torch.ones(1000)
+    try:
+        hopq.all_reduce(x, codec="auto" if rank == 0 else "dynamiq")
+        raised = ""
+    except hopq.MismatchError as e:
+        raised = str(e)
+    y = torch.ones(10)
+    hopq.all_reduce(y, codec="bf16")  # the group is still usable
+    return {"raised": raised, "y": y}
+
+
+def test_auto_beside_a_named_codec_raises_on_every_rank() -> None:
+    res = run_workers(2, mixed_worker, timeout=120)
+    assert all(r["raised"] for r in res)
+    assert "codec='auto'" in res[0]["raised"]
+    assert all(torch.equal(r["y"], torch.full((10,), 2.0)) for r in res)
+
+
+def fsdp_worker(rank: int, n: int, steps: int) -> dict[str, Any]:
+    from tests.workers_fsdp import build, train
+
+    records = _keep_log()
+    model = build(n)
+    comm = hopq.FSDPReduceScatter("auto")
+    comm.install(model)
+    out = train(model, rank, steps, comm)
+    return {
+        "params": out["params"],
+        "metrics": comm.step_metrics(),
+        "log": [m for m in records if "codec='auto'" in m],
+    }
+
+
+def test_fsdp_auto_on_gloo_ranks() -> None:
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    a, b = run_workers(2, fsdp_worker, 3, timeout=300)
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k])
+    plans = [k for k in a["metrics"] if k.startswith("hopq/plan/")]
+    assert plans and plans == [k for k in b["metrics"] if k.startswith("hopq/plan/")]
+    assert sum(m.startswith("INFO") for m in a["log"]) == 1
+
+
+def test_train_takes_auto_as_a_contender() -> None:
+    from hopq.train.contenders import is_auto, resolve_contenders
+    from hopq.train.job import TrainOptions
+
+    names = ("torch:fp16", "auto", "dynamiq", "bf16")
+    o = TrainOptions(codecs=names)
+    assert o.resolved_codecs() == list(names)
+    assert o.codec_config("auto") == {}
+    assert is_auto("auto") and not is_auto("dynamiq")
+    assert "torch:ddp" in resolve_contenders(("auto",))  # alone: the default set
+    with pytest.raises(TypeError, match="plans the codec"):
+        hopq.HookState(codec="auto", budget=4)
+    assert hopq.HookState(codec="auto").auto is not None
