@@ -193,7 +193,7 @@ def agree(
     diffs = []
     for i, field in enumerate(FIELDS):
         values = [p[i] for p in prints]
-        if len(set(values)) > 1:
+        if len(set(values)) > 1 and field != "call":  # the call: below
             groups: dict[int, list[int]] = {}
             for rank, v in enumerate(values):
                 groups.setdefault(v, []).append(rank)
@@ -203,6 +203,16 @@ def agree(
             )
             shown = _show(field, values)
             diffs.append(f"{field} ({split}{shown})")
+    calls = [p[0] for p in prints]
+    if len(set(calls)) > 1:
+        # a rank made a call its peers did not (or skipped one): say who is where,
+        # and number the next call alike on every rank, so that the group stays usable
+        at = "; ".join(
+            f"{'ranks ' + ','.join(map(str, g)) if len(g) > 1 else f'rank {g[0]}'} at call {c}"
+            for c, g in _groups(calls).items()
+        )
+        diffs.insert(0, f"the call's number on this group ({at})")
+        transport.calls = max(transport.calls, *calls)
     if diffs:
         raise MismatchError(
             f"rank {transport.rank}: the ranks disagree about {where.what} (call "
@@ -221,6 +231,13 @@ def agree(
             )
         out.append(b[8 * k + 8 : 8 * k + 8 + n].clone())
     return out, got
+
+
+def _groups(values: list[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(v, []).append(rank)
+    return groups
 
 
 def _show(field: str, values: list[int]) -> str:

@@ -235,11 +235,15 @@ def all_reduce(
         from hopq.comm.plan import auto
 
         codec, topology, layout = auto(tensor, group, layout)
-    call = check_call(
-        tensor, codec, topology, op, seed, key, timeout, gather_codec,
-        microshards=microshards, pipeline=pipeline,
-    )  # fmt: skip
-    spec, intra = check_layout(tensor, layout, intra_codec)
+    try:
+        call = check_call(
+            tensor, codec, topology, op, seed, key, timeout, gather_codec,
+            microshards=microshards, pipeline=pipeline,
+        )  # fmt: skip
+        spec, intra = check_layout(tensor, layout, intra_codec)
+    except Exception:
+        _refused(group, timeout, "all_reduce")
+        raise
     transport = _transport(group)
     flat = tensor.detach().reshape(-1)  # a view when contiguous: then the work can be in place
     in_place = tensor.is_contiguous()
@@ -383,32 +387,45 @@ def reduce_scatter_with_stats(
 ) -> tuple[torch.Tensor, engine.RunStats]:
     """:func:`reduce_scatter`, and this rank's statistics (bits per coordinate of
     a reduce-scatter count (n-1)/n x d coordinates, so that bf16 is 16)."""
-    call = check_call(tensor, codec, topology, op, seed, key, timeout, gather=False)
-    spec, intra = check_layout(tensor, layout, intra_codec)
-    if spec is not None:
-        if shards == "topology":
+    try:
+        call = check_call(tensor, codec, topology, op, seed, key, timeout, gather=False)
+        spec, intra = check_layout(tensor, layout, intra_codec)
+        if spec is not None and shards == "topology":
             raise ValueError(
                 "a two-tier reduce-scatter (layout=) takes shards='equal' or n + 1 offsets, "
                 "not 'topology'"
             )
+        if spec is None and shards == "topology" and not call.codec.layout_preserving:
+            raise ValueError(
+                f"codec {call.codec.name!r} permutes the vector across chunks, so a rank's "
+                "shard of the caller's layout is spread over other ranks' chunks; use "
+                "shards='equal' (every codec works there) or all_reduce"
+            )
         transport = _transport(group)
         bounds = resolve_shards(shards, tensor.numel(), transport.world_size)
+    except Exception:
+        _refused(group, timeout, "reduce_scatter")
+        raise
+    if spec is not None:
         out, stats = hierarchy.reduce_scatter(
             replace(call, shards=bounds), tensor.detach().reshape(-1), transport, spec, intra
         )
         return out.to(tensor.dtype), stats
-    if shards == "topology" and not call.codec.layout_preserving:
-        raise ValueError(
-            f"codec {call.codec.name!r} permutes the vector across chunks, so a rank's shard of "
-            "the caller's layout is spread over other ranks' chunks; use shards='equal' "
-            "(every codec works there) or all_reduce"
-        )
-    transport = _transport(group)
-    bounds = resolve_shards(shards, tensor.numel(), transport.world_size)
     y, stats = engine.run(replace(call, shards=bounds), tensor.detach().reshape(-1), transport)
     if not stats.owned:
         return tensor.new_empty(0), stats
     return torch.cat([y[s:e] for s, e in stats.owned]).to(tensor.dtype), stats
+
+
+def _refused(group: torch.distributed.ProcessGroup | None, timeout: Any, what: str) -> None:
+    """A call refused on this rank before anything was sent still counts on its
+    group and tells the peers (:func:`hopq.comm.engine.refuse`): it never pairs
+    with their next call. Nothing to tell without a process group."""
+    try:
+        transport = _transport(group)
+    except Exception:  # noqa: BLE001 - no group (or not one): nobody to tell
+        return
+    engine.refuse(transport, timeout, what)
 
 
 def resolve_shards(

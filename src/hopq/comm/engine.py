@@ -151,9 +151,6 @@ class RunStats:
         tiers: A two-tier call's tiers (``hopq.all_reduce(layout=...)``):
             ``"intra"`` and ``"inter"``, each a RunStats of its own group;
             empty for a flat call.
-        fallback: The codec that ran the call in place of the call's own,
-            which cannot serve its size (DynamiQ below a few super-groups runs
-            ``"bf16"``), or None.
 
     Example:
         >>> import torch, hopq
@@ -195,10 +192,6 @@ class RunStats:
     #: "inter": the all-reduce between nodes), each with its own group size and
     #: coordinates; empty for a flat call.
     tiers: dict[str, RunStats] = field(default_factory=dict)
-    #: The codec that ran this call in place of the call's own, which cannot
-    #: serve its size (``Codec.small_call_codec``: DynamiQ below a few
-    #: super-groups runs bf16), or None; its bytes are the ones counted.
-    fallback: str | None = None
 
     @property
     def inter_bits_per_coord(self) -> float:
@@ -573,7 +566,7 @@ class _Hops:
                 total = sum(bounds)
                 bufs = [
                     self.transport.buffer(nb, self.device)
-                    for nb in framing.expect(len(t.chunks), total)
+                    for nb in framing.expect(len(t.chunks), total, self.transport.short_messages)
                 ]
                 where = self.where(s, j, t.phase)
                 _, handles = self.transport.post([], [(t.src, b) for b in bufs], where)
@@ -746,7 +739,13 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
     """
     t_start = time.perf_counter()
     cpu_start = time.thread_time()
-    r = _resolve(call, x, transport)
+    calls = transport.calls
+    try:
+        r = _resolve(call, x, transport)
+    except Exception:
+        if transport.calls == calls:  # refused before it was numbered
+            refuse(transport, call.timeout, f"all_reduce({call.codec.name})")
+        raise
     agreed = _agreement(r)
     stats, plan, gplan = _plan(r, agreed)
     st = _stages(r, plan, gplan)
@@ -797,11 +796,6 @@ def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
     """Check the call against the input and settle what the engine runs: refusals
     raise here, before the transport numbers the call."""
     codec, gcodec = call.codec, call.stage_codec
-    # a codec that cannot serve this size names one that can, for the whole call
-    # (from the size alone: every rank decides alike, and agrees on it below)
-    fallback = codec.small_call_codec(x.numel(), call.key, call.shards, 2 if call.gather else 1)
-    if fallback is not None:
-        codec = gcodec = fallback
     n = transport.world_size
     schedule = get_schedule(call.topology, n)
     if gcodec is not codec and not gcodec.gather_stage:
@@ -825,7 +819,8 @@ def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
         in_place = True  # our own copy
     for c in {id(codec): codec, id(gcodec): gcodec}.values():
         c.warm_up(x.device)  # compiling does not count against the timeout
-    number = transport.next_call()
+    deadline = Deadline(transport.call_timeout(call.timeout))
+    number = transport.next_call(deadline)
     u = (
         call.microshards
         if call.microshards is not None
@@ -847,16 +842,54 @@ def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
         op_name=ReduceOp(call.op).value if premul is None else f"premul_sum({premul!r})",
         number=number,
         label=f"{kind}({codec.name}, {schedule.topology}, key={call.key})",
-        deadline=Deadline(transport.call_timeout(call.timeout)),
+        deadline=deadline,
         u=u,
         info=RunStats(
-            transport.rank,
-            n,
-            x.numel(),
-            hops_per_chunk=max(schedule.compression_chains()),
-            fallback=None if fallback is None else fallback.name,
+            transport.rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains())
         ),
     )
+
+
+def refuse(transport: Transport, timeout: float | None, what: str) -> None:
+    """This rank refused a call before its agreement (its arguments): number it,
+    as the peers number the call they make, and tell them in the agreement's
+    place (a failure notice where the fingerprint goes), so that their call
+    raises TransportError naming this rank at once, and this rank's next call
+    pairs with their next call. Nothing waits here: the notices and the
+    receives of the peers' agreement messages (dropped) complete at this
+    transport's next call (:meth:`~hopq.comm.transport.Transport.next_call`).
+    Beyond :data:`~hopq.comm.transport.DIRECT_EXCHANGE_MAX` ranks (where the
+    agreement is an all-gather) only the number counts. Best effort."""
+    ok = isinstance(timeout, int | float) and 0 < timeout < float("inf")
+    try:
+        deadline = Deadline(transport.call_timeout(timeout if ok else None))
+        number = transport.next_call(deadline)
+    except Exception:  # noqa: BLE001 - the refusal's own error is what the caller sees
+        return
+    n = transport.world_size
+    if n == 1 or n > DIRECT_EXCHANGE_MAX:
+        return
+    where = Where(f"{what} refused on rank {transport.rank}", number, -1000, 0, "agreement")
+    block = 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
+    bound = block + TAIL_BYTES if tails_ride(transport) else block
+    header = framing.frame(where, [0], framing.SENDER_FAILED)
+    sends: list[tuple[int, torch.Tensor]] = []
+    recvs: list[tuple[int, torch.Tensor]] = []
+    for q in range(n):
+        if q != transport.rank:
+            sends += [
+                (q, p) for p in framing.pack(header, None, bound, not transport.short_messages)
+            ]
+            recvs += [
+                (q, torch.empty(nb, dtype=torch.uint8))
+                for nb in framing.expect(1, bound, transport.short_messages)
+            ]
+    try:
+        with transport.batch():
+            sh, rh = transport.post(sends, recvs, where)
+    except Exception:  # noqa: BLE001 - a peer is gone: its own call fails anyway
+        return
+    transport.owed += [(h, where) for h in [*rh, *sh]]
 
 
 def _agreement(r: _Resolved) -> _Agreement:
@@ -1004,7 +1037,9 @@ def _recv_bytes(st: _Hops, active: list[int]) -> int:
     for s in active:
         for t in st.schedule.recvs(st.rank, s):
             for j in range(st.u):
-                for nb in framing.expect(len(t.chunks), sum(st.bound(t, j))):
+                for nb in framing.expect(
+                    len(t.chunks), sum(st.bound(t, j)), st.transport.short_messages
+                ):
                     total += (nb + 63) // 64 * 64
     return total
 

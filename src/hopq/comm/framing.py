@@ -19,6 +19,16 @@ they are counted apart (``RunStats.frame_bytes``), not in bits per coordinate.
 Small bodies travel in one message with their header; bodies over
 :data:`COALESCE_BYTES` (by the receiver's bound) as a second message, so that
 large payloads are not copied.
+
+A receiver never aborts on what a peer sends, within a margin: on transports
+whose receives take shorter messages (Gloo, the simulator) every receive is
+posted :func:`slack` bytes larger than the bound, so that a longer message (a
+peer whose plan differs, or a sender that is not hopq) still lands in the
+buffer, and :func:`check` raises :class:`~hopq.PayloadError` naming the peer
+when the header states more than the bound. Posting a larger receive costs no
+time (Gloo copies what arrives); the receive arena grows by the margin. A
+message longer than bound + slack still ends the process in Gloo (it aborts on
+a message longer than the posted receive, which no caller can catch).
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hopq.errors import TransportError
+from hopq.errors import PayloadError, TransportError
 
 #: "hopq" in the header's first word.
 MAGIC = 0x686F7071
@@ -42,6 +52,19 @@ OK, SENDER_FAILED = 0, 1
 COALESCE_BYTES = 1 << 20
 #: Steps are numbered step * MICRO + microshard in headers.
 MICRO = 1 << 20
+
+
+#: The least extra room of a receive over its bound (:func:`slack`): a peer's
+#: message up to this much longer (4 KiB longer at 130 KiB in a bf16 call, say)
+#: raises PayloadError rather than Gloo's abort.
+SLACK_MIN = 64 << 10
+#: Beyond SLACK_MIN, a receive's extra room is this share of its bound (1/8).
+SLACK_SHIFT = 3
+
+
+def slack(bound: int) -> int:
+    """Extra bytes a receive for a body of ``bound`` bytes is posted with."""
+    return max(SLACK_MIN, bound >> SLACK_SHIFT)
 
 
 def header_words(parts: int) -> int:
@@ -112,16 +135,20 @@ def pack(
     return [header.to(body.device), body]
 
 
-def expect(parts: int, bound: int) -> list[int]:
-    """Byte sizes of the receives matching :func:`pack` for a body bound."""
+def expect(parts: int, bound: int, room: bool = True) -> list[int]:
+    """Byte sizes of the receives matching :func:`pack` for a body bound, each
+    with :func:`slack` bytes of extra room where ``room`` (transports whose
+    receives take shorter messages; NCCL's need the exact size)."""
     h = header_nbytes(parts)
-    return [h + bound] if bound <= COALESCE_BYTES else [h, bound]
+    extra = slack(bound) if room else 0
+    return [h + bound + extra] if bound <= COALESCE_BYTES else [h, bound + extra]
 
 
 def unpack(
     received: list[torch.Tensor], parts: int, bound: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header words, body buffer of ``bound`` bytes) from the received parts."""
+    """(header words, body buffer of at least ``bound`` bytes) from the received
+    parts (:func:`check` says how many of them are the message's)."""
     h = header_nbytes(parts)
     if bound <= COALESCE_BYTES:
         (buf,) = received
@@ -153,11 +180,21 @@ def check(
             f"rank {rank}: rank {peer} failed in {where.describe()} and sent no payload "
             f"(see rank {peer}'s error)"
         )
-    if call != where.call or tag != where.tag() or status != OK:
+    # the agreement's fingerprints carry the call number: ranks at different
+    # calls raise MismatchError there, on every rank
+    other_call = call != where.call and not where.phase.endswith("agreement")
+    if other_call or tag != where.tag() or status != OK:
         raise TransportError(
             f"rank {rank}: message from rank {peer} belongs to call {call}, step "
             f"{tag // MICRO} microshard {tag % MICRO}, while this rank is in "
             f"{where.describe()}"
+        )
+    if sum(lengths) > sum(bounds):
+        raise PayloadError(
+            f"rank {rank}: the message from rank {peer} in {where.describe()} states "
+            f"{sum(lengths)} bytes, more than the {sum(bounds)} this rank's plan allows "
+            f"(rank {peer}'s plan differs, or it is not a hopq rank of this version); "
+            "nothing of it was read"
         )
     for i, (n, b) in enumerate(zip(lengths, bounds, strict=True)):
         if n < 0 or n > b or (exact and n != b):

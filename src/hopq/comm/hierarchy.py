@@ -628,7 +628,10 @@ def fail_inter_agreement(inter: Transport, deadline: Deadline) -> None:
     for q in range(n):
         if q != inter.rank:
             sends += [(q, p) for p in framing.pack(header, None, bound, not inter.short_messages)]
-            recvs += [(q, torch.empty(nb, dtype=torch.uint8)) for nb in framing.expect(1, bound)]
+            recvs += [
+                (q, torch.empty(nb, dtype=torch.uint8))
+                for nb in framing.expect(1, bound, inter.short_messages)
+            ]
     try:
         with inter.batch():
             sh, rh = inter.post(sends, recvs, where)
@@ -664,7 +667,7 @@ def node_gather(
         else:
             body = torch.cat(held[:count]) if count > 1 else held[0]
             parts = framing.pack(framing.frame(here, [bound]), body, bound)
-        bufs = [t.buffer(nb, raw.device) for nb in framing.expect(1, bound)]
+        bufs = [t.buffer(nb, raw.device) for nb in framing.expect(1, bound, t.short_messages)]
         sends, recvs = t.post([(to, p) for p in parts], [(frm, b) for b in bufs], here)
         try:
             for h in recvs:

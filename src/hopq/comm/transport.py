@@ -89,8 +89,13 @@ class Transport(ABC):
     def __init__(self) -> None:
         self._arena: torch.Tensor | None = None
         self._offset = 0
-        #: Calls made on this transport (every rank counts the same; agreed).
+        #: Calls made on this transport (every rank counts the same; agreed),
+        #: refused ones included (:func:`hopq.comm.engine.refuse`).
         self.calls = 0
+        #: Operations of a call that failed on this rank, completed at its next
+        #: call: a refused call's notices and the receives of what its peers
+        #: send in it, or sends a failed agreement did not wait for.
+        self.owed: list[tuple[Handle, Where]] = []
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -100,7 +105,16 @@ class Transport(ABC):
         inside may be waited on only after the block."""
         yield
 
-    def next_call(self) -> int:
+    def next_call(self, deadline: Deadline | None = None) -> int:
+        """Number the next call on this group (every rank's k-th call is call k).
+        First completes what a refused call left posted (within ``deadline``,
+        else :attr:`timeout_s`), so that its peers' messages of that call are
+        taken and dropped and never meet this call's receives."""
+        owed, self.owed = self.owed, []
+        for h, where in owed:
+            # that call failed anyway; this one reports what goes wrong now
+            with contextlib.suppress(Exception):
+                h.wait(deadline or Deadline(self.timeout_s), where)
         self.calls += 1
         return self.calls
 
@@ -592,7 +606,10 @@ def all_gather(
         bound = count * size
         header = framing.frame(here, [bound])
         parts = framing.pack(header, body, bound)
-        bufs = [transport.buffer(nb, t.device) for nb in framing.expect(1, bound)]
+        bufs = [
+            transport.buffer(nb, t.device)
+            for nb in framing.expect(1, bound, transport.short_messages)
+        ]
         sends, recvs = transport.post([(to, p) for p in parts], [(frm, b) for b in bufs], here)
         for h in recvs:
             h.wait(deadline, here)
@@ -634,17 +651,25 @@ def _each_peer(
         head = framing.frame(where, [raw.numel()])
         sends += [(q, p) for p in framing.pack(head, raw, cap)]
         want = sizes[q] if bound is None else bound
-        bufs[q] = [transport.buffer(nb, body.device) for nb in framing.expect(1, want)]
+        bufs[q] = [
+            transport.buffer(nb, body.device)
+            for nb in framing.expect(1, want, transport.short_messages)
+        ]
         recvs += [(q, b) for b in bufs[q]]
     sh, rh = transport.post(sends, recvs, where)
     for h in rh:
         h.wait(deadline, where)
     got = {}
-    for q in bodies:
-        want = sizes[q] if bound is None else bound
-        head, body = framing.unpack(bufs[q], 1, want)
-        (length,) = framing.check(head, where, q, transport.rank, [want], exact=bound is None)
-        got[q] = body[:length].clone()
+    try:
+        for q in bodies:
+            want = sizes[q] if bound is None else bound
+            head, body = framing.unpack(bufs[q], 1, want)
+            (length,) = framing.check(head, where, q, transport.rank, [want], exact=bound is None)
+            got[q] = body[:length].clone()
+    except Exception:
+        # a dropped send may never leave (Gloo): its peer still expects it
+        transport.owed += [(h, where) for h in sh]
+        raise
     for h in sh:
         h.wait(deadline, where)
     return got
