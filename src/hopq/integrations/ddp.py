@@ -77,7 +77,8 @@ class HookState(CallRecords):
     :meth:`step_metrics` sums a step's into scalars for any logger. It is a
     ``torch.distributed.checkpoint`` Stateful (:meth:`state_dict`), so a
     resumed job continues bit for bit. A state that is never called while
-    training goes on warns with :class:`hopq.HookNotEngagedWarning`.
+    training goes on warns with :class:`hopq.HookNotEngagedWarning`. One state
+    serves one DDP model (a GAN makes one per model); the hook refuses a second.
 
     Args:
         codec: A registered name (built with ``codec_config``), a
@@ -637,6 +638,9 @@ def ddp_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[
             ``hopq.ddp_hook:`` and the original error's name. With
             ``overlap=False`` the hook raises the original error itself (the
             errors of :func:`hopq.all_reduce`).
+        ValueError: ``state`` already serves another DDP model whose
+            parameters are alive (one HookState per model: the codec keys its
+            round, budget and statistics by bucket index).
 
     Example:
         ```python
