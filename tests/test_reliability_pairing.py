@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 
 import hopq
@@ -34,9 +35,12 @@ def _refused_call(kind: str) -> None:
         hopq.all_reduce(x, timeout=math.nan)
 
 
-def refused_on_one_rank(rank: int, n: int, kinds: tuple[str, ...]) -> dict[str, Any]:
+def refused_on_one_rank(
+    rank: int, n: int, kinds: tuple[str, ...], codec: str = "fp32"
+) -> dict[str, Any]:
     """Rank 0's first call is refused (bad arguments) and it goes on to its next
-    call; ranks 1 and 2 make two correct calls (1+2+3, then 100+200+300)."""
+    call; ranks 1 and 2 make two correct calls (1+2+3 with ``codec``, then
+    100+200+300)."""
     out: dict[str, Any] = {}
     for kind in kinds:
         if rank == 0:
@@ -46,9 +50,9 @@ def refused_on_one_rank(rank: int, n: int, kinds: tuple[str, ...]) -> dict[str, 
             except (TypeError, ValueError) as e:
                 out[f"{kind}/first"] = type(e).__name__
         else:
-            x = torch.full((4,), float(rank + 1))
+            x = torch.full((4 if codec == "fp32" else 4000,), float(rank + 1))
             try:
-                hopq.all_reduce(x, codec="fp32", timeout=20.0)
+                hopq.all_reduce(x, codec=codec, timeout=20.0)
                 out[f"{kind}/first"] = x[0].item()
             except hopq.HopqError as e:
                 out[f"{kind}/first"] = f"{type(e).__name__}: {e}"
@@ -58,9 +62,10 @@ def refused_on_one_rank(rank: int, n: int, kinds: tuple[str, ...]) -> dict[str, 
     return out
 
 
-def test_a_call_refused_on_one_rank_never_pairs_with_its_next_call():
-    res = run_workers(3, refused_on_one_rank, REFUSALS, timeout=300)
-    for kind in REFUSALS:
+@pytest.mark.parametrize("codec, kinds", [("fp32", REFUSALS), ("dynamiq", REFUSALS[:2])])
+def test_a_call_refused_on_one_rank_never_pairs_with_its_next_call(codec, kinds):
+    res = run_workers(3, refused_on_one_rank, kinds, codec, timeout=300)
+    for kind in kinds:
         assert res[0][f"{kind}/first"] in ("TypeError", "ValueError"), (kind, res[0])
         for r in (1, 2):
             first = res[r][f"{kind}/first"]

@@ -253,6 +253,9 @@ class _Agreement:
         self.transport, self.mine, self.deadline = transport, mine, deadline
         self.where, self.describe, self.fold = where, describe, fold
         self.done = not AGREEMENT or transport.world_size == 1
+        #: The agreement itself raised: every peer's agreement fails alike (each
+        #: waits for every block before it checks), so none waits for this rank.
+        self.failed = False
         self.seconds = 0.0
         self.bytes = 0
 
@@ -267,6 +270,9 @@ class _Agreement:
             out = agreement.agree(
                 self.transport, self.mine, self.deadline, self.where, self.describe, extra, tails
             )
+        except BaseException:
+            self.failed = True
+            raise
         finally:
             self.seconds += time.perf_counter() - t0
         n = self.transport.world_size
