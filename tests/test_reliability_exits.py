@@ -167,3 +167,84 @@ def test_a_first_dynamiq_call_compiles_before_its_timeout_starts(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     _, before, after, finite = p.stdout.split()[-4:]
     assert before == after and finite == "True", p.stdout
+
+
+def dies_in_the_agreement_or_first_send(rank: int, n: int, kind: str, victim: int) -> tuple:
+    """DynamiQ on a butterfly; the victim dies (os._exit) as ``kind`` says, and
+    the survivors stay alive after they raise (a script that catches the error,
+    checkpoints, ...), so that only hopq's own notices can tell the peers that
+    do not exchange with the victim. Returns (outcome, seconds, message)."""
+    import torch
+
+    import hopq
+    from hopq.comm import engine, framing, transport
+
+    x = torch.randn((1 << 20) + 123, generator=torch.Generator().manual_seed(rank))
+    torch.distributed.barrier()
+    if rank == victim and kind == "statistics, to one peer":
+        # the second statistics round reaches rank 2 alone: 2 goes on to its
+        # hops, the others fail in the statistics exchange
+        each = transport._each_peer
+
+        def to_one_then_die(tr, bodies, sizes, deadline, where, bound=None):  # noqa: ANN001
+            if where.micro != 1:
+                return each(tr, bodies, sizes, deadline, where, bound)
+            raw = bodies[2].contiguous().reshape(-1).view(torch.uint8)
+            parts = framing.pack(framing.frame(where, [raw.numel()]), raw, raw.numel())
+            bufs = [tr.buffer(nb, raw.device) for nb in framing.expect(1, sizes[2])]
+            sends, recvs = tr.post([(2, p) for p in parts], [(2, b) for b in bufs], where)
+            for h in sends + recvs:
+                h.wait(deadline, where)
+            os._exit(3)
+
+        transport._each_peer = to_one_then_die
+    if rank == victim and kind == "after the agreement":
+        each = transport._each_peer
+
+        def then_die(tr, bodies, sizes, deadline, where, bound=None):  # noqa: ANN001
+            each(tr, bodies, sizes, deadline, where, bound)
+            os._exit(3)
+
+        transport._each_peer = then_die
+    if rank == victim and kind == "after its first send":
+        build = engine._Hops.build_and_post
+
+        def build_then_die(self, s, j):  # noqa: ANN001
+            build(self, s, j)
+            if self.sends:
+                for h, where, _ in self.sends:
+                    h.wait(engine.Deadline(5.0), where)
+                os._exit(3)
+
+        engine._Hops.build_and_post = build_then_die
+    t0 = time.perf_counter()
+    try:
+        hopq.all_reduce(x, codec="dynamiq", topology="butterfly", seed=1, timeout=15.0)
+        out = ("returned", time.perf_counter() - t0, "")
+    except Exception as e:  # noqa: BLE001 - reported
+        out = (type(e).__name__, time.perf_counter() - t0, str(e))
+    time.sleep(12.0)  # alive (past a late peer's timeout): its connections stay open
+    return out
+
+
+@pytest.mark.parametrize(
+    "kind, victim",
+    [("statistics, to one peer", 1), ("after the agreement", 1), ("after its first send", 0)],
+)
+def test_every_survivor_raises_at_once_when_a_rank_dies_early(kind, victim):
+    """4 ranks, butterfly, DynamiQ (whose statistics ride with the agreement): every
+    survivor raises TransportError within seconds (the calls' timeout is 15 s),
+    also the ranks that never exchange with the victim."""
+    from hopq.cluster.launch import spawn
+
+    outs = spawn(
+        4, dies_in_the_agreement_or_first_send, kind, victim,
+        timeout=90, clean_exit=False, pg_timeout=60,
+    )  # fmt: skip
+    for o in outs:
+        if o.rank == victim:
+            continue
+        assert o.result is not None, (o.rank, o.exitcode, o.error)
+        what, seconds, msg = o.result
+        assert what == "TransportError" and "rank" in msg, (o.rank, o.result)
+        assert seconds < 9.0, (o.rank, o.result, [x.result for x in outs])

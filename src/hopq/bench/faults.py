@@ -9,10 +9,14 @@ its round, the topology, the op, the seed, the key). Expected: every rank raises
 :class:`~hopq.MismatchError`, before any payload moves, and the next correct
 call returns the simulator's result (the group is still usable).
 
-Deaths: one rank never calls, dies before calling, dies inside the statistics
-exchange, dies right after its first send, or dies in the middle of a step.
-Expected: every other rank raises :class:`~hopq.TransportError` within hopq's
-timeout plus a margin; nothing hangs, no process aborts, nobody returns a result.
+Deaths: one rank never calls, dies before calling, dies right after its
+agreement message went out, dies inside the statistics exchange, dies right
+after its first send, or dies in the middle of a step. Expected: every other
+rank raises :class:`~hopq.TransportError` within hopq's timeout plus a margin;
+nothing hangs, no process aborts, nobody returns a result. After a death in the
+agreement the survivors stay alive for the calls' timeout after they raise (a
+script that catches the error): only hopq's failure notices, not closed
+connections, can then tell the ranks that never exchange with the victim.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ MISMATCHES = (
 DEATHS = (
     "never calls",
     "dies before calling",
+    "dies in the agreement",
     "dies in the statistics exchange",
     "dies after its first send",
     "dies mid-step",
@@ -215,7 +220,7 @@ def death_worker(
     rank: int, n: int, kind: str, victim: int, codec: str, topo: str, d: int, timeout: float
 ) -> tuple[str, float, str]:
     import hopq
-    from hopq.comm import engine
+    from hopq.comm import engine, transport
 
     x = _input(rank, d)
     # every rank has joined the group before the victim acts: a victim that dies
@@ -229,6 +234,14 @@ def death_worker(
         if kind == "dies before calling":
             time.sleep(0.5)  # the peers' barriers have completed: they are in their call
             _die()
+        if kind == "dies in the agreement":
+            each = transport._each_peer
+
+            def exchange_then_die(*a: Any, **k: Any) -> Any:
+                each(*a, **k)
+                _die()
+
+            transport._each_peer = exchange_then_die
         if kind == "dies in the statistics exchange":
             engine._StatsExchange.all_reduce = lambda *a, **k: _die()  # type: ignore[method-assign,assignment]
         if kind == "dies after its first send":
@@ -251,7 +264,10 @@ def death_worker(
         hopq.all_reduce(x, codec=codec, topology=topo, seed=1, timeout=timeout)
     except Exception as e:  # noqa: BLE001 - classified below
         err = e
-    return (_outcome(err), time.perf_counter() - t0, "" if err is None else str(err))
+    seconds = time.perf_counter() - t0
+    if kind == "dies in the agreement":
+        time.sleep(timeout)  # alive: its connections tell the peers nothing
+    return (_outcome(err), seconds, "" if err is None else str(err))
 
 
 @dataclass

@@ -77,7 +77,7 @@ from hopq.comm.transport import (
     direct_pieces,
     tails_ride,
 )
-from hopq.errors import CodecError
+from hopq.errors import CodecError, MismatchError, TransportError
 
 #: Coordinates per microshard, when a codec does not set its own
 #: (``Codec.microshard_coords``): a schedule chunk of d/n coordinates moves as
@@ -690,24 +690,30 @@ class _Hops:
                         continue
                     self.sends += [(h, where, msg) for h in handles]
 
-    def drain(self, steps: list[int]) -> None:
+    def drain(self, steps: list[int], grace_s: float = 10.0) -> None:
         """After a failure: receive (and drop) every message the peers still send in
         this call (their data or their own failure notices), so that no stale
         message or posted receive is left to confuse the next call. Every rank
         posts all it still sends and receives before it waits on any of it, so
         the failing ranks cannot wait on each other."""
-        grace = Deadline(max(0.1, min(10.0, self.deadline.remaining())))
+        grace = Deadline(max(0.1, min(grace_s, self.deadline.remaining())))
         try:
             for s in steps:
                 for j in range(self.u):
                     # NCCL: the notices and receives of a microshard in one group, as
                     # its peers post theirs (a group of receives alone would wait for
                     # sends queued behind it)
-                    with self.transport.batch():
-                        if not self.transport.prepost:
-                            self.fail_remaining([s], j)
-                        if (s, j) not in self.received:
-                            self.post_recvs(s, j)
+                    # a peer whose pair is closed refuses the post: the others'
+                    # receives are posted all the same, or their senders would wait
+                    # the whole grace for this rank (Gloo sends when a receive is posted)
+                    try:
+                        with self.transport.batch():
+                            if not self.transport.prepost:
+                                self.fail_remaining([s], j)
+                            if (s, j) not in self.received:
+                                self.post_recvs(s, j)
+                    except TransportError:
+                        continue
             for (s, j), entries in sorted(self.recvs.items()):
                 for t, _bufs, handles, _b, _n in entries:
                     for h in handles:
@@ -753,7 +759,12 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
             refuse(transport, call.timeout, f"all_reduce({call.codec.name})")
         raise
     agreed = _agreement(r)
-    stats, plan, gplan = _plan(r, agreed)
+    try:
+        stats, plan, gplan = _plan(r, agreed)
+    except BaseException as e:
+        if agreed.done and not isinstance(e, KeyboardInterrupt | MismatchError):
+            _fail_peers(r)
+        raise
     st = _stages(r, plan, gplan)
     y = _finish(r, st, stats, agreed)
     r.info.seconds = time.perf_counter() - t_start
@@ -994,7 +1005,9 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan) -> _Hops:
         if not isinstance(e, KeyboardInterrupt):
             if transport.prepost:
                 st.fail_remaining(active)
-            st.drain(active)  # on NCCL it sends the notices too, batched with its receives
+            # on NCCL it sends the notices too, batched with its receives; after a
+            # peer's failure, briefly: the peers may have failed before their hops
+            st.drain(active, DRAIN_AFTER_PEER_S if isinstance(e, TransportError) else DRAIN_S)
         raise
     st.wait_sends()
     if st.outgoing:
@@ -1003,6 +1016,36 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan) -> _Hops:
             f"parts {sorted(st.outgoing)}"
         )
     return st
+
+
+#: Seconds a failed rank waits, at most, for the messages its peers still send in
+#: the call (:meth:`_Hops.drain`), so that the group stays usable; after a peer's
+#: failure (a TransportError) less: peers that failed before their hops
+#: (:func:`_fail_peers`) send nothing more, and the wait only delays the error.
+DRAIN_S = 10.0
+DRAIN_AFTER_PEER_S = 1.0
+
+
+def _fail_peers(r: _Resolved) -> None:
+    """This rank failed after the agreement began and before its hops (a peer
+    died in the statistics exchange, its codec's plan raised): tell every peer,
+    without waiting, so that a peer still waiting for a message from this rank
+    (a statistics round, a step) raises at once instead of at its timeout.
+    The notice takes the place of whatever the peer's next receive from this
+    rank expects: a header that says this rank failed, then one byte for a
+    receive whose body is posted apart. Only where receives take shorter
+    messages (Gloo, the simulator); on NCCL the peers wait for their timeout."""
+    transport = r.transport
+    if transport.world_size == 1 or not (transport.prepost and transport.short_messages):
+        return
+    where = Where(r.label, r.number, -1, 0, "statistics")
+    header = framing.frame(where, [0], framing.SENDER_FAILED)
+    for q in range(transport.world_size):
+        if q != transport.rank:
+            try:  # best effort: a peer that is gone refuses the post
+                transport.post([(q, header), (q, torch.zeros(1, dtype=torch.uint8))], [], where)
+            except Exception:  # noqa: BLE001, S112
+                continue
 
 
 def _finish(r: _Resolved, st: _Hops, stats: _StatsExchange, agreed: _Agreement) -> torch.Tensor:
