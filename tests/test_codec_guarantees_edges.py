@@ -54,6 +54,21 @@ def test_dynamiq_small_call_falls_back_and_counts_its_bits():
     assert big.stats[0].fallback is None and big.bits_per_coord < 6
 
 
+def test_dynamiq_small_call_rule_counts_padding_per_shard():
+    from hopq.codecs.dynamiq.allocation import starved
+
+    cfg = hopq.get_codec("dynamiq").config
+    assert [starved(cfg, d) for d in (0, 31, 257, 600, 769, 1100)] == [False] + [True] * 5
+    assert not any(starved(cfg, d) for d in (700, 1000, 1150, 1237, 2000, 10_000))
+    # 1,150 entries as three shards: each pads its own last super-group
+    assert starved(cfg, 1150, [384, 383, 383], 2.0)
+    r = hopq.simulate([torch.randn(257) for _ in range(4)], hopq.get_codec("dynamiq"))
+    assert r.stats[0].fallback == "bf16"
+    off = hopq.get_codec("dynamiq", small_call_fallback=False)
+    r = hopq.simulate([torch.randn(257) for _ in range(4)], off)
+    assert r.stats[0].fallback is None and r.bits_per_coord < 6
+
+
 # -- options ------------------------------------------------------------------
 def _bare(hint):
     args = typing.get_args(hint)

@@ -96,14 +96,19 @@ def test_every_codec_trains_like_native_fsdp(two, codec):
         if codec in WIRE:
             assert step.bits_per_coordinate == pytest.approx(WIRE[codec], rel=1e-9)
     if codec == "dynamiq":  # its budget holds in a reduce-scatter's accounting,
-        # averaged over the ranks (DESIGN.md's definition; one rank may send more)
+        # averaged over the ranks (DESIGN.md's definition; one rank may send more),
+        # over its own calls: the last layer's 365 entries are too few, and run bf16
         budget = hopq.get_codec(codec).config.budget
         for s in range(len(got["records"])):
-            per_rank = [res[r][i]["records"][s][1].bits_per_coordinate for r in range(2)]
+            own = [[c for c in res[r][i]["records"][s][0] if c.fallback is None] for r in range(2)]
+            assert [len(c) for c in own] == [2, 2]
+            per_rank = [
+                8 * sum(c.bytes_sent for c in cs) / sum(c.coords_moved for c in cs) for cs in own
+            ]
             assert sum(per_rank) / 2 <= budget + 1e-9, per_rank
-    if codec == "dynamiq":  # the step's budget was split across the three keys
+    if codec == "dynamiq":  # the step's budget was split across its two keys
         shares = got["shares"]
-        assert sorted(shares) == [1, 2, 3]
+        assert len(shares) == 2 and set(shares) < {1, 2, 3}
         assert len({round(bits, 6) for _, bits in shares.values()}) > 1
     # the simulator replays a real call bit for bit; its error is the codec's
     sim = _replay(runs, res, i, 2)
@@ -118,7 +123,13 @@ def test_every_codec_trains_like_native_fsdp(two, codec):
     else:
         for a, b in zip(got["losses"], native["losses"], strict=True):
             assert abs(a - b) <= 0.05 * abs(b)
-        assert _update_error(res, i) <= 2 * sim.vnmse**0.5 + 1e-3
+        vnmse = sim.vnmse
+        if sim.stats[0].fallback is not None:  # the first call (the last layer's 365
+            # entries) ran bf16: the codec's own error is that of the larger layers
+            g = torch.Generator().manual_seed(0)
+            xs = [torch.randn(3936, generator=g) for _ in range(2)]
+            vnmse = hopq.simulate_reduce_scatter(xs, hopq.get_codec(codec), seed=7).vnmse
+        assert _update_error(res, i) <= 2 * vnmse**0.5 + 1e-3
     assert torch.equal(res[0]["async"], torch.full((3,), 2.0))
 
 
@@ -302,10 +313,11 @@ def test_dynamiq_weighs_by_the_step_sizes_under_fsdp():
         # 32 bits per super-group of the call (FSDP's slices: 4, 1, 4 + 1, 1 + 1
         # super-groups of 3 x 1,280, 3 x 32 + ... coordinates): about 1/8 bit each
         assert 0.12 <= spent <= 0.4, (key, spent)
-    # the first weighed call (step 1, key 3: the 4th reduce-scatter), replayed
-    # from each rank's captured input with the codec as the call found it
-    key, w, snap, _ = a["got"][0]
-    cap = [res[r]["weighed"]["captured"][3] for r in range(3)]
+    # the second weighed call (step 1, key 2: the 5th reduce-scatter; key 3's
+    # 365 entries are too few for DynamiQ and run bf16), replayed from each
+    # rank's captured input with the codec as the call found it
+    key, w, snap, _ = a["got"][1]
+    cap = [res[r]["weighed"]["captured"][4] for r in range(3)]
     assert all(c[0] == key for c in cap)
     red, premul = cap[0][3]
     op = red.value if premul is None else torch.distributed.ReduceOp.PREMUL_SUM(premul)

@@ -74,10 +74,13 @@ def _contains(pattern: str, needle: bytes) -> bool:
 
 
 class Tiny(torch.nn.Module):
+    """2,020 parameters: one DDP bucket that DynamiQ serves itself (1,348 would be
+    too few for its budget, and run bf16: docs/codecs/dynamiq.md)."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.a = torch.nn.Linear(16, 64)
-        self.b = torch.nn.Linear(64, 4)
+        self.a = torch.nn.Linear(16, 96)
+        self.b = torch.nn.Linear(96, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))
@@ -91,8 +94,8 @@ class Backward(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.b = torch.nn.Linear(64, 4, bias=False)
-        self.a = torch.nn.Linear(16, 64, bias=False)
+        self.b = torch.nn.Linear(96, 4, bias=False)
+        self.a = torch.nn.Linear(16, 96, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)))

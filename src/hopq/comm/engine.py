@@ -151,6 +151,9 @@ class RunStats:
         tiers: A two-tier call's tiers (``hopq.all_reduce(layout=...)``):
             ``"intra"`` and ``"inter"``, each a RunStats of its own group;
             empty for a flat call.
+        fallback: The codec that ran the call in place of the call's own,
+            which cannot serve its size (DynamiQ below a few super-groups runs
+            ``"bf16"``), or None.
 
     Example:
         >>> import torch, hopq
@@ -192,6 +195,10 @@ class RunStats:
     #: "inter": the all-reduce between nodes), each with its own group size and
     #: coordinates; empty for a flat call.
     tiers: dict[str, RunStats] = field(default_factory=dict)
+    #: The codec that ran this call in place of the call's own, which cannot
+    #: serve its size (``Codec.small_call_codec``: DynamiQ below a few
+    #: super-groups runs bf16), or None; its bytes are the ones counted.
+    fallback: str | None = None
 
     @property
     def inter_bits_per_coord(self) -> float:
@@ -813,6 +820,11 @@ def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
     """Check the call against the input and settle what the engine runs: refusals
     raise here, before the transport numbers the call."""
     codec, gcodec = call.codec, call.stage_codec
+    # a codec that cannot serve this size names one that can, for the whole call
+    # (from the size alone: every rank decides alike, and agrees on it below)
+    fallback = codec.small_call_codec(x.numel(), call.key, call.shards, 2 if call.gather else 1)
+    if fallback is not None:
+        codec = gcodec = fallback
     n = transport.world_size
     schedule = get_schedule(call.topology, n)
     if gcodec is not codec and not gcodec.gather_stage:
@@ -862,7 +874,11 @@ def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
         deadline=deadline,
         u=u,
         info=RunStats(
-            transport.rank, n, x.numel(), hops_per_chunk=max(schedule.compression_chains())
+            transport.rank,
+            n,
+            x.numel(),
+            hops_per_chunk=max(schedule.compression_chains()),
+            fallback=None if fallback is None else fallback.name,
         ),
     )
 

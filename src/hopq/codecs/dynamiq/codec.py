@@ -170,8 +170,9 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
                 f"dynamiq: the step sizes set for key {key} cover {r.numel()} "
                 f"coordinates, this call has {numel}"
             )
-        if self._fallback is None:
+        if getattr(self, "_fallback", None) is None:  # (a codec pickled without one)
             self._fallback = Bf16()
+        assert self._fallback is not None
         return self._fallback
 
     def __getstate__(self) -> dict[str, Any]:
