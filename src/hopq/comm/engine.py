@@ -769,7 +769,11 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
     try:
         stats, plan, gplan = _plan(r, agreed)
     except BaseException as e:
-        if agreed.done and not isinstance(e, KeyboardInterrupt | MismatchError):
+        if (
+            agreed.done
+            and not agreed.failed
+            and not isinstance(e, KeyboardInterrupt | MismatchError)
+        ):
             _fail_peers(r)
         raise
     st = _stages(r, plan, gplan)
