@@ -64,12 +64,13 @@ class MXConfig(CodecConfig):
     block: int = option(32, "elements sharing one scale (the OCP MX block is 32)", lo=1, hi=1 << 20)
     scale: ScaleFormat = option(ScaleFormat.BF16, "scale format")
     #: Initial mu; None: the world size (the sum of n blocks then cannot overflow).
-    #: At least 1: below, a block's own maximum saturates (every round, until mu
-    #: has doubled back); at most 2^16 (the world size it serves): above, the
-    #: scales put most entries below the element format's smallest value, and the
-    #: output is zero while mu shrinks by 2^(-1/1000) per round.
+    #: At least 2^-8: below 1 a block's own maximum saturates and mu doubles
+    #: back one round at a time (8 rounds from 2^-8; 66 from 1e-20, all of them
+    #: near zero); at most 2^16 (the world size it serves): above, the scales put
+    #: most entries below the element format's smallest value, and the output is
+    #: zero while mu shrinks by 2^(-1/1000) per round.
     mu_init: float | None = option(
-        None, "initial scale factor mu; default: the world size", lo=1.0, hi=float(1 << 16)
+        None, "initial scale factor mu; default: the world size", lo=2.0**-8, hi=float(1 << 16)
     )
     #: FP8-LM: more than 0.001% saturated entries double mu.
     overflow_threshold: float = option(
