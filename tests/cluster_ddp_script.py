@@ -30,7 +30,9 @@ def main() -> None:
     dist.init_process_group("gloo")  # torchrun gives the rank, world size and store
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    # 3,265 parameters: node-shards of 1,632, which DynamiQ serves itself (sizes
+    # too small for its budget run bf16, hopq.RunStats.fallback)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.Tanh(), torch.nn.Linear(96, 1))
     ddp = DDP(model)
     state = hopq.HookState(codec=args.codec, layout=args.layout or None)
     ddp.register_comm_hook(state, hopq.ddp_hook)

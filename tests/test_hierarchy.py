@@ -497,13 +497,19 @@ def _check_fsdp(res: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("name", ["dynamiq", "gcomp"])
-def test_the_optimizers_input_follows_the_node_shard(name):
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_the_optimizers_input_follows_the_node_shard(name, pieces, monkeypatch):
     """What the DDP hook hands a codec for a bucket (DynamiQ's step sizes, GComp's
     thresholds) covers the whole bucket; the inter-node tier carries one
-    node-shard of it, and uses that slice."""
-    d = 6007
+    node-shard of it, and uses that slice, in every piece of a pipeline."""
+    d = 6007 if pieces == 1 else 20011  # node-shards DynamiQ serves itself (no fallback)
+    monkeypatch.setattr(hierarchy, "PIECE_COORDS", d // pieces)
+    cuts = hierarchy.tier_pieces(d, 2)
+    assert len(cuts) - 1 == pieces
     xs = [torch.randn(d, generator=torch.Generator().manual_seed(r)) for r in range(4)]
     weights = torch.rand(d, generator=torch.Generator().manual_seed(9)) + 0.01
+    if name == "dynamiq":  # a ramp: every node-shard's allocation moves
+        weights *= torch.logspace(-3, 0, d)
 
     def run(layout):
         codec = hopq.get_codec(name)
@@ -515,6 +521,8 @@ def test_the_optimizers_input_follows_the_node_shard(name):
     assert r.vnmse < 0.5
     plain = hopq.simulate(xs, name, "ring", key=3, layout="2x2")
     if name == "dynamiq":  # the step sizes change the allocation: the bits differ without them
-        assert not torch.equal(plain.outputs[0], r.outputs[0])
+        for j in range(pieces):  # in every piece
+            a, b = cuts[j], cuts[j + 1]
+            assert not torch.equal(plain.outputs[0][a:b], r.outputs[0][a:b]), j
     else:  # the thresholds truncate mantissas between nodes: fewer bytes cross
         assert r.stats[0].inter_bits_per_coord < plain.stats[0].inter_bits_per_coord

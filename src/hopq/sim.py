@@ -457,10 +457,16 @@ def _simulate(
         gproto.load_state_dict(gcodecs[0].state_dict())
     _RANKS[proto] = codecs
     stats = [s for _, s in done]
-    exact = torch.stack([t.reshape(-1).double() for t in tensors])
-    if call.premul is not None:
-        exact = exact * call.premul
-    exact = exact.sum(0)
+    if n <= TIER_BY_TIER_RANKS:
+        exact = torch.stack([t.reshape(-1).double() for t in tensors])
+        if call.premul is not None:
+            exact = exact * call.premul
+        exact = exact.sum(0)
+    else:  # one worker at a time: 1024 float64 copies of the inputs would not fit
+        exact = torch.zeros(tensors[0].numel(), dtype=torch.float64, device=tensors[0].device)
+        for t in tensors:
+            term = t.reshape(-1).double()
+            exact += term if call.premul is None else term * call.premul
     if red is ReduceOp.AVG:
         exact /= n
     if gather:

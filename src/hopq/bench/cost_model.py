@@ -285,11 +285,11 @@ def _measure_worker(
             dist.barrier()
             t0 = time.perf_counter()
             if peer < n:
-                ops = []
-                if rank % 2 == 0 or mode == "both":
-                    ops.append(dist.P2POp(dist.isend, big, peer))
+                ops = []  # receives first, as hopq's engine posts them
                 if rank % 2 == 1 or mode == "both":
                     ops.append(dist.P2POp(dist.irecv, into, peer))
+                if rank % 2 == 0 or mode == "both":
+                    ops.append(dist.P2POp(dist.isend, big, peer))
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
             acc.append(time.perf_counter() - t0)

@@ -321,7 +321,9 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
     def narrow_optimizer_input(
         self, key: int | None, lo: int, hi: int, into: int | None
     ) -> None:  # fmt: skip
-        r = self._step_sizes.pop(key, None)  # one call's, as plan takes them
+        # the key's stay: a two-tier call cuts them for each of its pieces, and
+        # the next set_step_sizes for the key replaces them
+        r = self._step_sizes.get(key)
         if r is not None:
             self._step_sizes[into] = r[lo:hi]
 
