@@ -20,6 +20,13 @@ Lightning's own checkpoints carry hopq's state: the strategy adds
 rank-local counters) when it saves, and restores it when ``fit(ckpt_path=...)``
 loads one, so a resumed job continues with the codec's round counter and
 adaptive state (DynamiQ's budget shares and statistics) where it stopped.
+
+FSDP: Lightning's ``ModelParallelStrategy`` is its FSDP2 path (the module calls
+``fully_shard`` in ``configure_model``); hopq's reduce-scatter replaces FSDP2's
+with :func:`install_fsdp` (called in ``configure_model`` after ``fully_shard``)
+or the :class:`HopqFSDP` callback (installs it when fitting starts and logs the
+step metrics). Lightning's ``FSDPStrategy`` wraps the model in FSDP1, which
+takes no custom reduce-scatter: both refuse it, naming the way that works.
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
+from hopq.integrations.fsdp import FSDPReduceScatter
 from hopq.integrations.records import merge_local
 
 try:
     from lightning.pytorch import Callback
-    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, StrategyRegistry
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError(
         "hopq.integrations.lightning needs Lightning: pip install lightning "
@@ -150,6 +158,113 @@ class HopqMetrics(Callback):
         if state is None:
             raise TypeError("HopqMetrics needs a HookState, or a HopqDDPStrategy in the Trainer")
         m = state.pop_step()
+        if m.buckets == 0:  # a gradient-accumulation micro-batch: nothing moved yet
+            return
+        pl_module.log_dict(m.as_dict(self.prefix), on_step=True, prog_bar=self.prog_bar)
+
+
+#: Why FSDP1 (Lightning's ``FSDPStrategy``) cannot carry hopq, and what does.
+FSDP1_MESSAGE = (
+    "Lightning's FSDPStrategy wraps the model in FSDP1 (FullyShardedDataParallel), which "
+    "takes no custom reduce-scatter, so hopq cannot compress its gradients. Use "
+    "Trainer(strategy=ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)), "
+    "call torch.distributed.fsdp.fully_shard in LightningModule.configure_model, and add "
+    "hopq.integrations.lightning.HopqFSDP(comm) to the callbacks (or call "
+    "install_fsdp(self, comm) in configure_model after fully_shard)"
+)
+
+
+def _comm(comm: FSDPReduceScatter | str) -> FSDPReduceScatter:
+    if isinstance(comm, str):
+        return FSDPReduceScatter(comm)
+    if not isinstance(comm, FSDPReduceScatter):
+        raise TypeError(f"expected a hopq.FSDPReduceScatter or a codec name, got {comm!r}")
+    return comm
+
+
+def _refuse_fsdp1(module: Any) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise TypeError(FSDP1_MESSAGE)
+
+
+def install_fsdp(module: Any, comm: FSDPReduceScatter | str = "dynamiq") -> FSDPReduceScatter:
+    """Make hopq's reduce-scatter FSDP2's in ``module``: call it in
+    ``LightningModule.configure_model`` after ``fully_shard``, under
+    ``ModelParallelStrategy``.
+
+    Args:
+        module: The LightningModule (or any module) ``fully_shard`` was called on.
+        comm: A :class:`hopq.FSDPReduceScatter`, or a codec name for its defaults.
+
+    Returns:
+        The installed ``FSDPReduceScatter`` (read ``step_metrics()`` from it).
+
+    Raises:
+        TypeError: ``module`` holds FSDP1 modules (Lightning's ``FSDPStrategy``).
+        ValueError: ``module`` holds no FSDP2 module (``fully_shard`` not called).
+
+    Example:
+        ```python
+        def configure_model(self):
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.net, mesh=mesh)
+            self.comm = install_fsdp(self, hopq.FSDPReduceScatter("dynamiq"))
+        ```
+    """
+    _refuse_fsdp1(module)
+    comm = _comm(comm)
+    comm.install(module)
+    return comm
+
+
+class HopqFSDP(Callback):
+    """Installs hopq's reduce-scatter on the LightningModule's FSDP2 modules when
+    fitting starts (after ``configure_model`` called ``fully_shard``, under
+    ``ModelParallelStrategy``), and logs its step metrics after every training
+    batch (``log=False``: read ``comm.step_metrics()`` yourself). Raises under
+    Lightning's ``FSDPStrategy`` (FSDP1), naming the way that works.
+
+    ``comm``: a :class:`hopq.FSDPReduceScatter`, or a codec name for its defaults.
+    """
+
+    def __init__(
+        self,
+        comm: FSDPReduceScatter | str = "dynamiq",
+        log: bool = True,
+        prefix: str = "hopq/",
+        prog_bar: bool = False,
+    ) -> None:
+        self.comm = _comm(comm)
+        self.log = log
+        self.prefix = prefix
+        self.prog_bar = prog_bar
+        self._installed: Any = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if isinstance(trainer.strategy, FSDPStrategy):
+            raise TypeError(FSDP1_MESSAGE)
+
+    def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        _refuse_fsdp1(pl_module)
+        if self._installed is pl_module:
+            return
+        if not any(isinstance(m, FSDPModule) for m in pl_module.modules()):
+            raise ValueError(
+                f"HopqFSDP found no FSDP2 module under {type(trainer.strategy).__name__}: use "
+                "ModelParallelStrategy and call torch.distributed.fsdp.fully_shard in "
+                "configure_model (for DDP, use HopqDDPStrategy)"
+            )
+        self.comm.install(pl_module)
+        self._installed = pl_module
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.log:
+            return
+        m = self.comm.pop_step()
         if m.buckets == 0:  # a gradient-accumulation micro-batch: nothing moved yet
             return
         pl_module.log_dict(m.as_dict(self.prefix), on_step=True, prog_bar=self.prog_bar)

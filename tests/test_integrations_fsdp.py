@@ -1,0 +1,74 @@
+"""hopq's FSDP2 reduce-scatter reached through the frameworks (Lightning's
+ModelParallelStrategy, ...): engaged (the codec's bits per coordinate on the
+wire), every rank's parameters identical, the loss close to native FSDP, and
+the FSDP1 paths refused with a message naming the way that works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hopq.cluster.launch import run_workers
+from tests import workers_integrations_fsdp as wf
+
+pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+
+STEPS = 4
+#: DynamiQ's default budget (bits per coordinate, statistics included).
+DYNAMIQ_BUDGET = 5.0
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _same_on_every_rank(res: list, name: str) -> None:
+    for k, v in res[0][name]["params"].items():
+        assert torch.equal(_bits(v), _bits(res[1][name]["params"][k])), (name, k)
+
+
+def _close_to_native(res: list, name: str, tol: float) -> None:
+    for r in range(2):
+        nat, got = res[r]["native"]["losses"], res[r][name]["losses"]
+        assert len(got) == len(nat) == STEPS
+        for a, b in zip(got, nat, strict=True):
+            assert abs(a - b) <= tol * abs(b), (name, got, nat)
+
+
+@pytest.fixture(scope="module")
+def lightning_fsdp():
+    pytest.importorskip("lightning")
+    return run_workers(2, wf.lightning_fsdp_job, STEPS, timeout=600)
+
+
+def test_lightning_callback_engages_the_reduce_scatter(lightning_fsdp):
+    for r in range(2):
+        m = lightning_fsdp[r]["callback"]["metrics"]
+        assert m["hopq/buckets"] >= 1, m
+        assert m["hopq/bits_per_coordinate"] == 16.0, m  # bf16
+    _same_on_every_rank(lightning_fsdp, "callback")
+    _close_to_native(lightning_fsdp, "callback", 0.01)
+
+
+def test_lightning_install_fsdp_in_configure_model(lightning_fsdp):
+    for r in range(2):
+        steps = lightning_fsdp[r]["helper"]["steps"]
+        assert len(steps) == STEPS
+        for m in steps:  # the two Linear modules (the root has no parameters)
+            assert m["hopq/buckets"] == 2, m
+            assert 0.9 * DYNAMIQ_BUDGET <= m["hopq/bits_per_coordinate"] <= DYNAMIQ_BUDGET + 0.2, m
+    _same_on_every_rank(lightning_fsdp, "helper")
+    _close_to_native(lightning_fsdp, "helper", 0.1)
+
+
+def test_lightning_fsdp_strategy_is_refused_by_the_callback():
+    """Lightning's FSDPStrategy (FSDP1, which Lightning and torch run on GPUs only)."""
+    pytest.importorskip("lightning")
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from hopq.integrations.lightning import HopqFSDP
+
+    with pytest.raises(TypeError, match="ModelParallelStrategy"):
+        HopqFSDP("bf16").setup(SimpleNamespace(strategy=FSDPStrategy()), None, "fit")

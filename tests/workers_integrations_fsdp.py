@@ -1,0 +1,116 @@
+"""Rank bodies of tests/test_integrations_fsdp.py: hopq's FSDP2 reduce-scatter
+reached through a framework, on spawned 2-rank Gloo CPU jobs (the ranks get the
+environment torchrun gives, so the frameworks join hopq's group)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import hopq
+
+WIDTHS = (32, 128, 32)
+
+
+def as_torchrun(rank: int, n: int) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+        GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29547",
+    )  # fmt: skip
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)  # the same initial parameters on every rank
+    return torch.nn.Sequential(
+        torch.nn.Linear(WIDTHS[0], WIDTHS[1]),
+        torch.nn.Tanh(),
+        torch.nn.Linear(WIDTHS[1], WIDTHS[2]),
+    )
+
+
+def shard(model: torch.nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def data() -> Any:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, WIDTHS[0], generator=g)
+    y = torch.randn(256, WIDTHS[-1], generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
+
+
+def full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor().clone() for k, v in module.state_dict().items()}
+
+
+# -- Lightning --------------------------------------------------------------------
+def lightning_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from hopq.integrations.lightning import HopqFSDP, install_fsdp
+
+    as_torchrun(rank, n)
+
+    class Module(L.LightningModule):
+        def __init__(self, comm: Any = None) -> None:
+            super().__init__()
+            self.net = net()
+            self.comm = comm
+            self.losses: list[float] = []
+            self.steps: list[dict[str, float]] = []
+
+        def configure_model(self) -> None:
+            shard(self.net, self.device_mesh["data_parallel"])
+            if self.comm is not None:
+                self.comm = install_fsdp(self, self.comm)
+
+        def training_step(self, batch: Any, i: int) -> torch.Tensor:
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            if self.comm is not None:
+                self.steps.append(self.comm.step_metrics())  # pops the step
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(module: Any, strategy: Any, **kw: Any) -> Any:
+        t = L.Trainer(
+            accelerator="cpu", devices=n, strategy=strategy, max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            **kw,
+        )  # fmt: skip
+        t.fit(module, data())
+        return t
+
+    def mp() -> Any:
+        return ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1)
+
+    out: dict[str, Any] = {}
+    m = Module()
+    fit(m, mp())
+    out["native"] = {"losses": m.losses, "params": full(m.net)}
+    # the callback: installs at fit start, logs the step metrics
+    cb = HopqFSDP(hopq.FSDPReduceScatter("bf16"))
+    m = Module()
+    t = fit(m, mp(), callbacks=[cb])
+    logged = {k: float(v) for k, v in t.logged_metrics.items()}
+    out["callback"] = {"losses": m.losses, "params": full(m.net), "metrics": logged}
+    # the helper in configure_model, DynamiQ
+    m = Module(hopq.FSDPReduceScatter("dynamiq"))
+    fit(m, mp())
+    out["helper"] = {
+        "losses": m.losses, "params": full(m.net), "steps": m.steps,
+    }  # fmt: skip
+    return out
