@@ -72,3 +72,29 @@ def test_lightning_fsdp_strategy_is_refused_by_the_callback():
 
     with pytest.raises(TypeError, match="ModelParallelStrategy"):
         HopqFSDP("bf16").setup(SimpleNamespace(strategy=FSDPStrategy()), None, "fit")
+
+
+# -- Accelerate -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def accelerate_fsdp():
+    pytest.importorskip("accelerate")
+    return run_workers(2, wf.accelerate_fsdp_job, STEPS, timeout=600)
+
+
+def test_accelerate_register_fsdp(accelerate_fsdp):
+    for r in range(2):
+        assert accelerate_fsdp[r]["native"]["fsdp2"] and accelerate_fsdp[r]["hopq"]["fsdp2"]
+        steps = accelerate_fsdp[r]["hopq"]["steps"]
+        assert len(steps) == STEPS
+        for m in steps:
+            assert m["hopq/buckets"] >= 1, m
+            assert 0.9 * DYNAMIQ_BUDGET <= m["hopq/bits_per_coordinate"] <= DYNAMIQ_BUDGET + 0.2, m
+    _same_on_every_rank(accelerate_fsdp, "hopq")
+    _close_to_native(accelerate_fsdp, "hopq", 0.1)
+
+
+def test_accelerate_fsdp_on_cpu_and_ddp_hooks_are_refused_by_name(accelerate_fsdp):
+    for r in range(2):
+        assert accelerate_fsdp[r]["cpu_type"] == "DistributedType.MULTI_CPU"
+        assert "register_hook" in accelerate_fsdp[r]["cpu_refused"]
+        assert "register_fsdp" in accelerate_fsdp[r]["hook_refused"]

@@ -114,3 +114,57 @@ def lightning_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
         "losses": m.losses, "params": full(m.net), "steps": m.steps,
     }  # fmt: skip
     return out
+
+
+def _train(model: Any, opt: Any, rank: int, steps: int, backward: Any, comm: Any) -> dict:
+    g = torch.Generator().manual_seed(100 + rank)
+    losses, metrics = [], []
+    for _ in range(steps):
+        x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, WIDTHS[-1], generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if comm is not None:
+            metrics.append(comm.step_metrics())
+    return {"losses": losses, "steps": metrics, "params": full(model)}
+
+
+# -- Accelerate -------------------------------------------------------------------
+def accelerate_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from hopq.integrations.accelerate import register_fsdp, register_hook
+
+    as_torchrun(rank, n)
+    out: dict[str, Any] = {}
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+    # on CPU Accelerate drops the plugin and prepares DDP: register_fsdp says so
+    out["cpu_type"] = str(acc.distributed_type)
+    ddp = acc.prepare(net())
+    try:
+        register_fsdp(acc, ddp, "bf16")
+        out["cpu_refused"] = None
+    except ValueError as e:
+        out["cpu_refused"] = str(e)
+    # Accelerate's own FSDP2 preparation (fsdp2_prepare_model), which runs on CPU
+    # once the state says FSDP, as it does on GPUs (set before each prepare: the
+    # state goes back to MULTI_CPU meanwhile)
+    for name, codec in (("native", None), ("hopq", "dynamiq")):
+        acc.state.distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = plugin
+        model = net()
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        comm = None if codec is None else register_fsdp(acc, model, hopq.FSDPReduceScatter(codec))
+        fsdp2 = type(model).__name__.startswith("FSDP")
+        out[name] = _train(model, opt, rank, steps, acc.backward, comm)
+        out[name]["fsdp2"] = fsdp2
+    try:
+        register_hook(acc, model, "bf16")
+        out["hook_refused"] = None
+    except TypeError as e:
+        out["hook_refused"] = str(e)
+    return out

@@ -24,6 +24,22 @@ starts the processes; they run on Gloo as ``MULTI_CPU``), or ``torchrun
 --nproc_per_node 2 script.py``. ``accelerate launch --cpu --num_processes 2``
 starts one process (several CPU processes through it need ``mpirun`` and
 ``--mpirun_hostfile``), and Accelerate has no ``--multi_cpu`` flag.
+
+FSDP2 (``FullyShardedDataParallelPlugin(fsdp_version=2)``): the model
+``prepare`` returns carries FSDP2's reduce-scatter, which :func:`register_fsdp`
+replaces with hopq's (:class:`hopq.FSDPReduceScatter`)::
+
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    accelerator = Accelerator(fsdp_plugin=plugin)
+    model, opt = accelerator.prepare(model, opt)
+    comm = register_fsdp(accelerator, model, hopq.FSDPReduceScatter("dynamiq"))
+
+Accelerate applies FSDP on accelerators only: its ``AcceleratorState`` turns
+``fsdp_plugin`` into ``DistributedType.FSDP`` for ``MULTI_GPU`` (and NPU, XPU,
+HPU, ...) runs, while a CPU run (``MULTI_CPU``) drops the plugin and
+``prepare`` wraps the model in DDP; ``register_fsdp`` then raises, naming
+``register_hook``. FSDP1 (``fsdp_version=1``) takes no custom reduce-scatter
+and is refused, naming ``fsdp_version=2``.
 """
 
 from __future__ import annotations
@@ -33,6 +49,7 @@ from typing import Any
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
+from hopq.integrations.fsdp import FSDPReduceScatter
 
 try:
     from accelerate.utils import DDPCommunicationHookType
@@ -73,13 +90,23 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
     hook (see :func:`check_kwargs`). In a single process there is nothing to
     average and no hook is registered. The state is registered for
     checkpointing (``accelerator.register_for_checkpointing``, once), so
-    ``save_state`` / ``load_state`` carry it.
+    ``save_state`` / ``load_state`` carry it. An FSDP2 model is refused,
+    naming :func:`register_fsdp`.
     """
     if isinstance(state, str):
         state = HookState(codec=state)
     if not isinstance(state, HookState):
         raise TypeError(f"expected a hopq.HookState or a codec name, got {state!r}")
     check_kwargs(accelerator)
+    kind = _fsdp_kind(model)
+    if kind == 2:
+        raise TypeError(
+            "register_hook: this model is FSDP2 (FullyShardedDataParallelPlugin(fsdp_version=2)), "
+            "which takes no DDP hook: call hopq.integrations.accelerate.register_fsdp(accelerator, "
+            "model, hopq.FSDPReduceScatter(...)) instead"
+        )
+    if kind == 1:
+        raise TypeError(FSDP1_MESSAGE)
     if isinstance(model, DistributedDataParallel):
         check_same_group(model, state)
         model.register_comm_hook(state, ddp_hook)
@@ -101,3 +128,76 @@ def _checkpointed(accelerator: Any, state: HookState) -> None:
     """``save_state`` / ``load_state`` carry ``state`` (registered once)."""
     if not any(o is state for o in getattr(accelerator, "_custom_objects", [])):
         accelerator.register_for_checkpointing(state)
+
+
+#: Why FSDP1 cannot carry hopq, and what does.
+FSDP1_MESSAGE = (
+    "Accelerate's FSDP1 (FullyShardedDataParallelPlugin(fsdp_version=1), the "
+    "FullyShardedDataParallel wrapper) takes no custom reduce-scatter, so hopq cannot "
+    "compress its gradients: use FullyShardedDataParallelPlugin(fsdp_version=2) and "
+    "hopq.integrations.accelerate.register_fsdp(accelerator, model, comm)"
+)
+
+
+def _fsdp_kind(model: Any) -> int:
+    """2 when ``model`` holds FSDP2 modules, 1 for FSDP1's wrapper, 0 otherwise."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    mods = list(model.modules()) if hasattr(model, "modules") else []
+    if any(isinstance(m, FSDPModule) for m in mods):
+        return 2
+    if any(isinstance(m, FullyShardedDataParallel) for m in mods):
+        return 1
+    return 0
+
+
+def register_fsdp(
+    accelerator: Any, model: Any, comm: FSDPReduceScatter | str = "dynamiq"
+) -> FSDPReduceScatter:
+    """Make hopq's reduce-scatter FSDP2's in the model ``accelerator.prepare``
+    returned under ``FullyShardedDataParallelPlugin(fsdp_version=2)``.
+
+    The reduce-scatter is registered for checkpointing
+    (``accelerator.register_for_checkpointing``, once), so ``save_state`` /
+    ``load_state`` carry its codec state.
+
+    Args:
+        accelerator: The ``Accelerator`` that prepared ``model``.
+        model: The prepared model (its FSDP2 modules get hopq's reduce-scatter).
+        comm: A :class:`hopq.FSDPReduceScatter`, or a codec name for its defaults.
+
+    Returns:
+        The installed ``FSDPReduceScatter`` (log ``comm.step_metrics()`` once a step).
+
+    Raises:
+        TypeError: ``model`` is FSDP1 (``fsdp_version=1``), or ``comm`` is neither
+            an ``FSDPReduceScatter`` nor a codec name.
+        ValueError: ``model`` holds no FSDP2 module (on CPU Accelerate drops the
+            plugin and prepares DDP: use :func:`register_hook` there).
+
+    Example:
+        ```python
+        accelerator = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+        model, opt = accelerator.prepare(model, opt)
+        comm = register_fsdp(accelerator, model, hopq.FSDPReduceScatter("dynamiq"))
+        ```
+    """
+    if isinstance(comm, str):
+        comm = FSDPReduceScatter(comm)
+    if not isinstance(comm, FSDPReduceScatter):
+        raise TypeError(f"expected a hopq.FSDPReduceScatter or a codec name, got {comm!r}")
+    kind = _fsdp_kind(model)
+    if kind == 1:
+        raise TypeError(FSDP1_MESSAGE)
+    if kind == 0:
+        raise ValueError(
+            f"register_fsdp found no FSDP2 module in the prepared {type(model).__name__} "
+            f"(distributed type {accelerator.distributed_type}). Accelerate applies "
+            "FullyShardedDataParallelPlugin(fsdp_version=2) on GPUs (and NPUs, XPUs, ...) "
+            "only; on CPU it drops the plugin and prepares DDP: use "
+            "hopq.integrations.accelerate.register_hook there"
+        )
+    comm.install(model)
+    if not any(o is comm for o in getattr(accelerator, "_custom_objects", [])):
+        accelerator.register_for_checkpointing(comm)
+    return comm
