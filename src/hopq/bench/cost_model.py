@@ -60,6 +60,11 @@ class ModelOptions:
     validate_worlds: tuple[int, ...] = option((2, 3, 4, 6, 8), "validation: world sizes")
     validate_rate_mbit: float = option(200.0, "validation: per-worker link in Mbit/s")
     validate_size_mib: float = option(4.0, "validation: tensor size in MiB")
+    duplex: float = option(
+        0.0,
+        "validation: the duplex factor the model uses (1: full-duplex links); 0: the one "
+        "measured per run (two ranks sending to each other against one way)",
+    )
     calib_coords: int = option(1 << 20, "coordinates of the one-core calibration")
     layouts: tuple[str, ...] = option(
         ("2x2", "8x8", "32x8", "128x8"),
@@ -77,11 +82,15 @@ class ModelOptions:
 
     def __post_init__(self) -> None:
         resolve_codecs(self.codecs)
+        if not (self.duplex == 0 or 1 <= self.duplex <= 4):
+            raise ValueError(f"--duplex must be 0 (measured) or between 1 and 4, got {self.duplex}")
         for lay in self.layouts:
             parse_layout(lay)
         check_scoped(
             self,
-            dict.fromkeys(("validate_worlds", "validate_rate_mbit", "validate_size_mib"), ("",)),
+            dict.fromkeys(
+                ("validate_worlds", "validate_rate_mbit", "validate_size_mib", "duplex"), ("",)
+            ),
             ("",) if self.validate else (),
             "--validate",
         )
@@ -391,6 +400,8 @@ def run(o: ModelOptions) -> str:
                         numel,
                         namespaces=net.namespaces,
                     )[0]
+                if o.duplex:
+                    res["duplex"] = o.duplex
                 for topo in ("ring", "butterfly"):
                     for c in codecs:
                         pred = predict(
@@ -413,7 +424,8 @@ def run(o: ModelOptions) -> str:
                 "",
                 f"### Model vs emulated network: {o.validate_size_mib:g} MiB, {o.validate_rate_mbit:g} Mbit/s per worker "
                 f"(TCP {CONGESTION}), "
-                f"alpha and the duplex factor measured per run, {cores} cores shared by the ranks",
+                f"alpha measured per run, the duplex factor "
+                f"{'given' if o.duplex else 'measured per run'}, {cores} cores shared by the ranks",
                 "",
                 markdown_table(
                     ["n", "duplex", "topology", "codec", "measured (ms)", "model (ms)", "error"],
