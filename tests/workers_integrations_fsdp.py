@@ -168,3 +168,65 @@ def accelerate_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
     except TypeError as e:
         out["hook_refused"] = str(e)
     return out
+
+
+# -- HF Trainer -----------------------------------------------------------------
+class Regressor(torch.nn.Module):
+    """The network as a Trainer model: a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = net()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), labels)}
+
+
+def hf_fsdp_job(rank: int, n: int, steps: int, tmp: str) -> dict[str, Any]:
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import Trainer, TrainingArguments
+
+    from hopq.integrations.transformers import attach
+
+    as_torchrun(rank, n)
+    g = torch.Generator().manual_seed(5)
+    xs = torch.randn(256, WIDTHS[0], generator=g)
+    ys = torch.randn(256, WIDTHS[-1], generator=g)
+    data = [{"x": x, "labels": y} for x, y in zip(xs, ys, strict=True)]
+
+    def trainer(name: str) -> Any:
+        targs = TrainingArguments(
+            output_dir=f"{tmp}/{name}", max_steps=steps, per_device_train_batch_size=8,
+            learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
+            report_to="none", save_strategy="no", use_cpu=True, disable_tqdm=True,
+            fsdp=True, fsdp_config={"fsdp_version": 2},
+        )  # fmt: skip
+        return Trainer(model=Regressor(), args=targs, train_dataset=data)
+
+    out: dict[str, Any] = {}
+    # on CPU Accelerate applies no FSDP: the Trainer uses DDP, and an
+    # FSDPReduceScatter attached there is refused naming the way that works
+    t = trainer("cpu")
+    out["cpu_type"] = str(t.accelerator.distributed_type)
+    attach(t, hopq.FSDPReduceScatter("bf16"))
+    try:
+        t.train()
+        out["cpu_refused"] = None
+    except TypeError as e:
+        out["cpu_refused"] = str(e)
+    # the Trainer's FSDP2 path (Accelerate's fsdp2_prepare_model), which runs on CPU
+    # once Accelerate's state says FSDP, as it does on GPUs
+    for name, codec in (("native", None), ("hopq", "dynamiq")):
+        t = trainer(name)
+        t.accelerator.state.distributed_type = DistributedType.FSDP
+        t.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        t.is_fsdp_enabled = True
+        if codec is not None:
+            attach(t, hopq.FSDPReduceScatter(codec))
+        t.train()
+        logs = [e for e in t.state.log_history if "loss" in e]
+        out[name] = {
+            "losses": [e["loss"] for e in logs], "logs": logs, "params": full(t.model_wrapped),
+            "fsdp2": type(t.model_wrapped).__name__,
+        }  # fmt: skip
+    return out

@@ -18,6 +18,16 @@ The Trainer's checkpoints carry hopq's state: at every save the callback writes
 checkpoint's folder, and ``trainer.train(resume_from_checkpoint=...)`` restores
 it, so the codec's round counter and adaptive state (DynamiQ's budget shares and
 statistics) continue where they stopped.
+
+FSDP2 (``TrainingArguments(fsdp="full_shard", fsdp_config={"fsdp_version": 2})``):
+attach a :class:`hopq.FSDPReduceScatter` instead of a ``HookState``; the callback
+installs it on the FSDP2 modules the Trainer's Accelerate made, at train begin::
+
+    comm = attach(trainer, hopq.FSDPReduceScatter("dynamiq"))
+
+FSDP1 (``fsdp_version`` 1) takes no custom reduce-scatter and is refused, naming
+``fsdp_version: 2``. On CPU Accelerate applies no FSDP (it drops the plugin and
+the Trainer wraps the model in DDP): attach a ``HookState`` there.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from hopq.integrations.ddp import (
     check_same_group,
     ddp_hook,
 )
+from hopq.integrations.fsdp import FSDPReduceScatter
 
 try:
     from transformers import TrainerCallback
@@ -63,13 +74,15 @@ class HopqCallback(TrainerCallback):
     #: The file of each rank's state in a checkpoint's folder.
     file_pattern = "hopq_state_rank{rank}.pt"
 
-    def __init__(self, state: HookState, trainer: Any, prefix: str = "hopq/") -> None:
-        if not isinstance(state, HookState):
-            raise TypeError(f"expected a hopq.HookState, got {state!r}")
+    def __init__(
+        self, state: HookState | FSDPReduceScatter, trainer: Any, prefix: str = "hopq/"
+    ) -> None:
+        if not isinstance(state, HookState | FSDPReduceScatter):
+            raise TypeError(f"expected a hopq.HookState or a hopq.FSDPReduceScatter, got {state!r}")
         self.state = state
         self.prefix = prefix
         self._trainer = weakref.ref(trainer)
-        self._hooked: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+        self._hooked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._window: StepMetrics | None = None
         #: The checkpoint folder the Trainer resumes from (set by :func:`attach`'s
         #: wrapper of the Trainer's loading), read at ``on_train_begin``.
@@ -112,7 +125,27 @@ class HopqCallback(TrainerCallback):
         if trainer is None:
             raise RuntimeError("HopqCallback: its Trainer is gone")
         model = trainer.model_wrapped
-        if isinstance(model, DistributedDataParallel):
+        kind = _fsdp_kind(model)
+        if kind == 1:
+            raise TypeError(FSDP1_MESSAGE)
+        if isinstance(self.state, FSDPReduceScatter):
+            if kind != 2:
+                raise TypeError(
+                    f"HopqCallback: a hopq.FSDPReduceScatter needs the Trainer's FSDP2 model, got "
+                    f"{type(model).__name__}: set TrainingArguments(fsdp='full_shard', "
+                    "fsdp_config={'fsdp_version': 2}) on GPUs (on CPU Accelerate applies no FSDP "
+                    "and the Trainer uses DDP: attach a hopq.HookState there)"
+                )
+            if model not in self._hooked:  # a second train() reuses the wrapped model
+                self.state.install(model)
+                self._hooked.add(model)
+        elif kind == 2:
+            raise TypeError(
+                "HopqCallback: the Trainer's model is FSDP2, which takes no DDP hook: attach a "
+                "hopq.FSDPReduceScatter instead of a HookState (attach(trainer, "
+                "hopq.FSDPReduceScatter('dynamiq')))"
+            )
+        elif isinstance(model, DistributedDataParallel):
             if model not in self._hooked:  # a second train() reuses the wrapped model
                 check_same_group(model, self.state)
                 model.register_comm_hook(self.state, ddp_hook)
@@ -149,10 +182,14 @@ class HopqCallback(TrainerCallback):
             hist[-1].update(metrics)
 
 
-def attach(trainer: Any, state: HookState | str = "dynamiq", prefix: str = "hopq/") -> HookState:
+def attach(
+    trainer: Any, state: HookState | FSDPReduceScatter | str = "dynamiq", prefix: str = "hopq/"
+) -> Any:
     """Add a :class:`HopqCallback` to ``trainer`` (first among its callbacks) and
     return the state; call before ``trainer.train()``. The Trainer's checkpoints
-    then carry hopq's state, and ``train(resume_from_checkpoint=...)`` restores it."""
+    then carry hopq's state, and ``train(resume_from_checkpoint=...)`` restores it.
+    A :class:`hopq.FSDPReduceScatter` (for a Trainer under FSDP2) is installed
+    on the model's FSDP2 modules at train begin and returned."""
     if isinstance(state, str):
         state = HookState(codec=state)
     cb = HopqCallback(state, trainer, prefix)
@@ -169,3 +206,24 @@ def attach(trainer: Any, state: HookState | str = "dynamiq", prefix: str = "hopq
 
         trainer._load_optimizer_and_scheduler = load_and_note
     return state
+
+
+#: Why FSDP1 cannot carry hopq, and what does.
+FSDP1_MESSAGE = (
+    "HopqCallback: the Trainer wrapped the model in FSDP1 (FullyShardedDataParallel), which "
+    "takes no custom reduce-scatter, so hopq cannot compress its gradients: set "
+    "TrainingArguments(fsdp='full_shard', fsdp_config={'fsdp_version': 2}) and "
+    "attach(trainer, hopq.FSDPReduceScatter('dynamiq'))"
+)
+
+
+def _fsdp_kind(model: Any) -> int:
+    """2 when ``model`` holds FSDP2 modules, 1 for FSDP1's wrapper, 0 otherwise."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    mods = list(model.modules()) if isinstance(model, torch.nn.Module) else []
+    if any(isinstance(m, FSDPModule) for m in mods):
+        return 2
+    if any(isinstance(m, FullyShardedDataParallel) for m in mods):
+        return 1
+    return 0
