@@ -134,3 +134,30 @@ def test_hf_trainer_fsdp_on_cpu_is_refused_naming_the_way(hf_fsdp):
         assert hf_fsdp[r]["cpu_type"] == "DistributedType.MULTI_CPU"
         msg = hf_fsdp[r]["cpu_refused"]
         assert msg is not None and "fsdp_version" in msg and "HookState" in msg
+
+
+# -- torchtitan -------------------------------------------------------------------
+def test_torchtitan_recipe_installs_on_its_fsdp2_model():
+    """docs/integrations/fsdp.md's torchtitan recipe, as far as CPU allows: the
+    reduce-scatter set on every FSDP module torchtitan's own sharding made, and
+    the sharded model runs forward."""
+    pytest.importorskip("torchtitan.models.llama3")
+    res = run_workers(2, wf.torchtitan_job, timeout=300)
+    for r in range(2):
+        assert res[r]["installed"] == res[r]["fsdp_modules"] >= 3, res[r]
+        assert 0.0 < res[r]["loss"] < 20.0, res[r]
+
+
+def test_torchtitan_trainer_has_what_the_recipe_overrides():
+    """Read from its source: importing torchtitan.trainer needs its data packages
+    (torchdata, datasets), which a CPU check does without."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None or spec.origin is None:
+        pytest.skip("torchtitan is not installed")
+    src = (Path(spec.origin).parent / "trainer.py").read_text()
+    assert "def __init__(self, config: Config):" in src
+    assert "def train_step(\n        self, data_iterator" in src
+    assert "self.model_parts = [model]" in src

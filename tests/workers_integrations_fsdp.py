@@ -230,3 +230,37 @@ def hf_fsdp_job(rank: int, n: int, steps: int, tmp: str) -> dict[str, Any]:
             "fsdp2": type(t.model_wrapped).__name__,
         }  # fmt: skip
     return out
+
+
+# -- torchtitan -------------------------------------------------------------------
+def torchtitan_job(rank: int, n: int) -> dict[str, Any]:
+    """The recipe's parts as far as CPU allows: torchtitan's llama3 debug model (two
+    layers) sharded by torchtitan's own apply_fsdp_to_decoder on a CPU mesh, hopq's
+    reduce-scatter installed on it, and a forward pass (FlexAttention has no
+    backward on CPU, and torchtitan's varlen attention is CUDA only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.models.llama3 import llama3_configs
+
+    cfg = llama3_configs["debugmodel"](attn_backend="flex")
+    cfg.layers = cfg.layers[:2]
+    with torch.device("meta"):
+        model = cfg.build()
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("fsdp",))
+    f32 = torch.float32
+    apply_fsdp_to_decoder(model, mesh, param_dtype=f32, reduce_dtype=f32, pp_enabled=False)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=torch.device("cpu"))
+    comm = hopq.FSDPReduceScatter("dynamiq")
+    installed = comm.install(model)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 2048, (2, 32), generator=g)
+    positions = torch.arange(32).expand(2, 32)
+    masks = model.get_attention_masks(positions=positions)
+    with torch.no_grad():
+        logits = model(tokens, positions=positions, attention_masks=masks)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    fsdp = sum(isinstance(m, FSDPModule) for m in model.modules())
+    return {"installed": installed, "fsdp_modules": fsdp, "loss": loss.item()}
