@@ -69,6 +69,13 @@ def test_lightning_install_fsdp_in_configure_model(lightning_fsdp):
     _close_to_native(lightning_fsdp, "helper", 0.1)
 
 
+def test_lightning_ddp_strategy_and_metrics_name_the_fsdp2_way(lightning_fsdp):
+    for r in range(2):
+        for name in ("ddp_strategy", "ddp_metrics"):
+            msg = lightning_fsdp[r][name]
+            assert msg is not None and "HopqFSDP" in msg, (name, msg)
+
+
 def test_lightning_fsdp_strategy_is_refused_by_the_callback():
     """Lightning's FSDPStrategy (FSDP1, which Lightning and torch run on GPUs only)."""
     pytest.importorskip("lightning")

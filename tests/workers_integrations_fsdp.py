@@ -55,7 +55,7 @@ def lightning_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from hopq.integrations.lightning import HopqFSDP, install_fsdp
+    from hopq.integrations.lightning import HopqDDPStrategy, HopqFSDP, HopqMetrics, install_fsdp
 
     as_torchrun(rank, n)
 
@@ -68,7 +68,13 @@ def lightning_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
             self.steps: list[dict[str, float]] = []
 
         def configure_model(self) -> None:
-            shard(self.net, self.device_mesh["data_parallel"])
+            mesh = self._device_mesh
+            if mesh is None:  # not ModelParallelStrategy: a mesh of its own
+                from torch.distributed.device_mesh import init_device_mesh
+
+                shard(self.net, init_device_mesh("cpu", (n,)))
+                return
+            shard(self.net, mesh["data_parallel"])
             if self.comm is not None:
                 self.comm = install_fsdp(self, self.comm)
 
@@ -113,6 +119,17 @@ def lightning_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
     out["helper"] = {
         "losses": m.losses, "params": full(m.net), "steps": m.steps,
     }  # fmt: skip
+    # hopq's DDP strategy, or its DDP metrics callback, with a fully_shard model:
+    # refused naming the FSDP2 way (DDP alone fails on the sharded parameters)
+    for name, strategy, cbs in (
+        ("ddp_strategy", HopqDDPStrategy("bf16"), []),
+        ("ddp_metrics", mp(), [HopqMetrics()]),
+    ):
+        try:
+            fit(Module(), strategy, callbacks=cbs)
+            out[name] = None
+        except TypeError as e:
+            out[name] = str(e)
     return out
 
 

@@ -101,6 +101,16 @@ class HopqDDPStrategy(DDPStrategy):
             adopt_optimizer(self.hook_state, self.optimizers, "HopqDDPStrategy")
 
     def configure_ddp(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.model is not None and any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            # DDP would fail on the sharded (DTensor) parameters with an operator error
+            raise TypeError(
+                "HopqDDPStrategy: configure_model called fully_shard (FSDP2), which DDP cannot "
+                "wrap. Use Trainer(strategy=ModelParallelStrategy(data_parallel_size=..., "
+                "tensor_parallel_size=1)) with hopq.integrations.lightning.HopqFSDP(comm) in the "
+                "callbacks (or install_fsdp(self, comm) in configure_model)"
+            )
         super().configure_ddp()  # wraps the model in DDP; registers nothing here
         assert isinstance(self.model, DistributedDataParallel)
         check_same_group(self.model, self.hook_state)
@@ -156,7 +166,11 @@ class HopqMetrics(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         state = self.state or getattr(trainer.strategy, "hook_state", None)
         if state is None:
-            raise TypeError("HopqMetrics needs a HookState, or a HopqDDPStrategy in the Trainer")
+            raise TypeError(
+                "HopqMetrics needs a HookState, or a HopqDDPStrategy in the Trainer (under "
+                "ModelParallelStrategy with fully_shard, HopqFSDP(comm) installs hopq's "
+                "reduce-scatter and logs its metrics)"
+            )
         m = state.pop_step()
         if m.buckets == 0:  # a gradient-accumulation micro-batch: nothing moved yet
             return
