@@ -44,9 +44,10 @@ def _close_to_native(res: list, name: str, tol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def lightning_fsdp():
+def lightning_fsdp(tmp_path_factory):
     pytest.importorskip("lightning")
-    return run_workers(2, wf.lightning_fsdp_job, STEPS, timeout=600)
+    tmp = str(tmp_path_factory.mktemp("lt_fsdp"))
+    return run_workers(2, wf.lightning_fsdp_job, STEPS, tmp, timeout=600)
 
 
 def test_lightning_callback_engages_the_reduce_scatter(lightning_fsdp):
@@ -67,6 +68,15 @@ def test_lightning_install_fsdp_in_configure_model(lightning_fsdp):
             assert 0.9 * DYNAMIQ_BUDGET <= m["hopq/bits_per_coordinate"] <= DYNAMIQ_BUDGET + 0.2, m
     _same_on_every_rank(lightning_fsdp, "helper")
     _close_to_native(lightning_fsdp, "helper", 0.1)
+
+
+def test_lightning_checkpoint_resumes_the_codec_bit_exact(lightning_fsdp):
+    """Lightning's checkpoint carries HopqFSDP's comm state: 2 steps, saved, 2 more
+    after fit(ckpt_path=...) give the parameters of 4 uninterrupted steps."""
+    for r in range(2):
+        a, b = lightning_fsdp[r]["uninterrupted"], lightning_fsdp[r]["resumed"]
+        for k, v in a.items():
+            assert torch.equal(_bits(v), _bits(b[k])), k
 
 
 def test_lightning_ddp_strategy_and_metrics_name_the_fsdp2_way(lightning_fsdp):

@@ -39,10 +39,10 @@ def shard(model: torch.nn.Module, mesh: Any) -> None:
     fully_shard(model, mesh=mesh)
 
 
-def data() -> Any:
+def data(rows: int = 256) -> Any:
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(256, WIDTHS[0], generator=g)
-    y = torch.randn(256, WIDTHS[-1], generator=g)
+    x = torch.randn(rows, WIDTHS[0], generator=g)
+    y = torch.randn(rows, WIDTHS[-1], generator=g)
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=16)
 
 
@@ -51,7 +51,7 @@ def full(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- Lightning --------------------------------------------------------------------
-def lightning_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
+def lightning_fsdp_job(rank: int, n: int, steps: int, tmp: str) -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -119,6 +119,27 @@ def lightning_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
     out["helper"] = {
         "losses": m.losses, "params": full(m.net), "steps": m.steps,
     }  # fmt: skip
+    # Lightning's checkpoint carries the callback's comm state: 2 steps, saved,
+    # resumed for 2 more, equals 4 (an epoch is one batch: Lightning's resume of a
+    # plain DataLoader does not continue an epoch's order)
+    half = steps // 2
+    rows = n * 16  # one batch of 16 rows on each rank
+
+    def resumable(comm_steps: int, ckpt: str | None = None, save: str | None = None) -> Any:
+        m = Module()
+        t = L.Trainer(
+            accelerator="cpu", devices=n, strategy=mp(), max_steps=comm_steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[HopqFSDP(hopq.FSDPReduceScatter("dynamiq"), log=False)],
+        )  # fmt: skip
+        t.fit(m, data(rows), ckpt_path=ckpt)
+        if save is not None:
+            t.save_checkpoint(save)
+        return full(m.net)
+
+    out["uninterrupted"] = resumable(2 * half)
+    resumable(half, save=f"{tmp}/half.ckpt")
+    out["resumed"] = resumable(2 * half, ckpt=f"{tmp}/half.ckpt")
     # hopq's DDP strategy, or its DDP metrics callback, with a fully_shard model:
     # refused naming the FSDP2 way (DDP alone fails on the sharded parameters)
     for name, strategy, cbs in (

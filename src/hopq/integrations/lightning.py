@@ -24,8 +24,8 @@ adaptive state (DynamiQ's budget shares and statistics) where it stopped.
 FSDP: Lightning's ``ModelParallelStrategy`` is its FSDP2 path (the module calls
 ``fully_shard`` in ``configure_model``); hopq's reduce-scatter replaces FSDP2's
 with :func:`install_fsdp` (called in ``configure_model`` after ``fully_shard``)
-or the :class:`HopqFSDP` callback (installs it when fitting starts and logs the
-step metrics). Lightning's ``FSDPStrategy`` wraps the model in FSDP1, which
+or the :class:`HopqFSDP` callback (installs it when fitting starts, logs the
+step metrics, and carries its state in Lightning's checkpoints). Lightning's ``FSDPStrategy`` wraps the model in FSDP1, which
 takes no custom reduce-scatter: both refuse it, naming the way that works.
 """
 
@@ -274,6 +274,21 @@ class HopqFSDP(Callback):
             )
         self.comm.install(pl_module)
         self._installed = pl_module
+
+    def state_dict(self) -> dict[str, Any]:
+        """``comm``'s state (every rank's rank-local counters gathered: Lightning
+        calls this on every rank and writes rank 0's checkpoint), saved by
+        Lightning under the callback's entry and restored by ``fit(ckpt_path=...)``."""
+        mine = self.comm.state_dict()
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            every: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+            mine = merge_local(every)
+        return mine
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``comm``'s state from a checkpoint this callback saved."""
+        self.comm.load_state_dict(state_dict)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> None:
         if not self.log:
