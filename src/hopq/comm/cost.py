@@ -233,22 +233,72 @@ def _steps_crossing(schedule: Schedule, per_node: int) -> tuple[int, int]:
     return cross, local
 
 
+#: Flat rings larger than this use their closed form instead of walking them.
+_WALK_RING_UP_TO = 64
+
+
+def _ring_closed(
+    cost: CodecCost, net: Network, n: int, numel: float, flows: int, per_node: int
+) -> tuple[float, float, float, float, float, int]:
+    """cost._flat's terms for a ring of n ranks in closed form (a ring of
+    thousands of ranks is slow to walk step by step): every step each rank sends
+    a 1/n chunk to the next, the last rank of each node (``per_node``
+    consecutive ranks) across to the next node, ``flows`` rings at once; each
+    rank encodes 2 chunks (leaf and sink), runs the fused hop on n - 2,
+    decode-adds 1 and decodes n - 1."""
+    nodes = n // per_node
+    steps = 2 * (n - 1)
+    nbytes = numel * cost.bits / 8
+    cross = steps if nodes > 1 else 0
+    local = 0 if nodes > 1 else steps
+    both = n == 2 and nodes == 2
+    w_inter = steps / n * flows * (net.duplex if both else 1.0) if nodes > 1 else 0.0
+    w_intra = steps / n if per_node > 1 else 0.0
+    inter = cross * net.inter_latency_us * 1e-6 + w_inter * nbytes / (net.inter_gbit * 1e9 / 8)
+    intra = local * net.intra_latency_us * 1e-6 + w_intra * nbytes / (net.intra_gbit * 1e9 / 8)
+    per = cost.plan + (2 * cost.enc + (n - 2) * cost.hop + cost.dec + (n - 1) * cost.dec) / n
+    codec = net.overload * numel * per
+    stats = 0.0
+    if cost.bits < STATS_BELOW_BITS:
+        lat = net.inter_latency_us if cross else net.intra_latency_us
+        stats = 2 * (n - 1) * lat * 1e-6
+    up = (steps / n * flows if nodes > 1 else 0.0) * nbytes
+    return inter, intra, codec, up, stats, n
+
+
+@lru_cache(maxsize=64)
+def _shape(
+    topology: str, world: int, per_node: int, flows: int, duplex: float
+) -> tuple[_Walk, int, int]:
+    """A schedule's walk and its (crossing, local) step counts, cached by plain
+    keys (a large Schedule is slow to hash on every lookup)."""
+    s = get_schedule(topology, world)
+    return (_walk(s, per_node, flows, duplex), *_steps_crossing(s, per_node))
+
+
 def _flat(
-    cost: CodecCost, schedule: Schedule, net: Network, d: float, flows: int, per_node: int
+    cost: CodecCost,
+    topology: str,
+    world: int,
+    net: Network,
+    d: float,
+    flows: int,
+    per_node: int,
 ) -> tuple[float, float, float, float, float, int]:
     """(inter s, intra s, codec s, uplink bytes, stats s, chain) of one flat schedule."""
-    w = _walk(schedule, per_node, flows, net.duplex)
+    if topology == "ring" and world > _WALK_RING_UP_TO:
+        return _ring_closed(cost, net, world, d, flows, per_node)
+    w, cross, local = _shape(topology, world, per_node, flows, net.duplex)
     nbytes = d * cost.bits / 8
     beta_inter = net.inter_gbit * 1e9 / 8
     beta_intra = net.intra_gbit * 1e9 / 8
-    cross, local = _steps_crossing(schedule, per_node)
     inter = cross * net.inter_latency_us * 1e-6 + w.inter * nbytes / beta_inter
     intra = local * net.intra_latency_us * 1e-6 + w.intra * nbytes / beta_intra
     codec = net.overload * max(
         d * (cost.plan + e * cost.enc + h * cost.hop + a * cost.dec + g * cost.dec)
         for e, h, a, g in w.work
     )
-    n = schedule.world_size
+    n = world
     stats = 0.0
     if cost.bits < STATS_BELOW_BITS and n > 1:
         lat = net.inter_latency_us if cross else net.intra_latency_us
@@ -290,8 +340,9 @@ def predict(
     """
     if schedule.startswith("hier:"):
         return _hierarchical(cost, schedule, net, numel, exact)
-    s = get_schedule(schedule, net.world_size)
-    inter, intra, codec, up, stats, chain = _flat(cost, s, net, numel, 1, net.per_node)
+    inter, intra, codec, up, stats, chain = _flat(
+        cost, schedule, net.world_size, net, numel, 1, net.per_node
+    )
     return Prediction(
         schedule, inter + intra + codec + stats, inter + stats, intra, codec, up, chain
     )
@@ -309,16 +360,16 @@ def _hierarchical(
     inter = intra = codec = up = stats = 0.0
     local_s = 0.0  # the tier inside the nodes: transfers and the exact codec's work
     if g > 1:
-        local = get_schedule("ring", g)
-        i_inter, i_intra, i_codec, _, _, _ = _flat(ex, local, net, numel, 1, g)
+        i_inter, i_intra, i_codec, _, _, _ = _flat(ex, "ring", g, net, numel, 1, g)
         intra += i_inter + i_intra  # one node: every transfer is local
         codec += i_codec
         local_s = i_inter + i_intra + i_codec
     pieces = len(hierarchy.tier_pieces(numel, g)) - 1 if n > 1 and g > 1 else 1
     if n > 1:
-        across = get_schedule(topology, n)
         # G node-shards of numel / G, each all-reduced among the N nodes at once
-        o_inter, o_intra, o_codec, o_up, o_stats, chain = _flat(cost, across, net, numel / g, g, 1)
+        o_inter, o_intra, o_codec, o_up, o_stats, chain = _flat(
+            cost, topology, n, net, numel / g, g, 1
+        )
         inter += o_inter
         intra += o_intra
         codec += o_codec

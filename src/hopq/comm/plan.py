@@ -34,21 +34,11 @@ import statistics
 import time
 import weakref
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 from hopq.codecs.registry import available_codecs, codec_info
-from hopq.comm import hierarchy
-from hopq.comm.cost import (
-    EXACT_BITS,
-    STATS_BELOW_BITS,
-    CodecCost,
-    Network,
-    Prediction,
-    _steps_crossing,
-    _walk,
-)
-from hopq.comm.topology import TOPOLOGIES, get_schedule
+from hopq.comm.cost import CodecCost, Network, predict
+from hopq.comm.topology import TOPOLOGIES
 
 #: Seconds per coordinate (plan+prepare+finish, encode, fused hop, decode, in ns)
 #: and bits per coordinate of each codec on one CPU core: ``calibrate(codec,
@@ -205,8 +195,6 @@ LOSSLESS = ("fp32", "gcomp")
 #: What torch itself offers: DDP's all-reduce (fp32) and its compression hooks.
 UNCOMPRESSED = ("fp32", "fp16", "bf16")
 
-#: Flat worlds larger than this use the ring's closed form instead of walking it.
-_WALK_RING_UP_TO = 64
 #: Other schedules are walked step by step up to this many ranks (a butterfly
 #: of 1024 takes seconds); beyond, only their two-tier forms are candidates.
 WALK_UP_TO = 256
@@ -635,100 +623,6 @@ def _growth(codec: str, chain: int) -> float:
     return pts[-1][1]  # pragma: no cover
 
 
-def _ring_closed(
-    cost: CodecCost, net: Network, n: int, numel: float, flows: int, per_node: int
-) -> tuple[float, float, float, float, float, int]:
-    """cost._flat's terms for a ring of n ranks in closed form (a ring of
-    thousands of ranks is slow to walk step by step): every step each rank sends
-    a 1/n chunk to the next, the last rank of each node (``per_node``
-    consecutive ranks) across to the next node, ``flows`` rings at once; each
-    rank encodes 2 chunks (leaf and sink), runs the fused hop on n - 2,
-    decode-adds 1 and decodes n - 1."""
-    nodes = n // per_node
-    steps = 2 * (n - 1)
-    nbytes = numel * cost.bits / 8
-    cross = steps if nodes > 1 else 0
-    local = 0 if nodes > 1 else steps
-    both = n == 2 and nodes == 2
-    w_inter = steps / n * flows * (net.duplex if both else 1.0) if nodes > 1 else 0.0
-    w_intra = steps / n if per_node > 1 else 0.0
-    inter = cross * net.inter_latency_us * 1e-6 + w_inter * nbytes / (net.inter_gbit * 1e9 / 8)
-    intra = local * net.intra_latency_us * 1e-6 + w_intra * nbytes / (net.intra_gbit * 1e9 / 8)
-    per = cost.plan + (2 * cost.enc + (n - 2) * cost.hop + cost.dec + (n - 1) * cost.dec) / n
-    codec = net.overload * numel * per
-    stats = 0.0
-    if cost.bits < STATS_BELOW_BITS:
-        lat = net.inter_latency_us if cross else net.intra_latency_us
-        stats = 2 * (n - 1) * lat * 1e-6
-    up = (steps / n * flows if nodes > 1 else 0.0) * nbytes
-    return inter, intra, codec, up, stats, n
-
-
-@lru_cache(maxsize=64)
-def _shape(
-    topology: str, world: int, per_node: int, flows: int, duplex: float
-) -> tuple[Any, int, int]:
-    """A schedule's walk and its (crossing, local) step counts, cached by plain
-    keys (a large Schedule is slow to hash on every lookup)."""
-    s = get_schedule(topology, world)
-    return (_walk(s, per_node, flows, duplex), *_steps_crossing(s, per_node))
-
-
-def _flat_terms(
-    cost: CodecCost, topology: str, world: int, net: Network, d: float, flows: int, per_node: int
-) -> tuple[float, float, float, float, float, int]:
-    """cost._flat's terms (inter s, intra s, codec s, uplink bytes, stats s, chain)."""
-    if topology == "ring" and world > _WALK_RING_UP_TO:
-        return _ring_closed(cost, net, world, d, flows, per_node)
-    w, cross, local = _shape(topology, world, per_node, flows, net.duplex)
-    nbytes = d * cost.bits / 8
-    inter = cross * net.inter_latency_us * 1e-6 + w.inter * nbytes / (net.inter_gbit * 1e9 / 8)
-    intra = local * net.intra_latency_us * 1e-6 + w.intra * nbytes / (net.intra_gbit * 1e9 / 8)
-    codec = net.overload * max(
-        d * (cost.plan + e * cost.enc + h * cost.hop + a * cost.dec + g * cost.dec)
-        for e, h, a, g in w.work
-    )
-    stats = 0.0
-    if cost.bits < STATS_BELOW_BITS and world > 1:
-        lat = net.inter_latency_us if cross else net.intra_latency_us
-        stats = 2 * (world - 1) * lat * 1e-6
-    return inter, intra, codec, w.uplink * nbytes, stats, w.chain
-
-
-def _predict(
-    cost: CodecCost, schedule: str, net: Network, numel: float, exact: CodecCost
-) -> Prediction:
-    """:func:`hopq.comm.cost.predict`, the same terms (tests/test_plan.py checks
-    it), with the walks cached by plain keys and a large flat ring in closed form."""
-    if not schedule.startswith("hier:"):
-        i, o, c, up, st, chain = _flat_terms(
-            cost, schedule, net.world_size, net, numel, 1, net.per_node
-        )
-        return Prediction(schedule, i + o + c + st, i + st, o, c, up, chain)
-    topology = schedule.split(":", 1)[1]
-    n, g = net.nodes, net.per_node
-    ex = CodecCost(exact.codec, exact.plan, exact.enc, exact.hop, exact.dec, EXACT_BITS)
-    inter = intra = codec = up = stats = 0.0
-    local_s = 0.0
-    if g > 1:
-        i, o, c, _, _, _ = _flat_terms(ex, "ring", g, net, numel, 1, g)
-        intra += i + o
-        codec += c
-        local_s = i + o + c
-    pieces = len(hierarchy.tier_pieces(int(numel), g)) - 1 if n > 1 and g > 1 else 1
-    if n > 1:
-        i, o, c, u, st, chain = _flat_terms(cost, topology, n, net, numel / g, g, 1)
-        inter, intra, codec, up, stats = inter + i, intra + o, codec + c, u, st
-    else:
-        chain = 1 if g > 1 else 0
-    total = inter + intra + codec + stats
-    if pieces > 1:  # the pipeline of pieces, as cost.predict models it
-        stats *= pieces
-        remote = total - local_s - stats / pieces + stats
-        total = local_s / pieces + max(remote, local_s * (pieces - 1) / pieces)
-    return Prediction(schedule, total, inter + stats, intra, codec, up, chain)
-
-
 def _cost(
     name: str, speeds: dict[str, tuple[float, ...]], bits: float | None = None
 ) -> CodecCost | None:
@@ -829,7 +723,7 @@ def plan(inputs: PlanInputs | None = None, **fields: Any) -> Plan:
         for sched in base.schedules:
             if not _applies(name, sched, net):
                 continue
-            preds = {s: _predict(cost, sched, net, s, exact) for s in set(sizes) if s}
+            preds = {s: predict(cost, sched, net, s, exact) for s in set(sizes) if s}
             times = [preds[s].seconds if s else 0.0 for s in sizes]
             chain = max((q.recompressions for q in preds.values()), default=0)
             cands.append(
