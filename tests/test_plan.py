@@ -197,6 +197,27 @@ def test_cli_measure(capsys: pytest.CaptureFixture[str]) -> None:
     assert "measured on this machine" in out and "Pick: " in out
 
 
+def test_cli_measure_device(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device says where --measure times the codecs: refused without --measure,
+    and without a GPU for cuda; the speeds have the planner's shape."""
+    import torch
+
+    from hopq.cli import measure_speeds
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--device", "cuda"])
+    assert e.value.code == 2 and "add --measure" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as e:
+            main(["plan", "--measure", "--device", "cuda"])
+        assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+    speeds = measure_speeds(["bf16", "dynamiq"], coords=4096, device="cpu")
+    assert set(speeds) == {"bf16", "dynamiq"}
+    assert all(len(v) == 5 and min(v) >= 0 for v in speeds.values())
+    assert speeds["bf16"][4] == pytest.approx(16.0, rel=0.05)
+    hopq.plan(nodes=2, inter_gbit=10, speeds=speeds, codecs=("bf16", "dynamiq"))
+
+
 def auto_worker(rank: int, n: int) -> dict[str, object]:
     """codec="auto" on a real Gloo group: the same pick on every rank, one log line."""
     import logging

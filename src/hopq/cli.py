@@ -214,6 +214,11 @@ class PlanOptions:
     schedules: tuple[str, ...] = option(_SCHEDULES, "flat topologies and hier:<topology>")
     budgets: tuple[float, ...] = option((4.0, 5.0, 6.0, 8.0), "DynamiQ's bit budgets to consider")
     measure: bool = option(False, "time this machine's codec kernels first (one core, seconds)")
+    device: str = option(
+        "cpu",
+        "where --measure times the codecs (cuda: this machine's GPU)",
+        choices=("cpu", "cuda"),
+    )
     rows: int = option(0, "show the fastest ROWS candidates only (0: all)", lo=0)
     json: bool = option(False, "print the plan as JSON (to pin it) instead of the table")
 
@@ -225,6 +230,13 @@ class PlanOptions:
                 )
         if self.params is not None and self.workload is not None:
             raise ValueError("give --params or --workload, not both")
+        if self.device != "cpu":
+            if not self.measure:
+                raise ValueError(f"--device {self.device} times the codecs there: add --measure")
+            import torch
+
+            if self.device == "cuda" and not torch.cuda.is_available():
+                raise ValueError("--device cuda: torch sees no CUDA device here")
         self.inputs()  # checks the rest
 
     def inputs(self, speeds: dict[str, tuple[float, ...]] | None = None) -> Any:
@@ -260,16 +272,19 @@ class PlanOptions:
         )
 
 
-def measure_speeds(codecs: Sequence[str], coords: int = 1 << 19) -> dict[str, tuple[float, ...]]:
+def measure_speeds(
+    codecs: Sequence[str], coords: int = 1 << 19, device: str = "cpu"
+) -> dict[str, tuple[float, ...]]:
     """This machine's codec speeds on one core (``hopq bench model``'s calibration),
-    in ns per coordinate; the bits of GComp and OmniReduce, which depend on the
-    gradient, stay those measured in training."""
+    their tensors on ``device`` (``"cuda"``: the GPU's kernels), in ns per
+    coordinate; the bits of GComp and OmniReduce, which depend on the gradient,
+    stay those measured in training."""
     from hopq.bench.cost_model import calibrate
     from hopq.comm.plan import DEFAULT_SPEEDS
 
     out: dict[str, tuple[float, ...]] = {}
     for c in codecs:
-        k = calibrate(c, coords)
+        k = calibrate(c, coords, device)
         bits = DEFAULT_SPEEDS[c][4] if c in ("gcomp", "omnireduce") else k.bits
         out[c] = (k.plan * 1e9, k.enc * 1e9, k.hop * 1e9, k.dec * 1e9, bits)
     return out
@@ -287,9 +302,10 @@ def plan_text(o: PlanOptions) -> str:
     if o.measure:
         t0 = time.perf_counter()
         names = list(o.codecs) or [c for c in _codec_names() if c in DEFAULT_SPEEDS]
-        speeds = measure_speeds(names)
+        speeds = measure_speeds(names, device=o.device)
+        where = "one core" if o.device == "cpu" else f"{o.device} tensors"
         lines.append(
-            f"Codec speeds measured on this machine, one core, in {time.perf_counter() - t0:.1f} s."
+            f"Codec speeds measured on this machine, {where}, in {time.perf_counter() - t0:.1f} s."
         )
     else:
         lines.append(
