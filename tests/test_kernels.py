@@ -304,6 +304,55 @@ def test_level_search_tables_find_the_searched_level():
         DynamiQ(backend="cpu", **uneven).kernels(torch.device("cpu"))
 
 
+@pytest.mark.skipif(
+    not triton_kernels.available() or not INTERPRET, reason="triton interpreter needed"
+)
+def test_division_by_reciprocal():
+    """The encoding kernels divide by a correctly rounded reciprocal with one
+    fused multiply-add correction where the operands allow it: the scale's
+    rg * M / 255 for every 8-bit rg and finite bfloat16 M (exhaustively), and
+    quotients (pi + u) / n and a / b in the range the kernels keep to, against
+    torch's correctly rounded division."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def divide(a_ptr, b_ptr, rb_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        a = tl.load(a_ptr + i, mask=ok, other=0.0)
+        b = tl.load(b_ptr + i, mask=ok, other=1.0)
+        rb = tl.load(rb_ptr + i, mask=ok, other=1.0)
+        tl.store(out_ptr + i, triton_kernels._div_by(a, b, rb), mask=ok)
+
+    def check(a, b):
+        out = torch.empty_like(a)
+        rb = torch.ones_like(b) / b
+        n = a.numel()
+        divide[(triton.cdiv(n, 1 << 20),)](a, b, rb, out, n, BLOCK=1 << 20)
+        assert torch.equal(out.view(torch.int32), (a / b).view(torch.int32))
+
+    m = (torch.arange(0x0001, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)
+    rg = torch.arange(256, dtype=torch.float32)
+    a = (rg[:, None] * m[None, :]).reshape(-1)
+    a = a[a.isfinite()]
+    check(a, torch.full_like(a, 255.0))
+    g = torch.Generator().manual_seed(0)
+    n = torch.randint(2, 1 << 16, (1 << 20,), generator=g).float()
+    pi = (torch.rand(1 << 20, generator=g) * n).floor()
+    u = torch.randint(0, 1 << 24, (1 << 20,), generator=g).float() * 2.0**-24
+    check(pi + u, n)
+    b = (torch.rand(1 << 20, generator=g) + 0.5) * 2.0 ** torch.randint(
+        -60, 60, (1 << 20,), generator=g
+    )
+    a = b * torch.rand(1 << 20, generator=g) * 2.0 ** -torch.randint(0, 80, (1 << 20,), generator=g)
+    # the range the kernels keep to: dividends of at least 2**-100 (the
+    # residual a - b q then has no bits below the subnormals'), normal quotients
+    normal = (a >= 2.0**-100) & (a / b >= 2.0**-126)
+    assert normal.float().mean() > 0.5
+    check(a[normal], b[normal])
+
+
 # -- on a GPU (the device tool): compiled kernels on CUDA tensors ---------------
 gpu = pytest.mark.skipif(
     not CUDA or INTERPRET or not triton_kernels.available(),

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import threading
 from functools import lru_cache
 from typing import Any
@@ -72,6 +73,10 @@ if triton is not None:
     )
     _M1, _M2 = tl.constexpr(M1), tl.constexpr(M2)
     _FASTMOD = tl.constexpr(CORR_FASTMOD)
+    #: Entries per thread in the encoding kernels (one 16-byte load).
+    _V = tl.constexpr(4)
+    #: 1 / 255, correctly rounded to float32.
+    _R255 = tl.constexpr(float(torch.tensor(1.0) / torch.tensor(255.0)))
 
     def _stable_jit(ints: list[str], byte_ptrs: list[str]) -> Any:
         """triton.jit that compiles one variant per constexpr set: Triton
@@ -102,7 +107,20 @@ if triton is not None:
         return (_hash(i, k0, k1) >> 8).to(tl.float32) * 5.9604644775390625e-08  # 2**-24
 
     @triton.jit
-    def _entry_uniforms(idx, g0, g1, p0, p1, n, me, units, nu, CORR: tl.constexpr):
+    def _div_by(a, b, rb):
+        """a / b correctly rounded, given rb = 1 / b correctly rounded: one
+        Markstein correction (the residual a - b q is exact in one fused
+        multiply-add, and q + r rb rounds to the quotient) instead of a full
+        division. Exact where a is zero or at least 2**-100 (the residual then
+        has no bits below the subnormals') and b, rb and the quotient are
+        normal; every caller keeps to that range or takes tl.div_rn outside it
+        (see _codes; tests/test_kernels.py::test_division_by_reciprocal)."""
+        q = a * rb
+        e = tl.fma(-q, b, a)
+        return tl.fma(e, rb, q)
+
+    @triton.jit
+    def _entry_uniforms(idx, g0, g1, p0, p1, n, rn, units, nu, cm, cm2, CORR: tl.constexpr):
         u = _uniform(idx, g0, g1)
         if CORR:
             h = _hash(idx, p0, p1)
@@ -110,9 +128,10 @@ if triton is not None:
             uu = nu.to(tl.uint32)
             if CORR == _FASTMOD:
                 # a % d for a, d < 2**16 as two multiplications, c = ceil(2**32 / d)
-                # (Lemire, Kaser and Kurz 2019; _kernels_cpu_jit.fastmod16)
-                cu = tl.full((), 0xFFFFFFFF, tl.uint32) // uu + 1
-                cn = tl.full((), 0xFFFFFFFF, tl.uint32) // un + 1
+                # (Lemire, Kaser and Kurz 2019; _kernels_cpu_jit.fastmod16), the
+                # two c from the host
+                cu = cm.to(tl.uint32)
+                cn = cm2.to(tl.uint32)
                 ui = tl.umulhi(cu * (h >> 16), uu)
                 shift = tl.umulhi(cn * (h & 0xFFFF), un)
             else:
@@ -122,7 +141,9 @@ if triton is not None:
             # of two residues is below 2n, one conditional subtraction reduces it
             pi = tl.load(units + ui).to(tl.uint32) + shift
             pi = tl.where(pi >= un, pi - un, pi)
-            u = tl.div_rn(pi.to(tl.float32) + u, n.to(tl.float32))
+            # (pi + u) / n: pi + u is 0 or at least 2**-24 and n < 2**24, so the
+            # quotient is normal and rn = 1 / n (rounded, from the host) serves
+            u = _div_by(pi.to(tl.float32) + u, n.to(tl.float32), rn)
         return u
 
     @triton.jit
@@ -131,27 +152,32 @@ if triton is not None:
         NG: tl.constexpr, TOP: tl.constexpr, PER: tl.constexpr, CODE_BYTES: tl.constexpr,
         W: tl.constexpr,
     ):  # fmt: skip  # type: ignore[no-untyped-def]
-        """Decoded entries [NG, G] of super-group r of a segment of k."""
+        """Decoded entries [NG, G // V, V] of super-group r of a segment of k."""
         b0 = tl.load(inb + 2 * r).to(tl.int32)
         b1 = tl.load(inb + 2 * r + 1).to(tl.int32)
         M = ((b0 | (b1 << 8)) << 16).to(tl.float32, bitcast=True)
         rg = tl.load(inb + 2 * k + r * NG + gidx).to(tl.float32)
-        # reference.group_scales: no overflow for huge M
-        sf = tl.where(M < 1.329227995784916e36, tl.div_rn(rg * M, 255.0), rg * tl.div_rn(M, 255.0))
+        # reference.group_scales: no overflow for huge M. rg * M is exact (8-bit
+        # integer times a bfloat16) and its division by 255 by reciprocal is the
+        # correctly rounded one for every rg and finite bfloat16 M (checked
+        # exhaustively: tests/test_kernels.py::test_division_by_reciprocal)
+        sf = tl.where(
+            M < 1.329227995784916e36, _div_by(rg * M, 255.0, _R255), rg * tl.div_rn(M, 255.0)
+        )
         byte = tl.load(inb + 2 * k + k * NG + r * CODE_BYTES + j // PER).to(tl.int32)
         c = (byte >> ((j % PER) * W)) & ((1 << W) - 1)
-        mag = tl.load(tab + (c & (TOP - 1))) * sf[:, None]
+        mag = tl.load(tab + (c & (TOP - 1))) * sf[:, None, None]
         # the sign as a bit flip, as torch's negation: compiled Triton lowers
         # -mag to 0 - mag, which gives +0.0 where the reference has -0.0
         flip = (c >= TOP).to(tl.uint32) << 31
         return (mag.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
 
     @_stable_jit(
-        ["k", "row0", "g0", "g1", "p0", "p1", "n", "me", "nu", "s0", "s1"], ["inb", "outb"]
+        ["k", "row0", "g0", "g1", "p0", "p1", "n", "nu", "cm", "cm2", "s0", "s1"], ["inb", "outb"]
     )
     def _segment_kernel(
-        inb, local, outf, outb, units, tab, dtab, bucket,
-        k, row0, g0, g1, p0, p1, n, me, nu, s0, s1,
+        inb, local, outf, outb, units, tab, dtab, rtab, bucket,
+        k, row0, g0, g1, p0, p1, n, rn, nu, cm, cm2, s0, s1,
         W: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
         NB_LOG: tl.constexpr, STEPS: tl.constexpr, CORR: tl.constexpr,
     ):  # fmt: skip
@@ -161,15 +187,23 @@ if triton is not None:
         CODE_BYTES: tl.constexpr = S * W // 8
         r = tl.program_id(0)
         gidx = tl.arange(0, NG)
-        j = gidx[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G]
+        # [NG, G // V, V]: a thread holds V consecutive entries (one 16-byte
+        # load), so it holds entries of NG * V / 32 groups only, and the
+        # per-group work (scales, their uniforms, reciprocals) is done that many
+        # times per thread instead of NG; its codes pack without shuffles
+        j = (
+            gidx[:, None, None] * G
+            + tl.arange(0, G // _V)[None, :, None] * _V
+            + tl.arange(0, _V)[None, None, :]
+        )
         # ENCODE and DAR (the decode modes: _decode_kernel)
         x = tl.load(local + r * S + j)
         if MODE == _DAR:
             x = x + _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
         _encode_sg(
-            x, outb, r, k, row0 + r, j, gidx, units, tab, dtab, bucket,
+            x, outb, r, k, row0 + r, j, gidx, units, tab, dtab, rtab, bucket,
             g0.to(tl.uint32), g1.to(tl.uint32), p0.to(tl.uint32), p1.to(tl.uint32),
-            n, me, nu, s0.to(tl.uint32), s1.to(tl.uint32),
+            n, rn, nu, cm, cm2, s0.to(tl.uint32), s1.to(tl.uint32),
             W, S, NG, TOP, PER, CODE_BYTES, NB_LOG, STEPS, CORR,
         )  # fmt: skip
 
@@ -210,18 +244,60 @@ if triton is not None:
         tl.store(outf + e, v, mask=ok3)
 
     @triton.jit
+    def _codes(
+        x, ax, gm, rgm, u, tab, dtab, rtab, bucket,
+        TOP: tl.constexpr, NB_LOG: tl.constexpr, STEPS: tl.constexpr, FAST: tl.constexpr,
+    ):  # fmt: skip
+        """The magnitude codes of entries x (|x| = ax) of groups of maxima gm.
+        FAST: the two divisions by reciprocals (rgm = 1 / gm per group, rtab
+        per level), for a super-group whose entries are all zero or at least
+        2**-100 and 2**-90 of their group's maximum, below 2**120 (the
+        reciprocal division is the correctly rounded one there: _div_by); else
+        tl.div_rn."""
+        if FAST:  # noqa: SIM108 (Triton: a constexpr branch)
+            y = _div_by(ax, gm, rgm)  # rgm = 0 for an all-zero group: y = 0
+        else:
+            y = tl.where(gm > 0.0, tl.div_rn(ax, gm), 0.0)
+        if TOP == 1:  # levels {0, 1}: p = y
+            code = (u < y).to(tl.int32)
+        else:
+            if FAST:  # y is a number in [0, 1]
+                b = tl.minimum((y * (1 << NB_LOG)).to(tl.int32), (1 << NB_LOG) - 1)
+            else:
+                isnum = y == y
+                b = tl.minimum(
+                    (tl.where(isnum, y, 0.0) * (1 << NB_LOG)).to(tl.int32), (1 << NB_LOG) - 1
+                )
+            lv = tl.load(bucket + b)
+            for _ in tl.static_range(STEPS):
+                lv += (tl.load(tab + lv + 1) <= y).to(tl.int32)
+            if FAST:
+                lv = tl.minimum(lv, TOP - 1)
+            else:
+                lv = tl.where(isnum, tl.minimum(lv, TOP - 1), TOP - 1)
+            lo = tl.load(tab + lv)
+            if FAST:
+                # the top level's gap is +inf (1/inf = 0): the quotient comes out
+                # NaN where tl.div_rn gives 0, and u < p is false for both
+                p = _div_by(y - lo, tl.load(dtab + lv), tl.load(rtab + lv))
+            else:
+                p = tl.div_rn(y - lo, tl.load(dtab + lv))
+            code = lv + (u < p).to(tl.int32)
+        return code
+
+    @triton.jit
     def _encode_sg(
-        x, outb, r, k, R, j, gidx, units, tab, dtab, bucket,
-        g0, g1, p0, p1, n, me, nu, s0, s1,
+        x, outb, r, k, R, j, gidx, units, tab, dtab, rtab, bucket,
+        g0, g1, p0, p1, n, rn, nu, cm, cm2, s0, s1,
         W: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, TOP: tl.constexpr,
         PER: tl.constexpr, CODE_BYTES: tl.constexpr, NB_LOG: tl.constexpr, STEPS: tl.constexpr,
         CORR: tl.constexpr,
     ):  # fmt: skip
-        """Encode super-group r (row R of the working vector) from x [NG, G]."""
+        """Encode super-group r (row R of the working vector) from x [NG, G // V, V]."""
         codes_at = 2 * k + k * NG
         # scales: maxima on the bit patterns of |x|
         ai = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        gmi = tl.max(ai, axis=1)
+        gmi = tl.max(tl.max(ai, axis=2), axis=1)
         mi = tl.max(gmi, axis=0)
         mi = tl.where(mi > 0x7F800000, 0x7FC00000, mi)  # a NaN: amax's canonical one
         mb = (mi.to(tl.int64) + 0xFFFF) >> 16  # round_up_bf16
@@ -238,32 +314,33 @@ if triton is not None:
         q = tl.minimum(tl.maximum(q, 0.0), 255.0)
         tl.store(outb + 2 * k + r * NG + gidx, q.to(tl.uint8))
         # entries
-        u = _entry_uniforms((R * S + j).to(tl.uint32), g0, g1, p0, p1, n, me, units, nu, CORR)
-        gm = gmax[:, None]
-        y = tl.where(gm > 0.0, tl.div_rn(tl.abs(x), gm), 0.0)
-        if TOP == 1:  # levels {0, 1}: p = y
-            code = (u < y).to(tl.int32)
+        u = _entry_uniforms(
+            (R * S + j).to(tl.uint32), g0, g1, p0, p1, n, rn, units, nu, cm, cm2, CORR
+        )
+        gm = gmax[:, None, None]
+        ax = tl.abs(x)
+        # the reciprocal path's range (see _codes): entries zero or at least
+        # 2**-100 and 2**-90 of their group's maximum, the maximum below 2**120
+        # (also no NaN or infinity: their bit patterns are above it)
+        odd = (ai != 0) & ((ai < 0x0D800000) | (ax < gm * 8.077935669463161e-28))
+        if (mi < 0x7B800000) & (
+            tl.max(tl.max(tl.max(odd.to(tl.int32), axis=2), axis=1), axis=0) == 0
+        ):
+            rgm = tl.where(gmax > 0.0, tl.div_rn(1.0, gmax), 0.0)[:, None, None]
+            code = _codes(x, ax, gm, rgm, u, tab, dtab, rtab, bucket, TOP, NB_LOG, STEPS, True)
         else:
-            isnum = y == y
-            b = tl.minimum(
-                (tl.where(isnum, y, 0.0) * (1 << NB_LOG)).to(tl.int32), (1 << NB_LOG) - 1
-            )
-            lv = tl.load(bucket + b)
-            for _ in tl.static_range(STEPS):
-                lv += (tl.load(tab + lv + 1) <= y).to(tl.int32)
-            lv = tl.where(isnum, tl.minimum(lv, TOP - 1), TOP - 1)
-            lo = tl.load(tab + lv)
-            p = tl.div_rn(y - lo, tl.load(dtab + lv))
-            code = lv + (u < p).to(tl.int32)
+            code = _codes(x, ax, gm, gm, u, tab, dtab, rtab, bucket, TOP, NB_LOG, STEPS, False)
         code = code | ((x < 0.0).to(tl.int32) << (W - 1))
         packed = tl.reshape(code, [S // PER, PER])
         shifts = tl.arange(0, PER) * W
         byte_out = tl.sum(packed << shifts[None, :], axis=1)
         tl.store(outb + codes_at + r * CODE_BYTES + tl.arange(0, S // PER), byte_out.to(tl.uint8))
 
-    @_stable_jit(["total", "first", "g0", "g1", "p0", "p1", "n", "me", "nu"], ["inb", "outb"])
+    @_stable_jit(
+        ["total", "first", "g0", "g1", "p0", "p1", "n", "nu", "cm", "cm2"], ["inb", "outb"]
+    )
     def _segment16_kernel(
-        inb, local, outf, outb, units, total, first, g0, g1, p0, p1, n, me, nu,
+        inb, local, outf, outb, units, total, first, g0, g1, p0, p1, n, rn, nu, cm, cm2,
         MODE: tl.constexpr, BLOCK: tl.constexpr, CORR: tl.constexpr,
     ):  # fmt: skip
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -283,7 +360,7 @@ if triton is not None:
             u = _entry_uniforms(
                 (first + i).to(tl.uint32),
                 g0.to(tl.uint32), g1.to(tl.uint32), p0.to(tl.uint32), p1.to(tl.uint32),
-                n, me, units, nu, CORR,
+                n, rn, units, nu, cm, cm2, CORR,
             )  # fmt: skip
             # bf16 rounded up with probability (low 16 bits) / 2**16, on the bits
             xb = x.to(tl.int32, bitcast=True)
@@ -317,10 +394,19 @@ if triton is not None:
 @lru_cache(maxsize=64)
 def _tables(
     width: int, eps: float, device: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """Levels, their gaps (hi - lo, as the reference subtracts them), the gaps'
+    correctly rounded reciprocals (float32 division on the CPU), the bucket
+    table and its geometry."""
     ext, bucket, nb_log, steps = search_tables(width, eps)
     dtab = torch.cat([ext[1:] - ext[:-1], ext.new_full((1,), float("inf"))])  # hi - lo
-    return ext.to(device), dtab.to(device), bucket.to(device), nb_log, steps
+    rtab = torch.ones_like(dtab) / dtab
+    return ext.to(device), dtab.to(device), rtab.to(device), bucket.to(device), nb_log, steps
+
+
+def _reciprocal(n: int) -> float:
+    """1 / n correctly rounded to float32 (a float32 division on the CPU)."""
+    return float(torch.tensor(1.0) / torch.tensor(float(n)))
 
 
 @lru_cache(maxsize=64)
@@ -363,7 +449,11 @@ def run_segment(call: SegmentCall) -> None:
     outb = call.out_payload if call.out_payload is not None else dummy_b
     st = call.streams
     un = _units(st.units, st.peers, st.peer, dev)
-    keys = (*st.gamma_key, *st.perm_key, st.peers, st.peer, un.numel())
+    nu = un.numel()
+    # the fastmod constants ceil(2**32 / d) of the unit count and the peer count
+    cm = (0xFFFFFFFF // max(nu, 1) + 1) & 0xFFFFFFFF
+    cm2 = (0xFFFFFFFF // max(st.peers, 1) + 1) & 0xFFFFFFFF
+    keys = (*st.gamma_key, *st.perm_key, st.peers, _reciprocal(max(st.peers, 1)), nu, cm, cm2)
     corr = _corr(st.peers, len(st.units))
     mode, width, rows, S, G = int(call.mode), call.width, call.rows, call.S, call.s
     with _INTERPRETER_LOCK:
@@ -374,7 +464,7 @@ def run_segment(call: SegmentCall) -> None:
                 MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
             )  # fmt: skip
             return
-        tab, dtab, bucket, nb_log, steps = _tables(width, call.eps, dev)
+        tab, dtab, rtab, bucket, nb_log, steps = _tables(width, call.eps, dev)
         if mode in (Mode.DECODE, Mode.DECODE_ACC):
             _decode_kernel[(triton.cdiv(rows, _DECODE_SGS),)](
                 inb, loc, outf, tab, rows,
@@ -382,7 +472,8 @@ def run_segment(call: SegmentCall) -> None:
             )  # fmt: skip
             return
         _segment_kernel[(rows,)](
-            inb, loc, outf, outb, un, tab, dtab, bucket, rows, call.row0, *keys, *st.scale_key,
+            inb, loc, outf, outb, un, tab, dtab, rtab, bucket, rows, call.row0, *keys,
+            *st.scale_key,
             W=width, MODE=mode, S=S, G=G, NB_LOG=nb_log, STEPS=steps, CORR=corr,
             **_LAUNCH, **_ONE_WARP,
         )  # fmt: skip
@@ -428,9 +519,12 @@ def compile_all(arch: int = 90) -> list[str]:
         src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
         opts = {"enable_fp_fusion": False, "num_warps": warps}
         ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
-        if "div.full" in ptx or "div.approx" in ptx or "fma.rn.f32" in ptx:
+        # fp fusion off: every multiply, add and subtract carries .rn, which
+        # ptxas never contracts; the fused multiply-adds left are the explicit
+        # ones (the reciprocal divisions' corrections)
+        if "div.full" in ptx or "div.approx" in ptx or re.search(r"\b(mul|add|sub)\.f32", ptx):
             raise AssertionError(
-                f"{fn.__name__} {const}: approximate division or fused multiply-add"
+                f"{fn.__name__} {const}: approximate division or contractible arithmetic"
             )
         out.append(f"{fn.__name__} {const}: ok")
 
@@ -441,11 +535,14 @@ def compile_all(arch: int = 90) -> list[str]:
         "p0": "i64",
         "p1": "i64",
         "n": "i32",
-        "me": "i32",
+        "rn": "fp32",
         "nu": "i32",
+        "cm": "i64",
+        "cm2": "i64",
     }
     seg = {
-        **ptrs, "tab": "*fp32", "dtab": "*fp32", "bucket": "*i32", "k": "i32", "row0": "i32",
+        **ptrs, "tab": "*fp32", "dtab": "*fp32", "rtab": "*fp32", "bucket": "*i32",
+        "k": "i32", "row0": "i32",
         **keys, "s0": "i64", "s1": "i64",
         **dict.fromkeys(("W", "MODE", "S", "G", "NB_LOG", "STEPS", "CORR"), "constexpr"),
     }  # fmt: skip
