@@ -19,6 +19,7 @@ equarx        ``cpu``     :mod:`hopq.codecs.equarx.kernels_cpu` (numba)   ``hopq
 gcomp         ``cpu``     :mod:`hopq.codecs.gcomp.kernels_cpu` (numba)    ``hopq[cpu]``
 gqsgd-exp     ``cpu``     :mod:`hopq.codecs.gqsgd.kernels_cpu` (numba)    ``hopq[cpu]``
 gqsgd-linear  ``cpu``     :mod:`hopq.codecs.gqsgd.kernels_cpu` (numba)    ``hopq[cpu]``
+mxfp8/6/4     ``triton``  :mod:`hopq.codecs.mx.kernels_triton`            ``hopq[triton]``
 mxfp8/6/4     ``cpu``     :mod:`hopq.codecs.mx.kernels_cpu` (numba)       ``hopq[cpu]``
 thc           ``cpu``     :mod:`hopq.codecs.thc.kernels_cpu` (numba)      ``hopq[cpu]``
 ============  ==========  ==============================================  ===============
@@ -37,7 +38,8 @@ from types import ModuleType
 
 class CpuBackend(str, Enum):
     """The ``backend`` option of the codecs whose kernels are numba CPU kernels
-    (equarx, gcomp, gqsgd, mx, thc): the same bits either way."""
+    (equarx, gcomp, gqsgd, thc; mx has its own, with ``triton``): the same bits
+    either way."""
 
     #: The numba kernels for CPU tensors when numba is installed, else the reference.
     AUTO = "auto"
@@ -111,6 +113,12 @@ _BACKENDS: list[KernelBackend] = [
     _numba("gcomp", "hopq.codecs.gcomp.kernels_cpu"),
     _numba("gqsgd-exp", "hopq.codecs.gqsgd.kernels_cpu"),
     _numba("gqsgd-linear", "hopq.codecs.gqsgd.kernels_cpu"),
+    *(
+        KernelBackend(
+            mx, "triton", "hopq.codecs.mx.kernels_triton", ("cuda",), ("triton",), "triton"
+        )
+        for mx in ("mxfp8", "mxfp6", "mxfp4")
+    ),
     *(_numba(mx, "hopq.codecs.mx.kernels_cpu") for mx in ("mxfp8", "mxfp6", "mxfp4")),
     _numba("thc", "hopq.codecs.thc.kernels_cpu"),
 ]

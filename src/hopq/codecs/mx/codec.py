@@ -44,7 +44,7 @@ from hopq.codecs.base import (
 )
 from hopq.codecs.registry import register
 from hopq.errors import PayloadError
-from hopq.kernels import CpuBackend, resolve
+from hopq.kernels import resolve
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.bitpack import pack_bits, packed_nbytes, unpack_bits
 from hopq.numerics.blocks import pad_to_blocks
@@ -52,6 +52,21 @@ from hopq.numerics.div import div, div_
 from hopq.options import check_options, option
 
 _FLOAT_MAX = float(torch.finfo(torch.float32).max)
+
+
+class Backend(str, Enum):
+    """The ``backend`` option: which implementation runs encode, decode and the
+    fused hop (the same bits)."""
+
+    #: The Triton kernels for CUDA tensors when triton is installed, the numba
+    #: kernels for CPU tensors when numba is, else the reference.
+    AUTO = "auto"
+    REFERENCE = "reference"
+    #: :mod:`hopq.codecs.mx.kernels_triton` (CUDA tensors; CPU tensors only
+    #: under TRITON_INTERPRET=1).
+    TRITON = "triton"
+    #: :mod:`hopq.codecs.mx.kernels_cpu` (CPU tensors, numba).
+    CPU = "cpu"
 
 
 class ScaleFormat(str, Enum):
@@ -80,10 +95,10 @@ class MXConfig(CodecConfig):
     shrink: float = option(
         2 ** (-1 / 1000), "per-round shrink factor of mu otherwise", gt=0.0, hi=1.0
     )
-    backend: CpuBackend = option(
-        CpuBackend.AUTO,
+    backend: Backend = option(
+        Backend.AUTO,
         "implementation of encode, decode and the fused hop (same bits)",
-        choices=CpuBackend,
+        choices=Backend,
     )
 
     def __post_init__(self) -> None:
@@ -120,6 +135,9 @@ class MXCodec(Codec[MXPlan]):
         self.mu: float | None = None
         self.overflow = 0  # saturated entries this rank encoded in the current round
         self.encoded = 0
+        #: The GPU kernels' share of ``overflow``, counted on the device (no
+        #: hop waits for it); read once per round, by the next plan.
+        self._device_overflow: torch.Tensor | None = None
         #: The global overflow ratio of the last completed round (for reports).
         self.last_overflow_ratio = 0.0
 
@@ -136,8 +154,12 @@ class MXCodec(Codec[MXPlan]):
         bounds = check_bounds(stats, d)
         nb = -(-d // B) if bounds is None else segment_starts(bounds, B)[-1] // B
         # last round's saturation, summed over every encode of every rank
+        if cfg.backend not in (Backend.AUTO, Backend.REFERENCE):
+            self.kernels(x.device)  # a backend that cannot take these tensors says so now
         counts = torch.tensor(
-            [float(self.overflow), float(self.encoded)], dtype=torch.float64, device=x.device
+            [float(self._overflow_total()), float(self.encoded)],
+            dtype=torch.float64,
+            device=x.device,
         )
         glob = stats.all_reduce(counts, StatsOp.SUM).tolist()
         if self.mu is None:
@@ -146,6 +168,7 @@ class MXCodec(Codec[MXPlan]):
             self.last_overflow_ratio = glob[0] / glob[1]
             self.mu *= 2.0 if self.last_overflow_ratio > cfg.overflow_threshold else cfg.shrink
         self.overflow = self.encoded = 0
+        self._device_overflow = None
         blocks = pad_to_blocks(x, B) if bounds is None else to_segments(x, bounds, B).view(nb, B)
         amax = blocks.abs().amax(1)
         # rounded up to bfloat16, saturating rather than overflowing (finite in,
@@ -203,15 +226,33 @@ class MXCodec(Codec[MXPlan]):
             )
         return self._scales(plan, c, t.numel())
 
+    def _overflow_total(self) -> int:
+        """Saturated entries this round, the device's count included (waits for it)."""
+        dev = self._device_overflow
+        return self.overflow + (0 if dev is None else int(dev.item()))
+
+    def _counter(self, k: Any, t: torch.Tensor) -> dict[str, Any]:
+        """The keyword that makes kernels with a device counter (the Triton ones)
+        add their saturation count into this codec's; none for the others."""
+        if not hasattr(k, "new_counter"):
+            return {}
+        dev = self._device_overflow
+        if dev is None or dev.device != t.device:
+            if dev is not None:
+                self.overflow += int(dev.item())
+            dev = self._device_overflow = k.new_counter(t.device)
+        return {"counter": dev}
+
     def kernels(self, device: torch.device) -> Any:
-        """The kernel module (:mod:`hopq.codecs.mx.kernels_cpu`) on ``device``, or None
-        for the reference (the same bits). A block whose codes do not end on a
-        byte has no kernel: ``backend="cpu"`` then raises rather than run the
-        reference unasked."""
+        """The kernel module on ``device`` (:mod:`hopq.codecs.mx.kernels_triton` for
+        CUDA tensors, :mod:`hopq.codecs.mx.kernels_cpu` for CPU ones), or None for
+        the reference (the same bits). A block whose codes do not end on a byte
+        has no CPU kernel: ``backend="cpu"`` then raises rather than run the
+        reference unasked (the Triton kernels take any block)."""
         k = _resolve(self.name, self.config.backend.value, device.type)
         if k is None or k.supports(self.element, self.config.block):
             return k
-        if self.config.backend is CpuBackend.CPU:
+        if self.config.backend is Backend.CPU:
             raise ValueError(
                 f"{self.name}: the CPU kernels need block x {self.element.bits} bits to be a "
                 f"multiple of 8, got block {self.config.block}; use backend='auto' or 'reference'"
@@ -229,7 +270,7 @@ class MXCodec(Codec[MXPlan]):
         k = self._kernels_for(chunk)
         if k is not None:
             scales = self._kernel_scales(plan, ctx.chunk, chunk)
-            out, sat = k.encode(chunk, scales, fmt, self.config.block)
+            out, sat = k.encode(chunk, scales, fmt, self.config.block, **self._counter(k, chunk))
             self.overflow += sat
             self.encoded += chunk.numel()
             return out
@@ -273,12 +314,15 @@ class MXCodec(Codec[MXPlan]):
     def decode_accumulate_encode(
         self, plan: MXPlan, payload: torch.Tensor, local: torch.Tensor, ctx: HopContext
     ) -> torch.Tensor:
-        """With the kernels: block by block, decode, add and encode the sum."""
+        """With the kernels: block by block, decode, add and encode the sum (the
+        CPU kernels leave the sum in ``local``, the Triton ones leave ``local``
+        as it was: the contract allows either)."""
         k = self._kernels_for(local)
         if k is None:
             return super().decode_accumulate_encode(plan, payload, local, ctx)
         scales = self._kernel_scales(plan, ctx.chunk, local, payload)
-        out, sat = k.hop(payload, local, scales, self.element, self.config.block)
+        B = self.config.block
+        out, sat = k.hop(payload, local, scales, self.element, B, **self._counter(k, local))
         self.overflow += sat
         self.encoded += local.numel()
         return out
@@ -295,7 +339,7 @@ class MXCodec(Codec[MXPlan]):
         return {
             "round": self.round,
             "mu": self.mu,
-            "overflow": self.overflow,
+            "overflow": self._overflow_total(),
             "encoded": self.encoded,
             "last_overflow_ratio": self.last_overflow_ratio,
         }
@@ -308,6 +352,7 @@ class MXCodec(Codec[MXPlan]):
         self.round = int(state["round"])
         self.mu = None if state["mu"] is None else float(state["mu"])
         self.overflow = int(state["overflow"])
+        self._device_overflow = None
         self.encoded = int(state["encoded"])
         self.last_overflow_ratio = float(state["last_overflow_ratio"])
 

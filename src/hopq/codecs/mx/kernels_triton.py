@@ -1,0 +1,358 @@
+"""MXFP8/6/4's Triton kernels: encode, decode (or accumulate) and the fused hop on
+CUDA tensors, the same bits as :class:`hopq.codecs.mx.MXCodec`'s reference
+(``tests/test_mx_triton.py`` holds them to it, and to the numba kernels'
+protocol, :mod:`hopq.codecs.mx.kernels_cpu`).
+
+One kernel, four modes (:class:`hopq.kernels.Mode`): ENCODE (values ->
+payload, with the saturation count), DECODE, DECODE_ACC (values +=
+decode(payload)) and DAR, the fused hop (decode the received partial sum, add
+the local values, encode the sum without leaving registers; the local values
+are read once and not written back, which the codec contract allows). It is
+memory-bound: a program takes ``TILE`` consecutive values as ``[TILE / 4, 4]``
+(four values per thread in a row: 16-byte loads and stores of the float32
+values, and the four codes of a row packed in the thread that holds them), one
+pass over the data. A row's codes take 4 bytes (FP8), 2 (FP4, two codes a
+byte) or 3 (FP6: one 24-bit word, bitpack's layout). Blocks of a multiple of
+4 values read one scale per row; other block sizes one per value (a cached
+gather). Any block size packs: the payload of a chunk is one bit stream, so
+blocks need not end on a byte as in the CPU kernels.
+
+The arithmetic is the reference's, as the numba kernels do it (see
+:mod:`hopq.codecs.mx._kernels_cpu_jit`): x / s * FMAX with ``tl.div_rn``
+(correctly rounded, as torch divides), magnitudes clamped to FMAX (NaN to
+FMAX), the element code ((Ee + bias - 1) << M) + rint(a * 2^(M - Ee)) with
+2^(M - Ee) built from its bits and rint the float32 addition of 1.5 * 2^23
+(ties to even, as the reference's table search). Decoding builds a code's
+magnitude from its fields (E4M3's top code is NaN), its sign as a bit flip
+(compiled Triton lowers a negation to 0 - x, which loses -0.0), then
+v * s / FMAX, or v * (s / FMAX) where v * s could overflow. Kernels launch
+with fp fusion off (no multiply-add contraction). The saturation count is
+added on the device into a counter the codec owns (one atomic per program
+that saw any), so a hop never waits for the GPU.
+
+Under ``TRITON_INTERPRET=1`` (set before this module is imported) they run on
+CPU tensors; that is how CI checks them against the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from hopq.kernels import Mode, interpreting
+from hopq.numerics import fp_formats as fpf
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised where triton is absent
+    triton = None
+
+_FLOAT_MAX = float(torch.finfo(torch.float32).max)
+#: Values per program: 16 per thread on 4 warps (four 16-byte loads of float32
+#: in flight per thread, enough to cover memory latency at full occupancy).
+TILE = 2048
+_WARPS = 4
+#: Chunks are launched in pieces of at most this many values, so that every
+#: offset in a kernel fits int32 (a piece starts on a block and a byte).
+_PIECE = 1 << 30
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def supports(fmt: fpf.ElementFormat, block: int) -> bool:
+    """Every block size: a chunk's codes are packed as one bit stream."""
+    return True
+
+
+if triton is not None:
+    # globals a compiled kernel reads must be constexpr (the interpreter does not care)
+    _ENCODE, _DECODE, _DECODE_ACC, _DAR = (
+        tl.constexpr(int(v)) for v in (Mode.ENCODE, Mode.DECODE, Mode.DECODE_ACC, Mode.DAR)
+    )
+    #: 1.5 * 2^23: (t + _RINT) - _RINT is t rounded half to even, for |t| < 2^22.
+    _RINT = tl.constexpr(12582912.0)
+
+    @triton.jit
+    def _codes(inb, pb, rows, cols, le, ok, mb, BITS: tl.constexpr, R: tl.constexpr):
+        """The codes [R, 4] of the tile whose payload starts at inb + pb (mb of
+        its bytes are the chunk's)."""
+        if BITS == 8:
+            c = tl.load(inb + pb + le, mask=ok, other=0).to(tl.int32)
+        elif BITS == 4:
+            bi = rows[:, None] * 2 + tl.arange(0, 2)[None, :]
+            b = tl.load(inb + pb + bi, mask=bi < mb, other=0).to(tl.int32)
+            c = tl.reshape(tl.join(b & 15, b >> 4), [R, 4])
+        else:  # 6 bits: a row's four codes in three bytes
+            bi = rows[:, None] * 3 + cols[None, :]
+            ld = (cols[None, :] < 3) & (bi < mb)
+            b = tl.load(inb + pb + bi, mask=ld, other=0).to(tl.int32)
+            w = tl.sum(b << (cols * 8)[None, :], axis=1)
+            c = (w[:, None] >> (cols * 6)[None, :]) & 63
+        return c
+
+    @triton.jit
+    def _decode_values(
+        c, s,
+        BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+        SAFE: tl.constexpr, SUB: tl.constexpr, NAN_TOP: tl.constexpr,
+    ):  # fmt: skip
+        """The values of codes c under scales s: v * s / FMAX, or v * (s / FMAX)
+        where v * s could overflow float32 (the reference's two branches)."""
+        TOP: tl.constexpr = 1 << (BITS - 1)
+        mc = c & (TOP - 1)
+        ef = mc >> MAN
+        mf = mc & ((1 << MAN) - 1)
+        normal = (((ef + (127 - BIAS)) << 23) | (mf << (23 - MAN))).to(tl.float32, bitcast=True)
+        mag = tl.where(ef == 0, mf.to(tl.float32) * SUB, normal)  # subnormals: exact products
+        if NAN_TOP:
+            mag = tl.where(mc == TOP - 1, float("nan"), mag)
+        flip = (c >= TOP).to(tl.uint32) << 31
+        v = (mag.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+        return tl.where(s <= SAFE, tl.div_rn(v * s, FMAX), v * tl.div_rn(s, FMAX))
+
+    @triton.jit
+    def _encode_values(
+        x, s, BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr
+    ):  # fmt: skip
+        """(codes, saturated count) of values x under scales s."""
+        v = tl.where(s > 0.0, tl.div_rn(x, s) * FMAX, x)
+        a = tl.abs(v)
+        sat = ((a > FMAX) & (a != float("inf"))).to(tl.int32)
+        neg = (v < 0.0).to(tl.int32)
+        a = tl.where(a <= FMAX, a, FMAX)  # NaN and beyond FMAX: FMAX
+        ee = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 1 - BIAS)
+        pw = ((127 + MAN - ee) << 23).to(tl.float32, bitcast=True)  # 2^(M - Ee), exact
+        k = ((a * pw + _RINT) - _RINT).to(tl.int32)
+        code = (((ee + (BIAS - 1)) << MAN) + k) | (neg << (BITS - 1))
+        return code, tl.sum(sat)
+
+    @triton.jit
+    def _mx_kernel(
+        inb, local, outf, outb, scale, sat, n,
+        MODE: tl.constexpr, BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
+        FMAX: tl.constexpr, SAFE: tl.constexpr, SUB: tl.constexpr, NAN_TOP: tl.constexpr,
+        B: tl.constexpr, TILE: tl.constexpr,
+    ):  # fmt: skip
+        R: tl.constexpr = TILE // 4
+        base = tl.program_id(0) * TILE
+        rows = tl.arange(0, R)
+        cols = tl.arange(0, 4)
+        le = rows[:, None] * 4 + cols[None, :]  # [R, 4], this tile's values
+        m = n - base  # values of the chunk from this tile's start
+        ok = le < m
+        mb = (tl.minimum(m, TILE) * BITS + 7) // 8  # and the tile's payload bytes
+        pb = base // 8 * BITS
+        # the scales (a masked-off value's: 1, any finite one would do)
+        sp = scale + base // B
+        r0 = base % B
+        if B % 4 == 0:  # a row in one block
+            s = tl.load(sp + (r0 + rows * 4) // B, mask=rows * 4 < m, other=1.0)[:, None]
+        else:
+            s = tl.load(sp + (r0 + le) // B, mask=ok, other=1.0)
+        if MODE != _ENCODE:
+            c = _codes(inb, pb, rows, cols, le, ok, mb, BITS, R)
+            val = _decode_values(c, s, BITS, MAN, BIAS, FMAX, SAFE, SUB, NAN_TOP)
+        if MODE == _DECODE:
+            tl.store(outf + base + le, val, mask=ok)
+        elif MODE == _DECODE_ACC:
+            acc = tl.load(local + base + le, mask=ok, other=0.0)
+            tl.store(outf + base + le, acc + val, mask=ok)
+        else:
+            x = tl.load(local + base + le, mask=ok, other=0.0)
+            if MODE == _DAR:
+                x = x + val
+            code, cnt = _encode_values(x, s, BITS, MAN, BIAS, FMAX)
+            if BITS == 8:
+                tl.store(outb + pb + le, code.to(tl.uint8), mask=ok)
+            elif BITS == 4:
+                pair = tl.reshape(code, [R, 2, 2])
+                byte = tl.sum(pair << (tl.arange(0, 2) * 4)[None, None, :], axis=2)
+                bi = rows[:, None] * 2 + tl.arange(0, 2)[None, :]
+                tl.store(outb + pb + bi, byte.to(tl.uint8), mask=bi < mb)
+            else:
+                w = tl.sum(code << (cols * 6)[None, :], axis=1)
+                byte = (w[:, None] >> (cols * 8)[None, :]) & 0xFF
+                bi = rows[:, None] * 3 + cols[None, :]
+                st = (cols[None, :] < 3) & (bi < mb)
+                tl.store(outb + pb + bi, byte.to(tl.uint8), mask=st)
+            tl.atomic_add(sat, cnt.to(tl.int64), mask=cnt > 0)
+
+
+_LAUNCH = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": _WARPS}
+#: The interpreter patches triton.language while a kernel runs: not thread-safe
+#: (the simulator runs ranks in threads), so launches take turns there.
+_INTERPRETER_LOCK = threading.Lock() if interpreting() else contextlib.nullcontext()
+
+
+@lru_cache(maxsize=8)
+def _consts(fmt: fpf.ElementFormat) -> dict[str, Any]:
+    """The format's compile-time constants. SAFE is float32's FLT_MAX / FMAX as
+    the reference compares it (torch rounds the Python float to float32)."""
+    safe = float(torch.tensor(_FLOAT_MAX / fmt.max, dtype=torch.float32))
+    return {
+        "BITS": fmt.bits,
+        "MAN": fmt.man_bits,
+        "BIAS": fmt.bias,
+        "FMAX": float(fmt.max),
+        "SAFE": safe,
+        "SUB": 2.0 ** (1 - fmt.bias - fmt.man_bits),
+        "NAN_TOP": bool(fmt.nan_top),
+    }
+
+
+@lru_cache(maxsize=16)
+def _dummies(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stand-ins for the pointers a mode does not use."""
+    return (
+        torch.empty(1, dtype=torch.uint8, device=device),
+        torch.empty(1, dtype=torch.float32, device=device),
+    )
+
+
+def new_counter(device: torch.device | str) -> torch.Tensor:
+    """A saturation counter for :func:`encode` and :func:`hop` (int64, zero)."""
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def _run(
+    mode: Mode,
+    fmt: fpf.ElementFormat,
+    block: int,
+    n: int,
+    scale: torch.Tensor,
+    *,
+    inb: torch.Tensor | None = None,
+    local: torch.Tensor | None = None,
+    outf: torch.Tensor | None = None,
+    outb: torch.Tensor | None = None,
+    sat: torch.Tensor | None = None,
+) -> None:
+    if n == 0:
+        return
+    dev = str(scale.device)
+    dummy_b, dummy_f = _dummies(dev)
+    if sat is None:
+        sat = torch.empty(1, dtype=torch.int64, device=dev)  # the decode modes add nothing
+    bits = fmt.bits
+    # a piece starts on a block, a tile and a byte: its offsets into every tensor
+    # are whole numbers
+    step = max(1, _PIECE // (block * TILE)) * block * TILE
+    const = _consts(fmt)
+    with _INTERPRETER_LOCK:
+        for lo in range(0, n, step):
+            m = min(n, lo + step) - lo
+            p0, p1 = lo * bits // 8, (lo + m) * bits // 8 + 1
+            args = (
+                dummy_b if inb is None else inb[p0:p1],
+                dummy_f if local is None else local[lo : lo + m],
+                dummy_f if outf is None else outf[lo : lo + m],
+                dummy_b if outb is None else outb[p0:p1],
+                scale[lo // block :],
+                sat,
+                m,
+            )
+            _mx_kernel[(triton.cdiv(m, TILE),)](
+                *args, MODE=int(mode), B=block, TILE=TILE, **const, **_LAUNCH
+            )
+
+
+def encode(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: fpf.ElementFormat,
+    block: int,
+    counter: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """(payload, saturated count) of the contiguous float32 chunk x, whose
+    blocks' scales are ``scale``. With ``counter`` (:func:`new_counter`) the
+    count is added into it on the device and 0 returned; without, it comes
+    back as a one-element tensor (no wait for the device either way)."""
+    n = x.numel()
+    out = torch.empty((n * fmt.bits + 7) // 8, dtype=torch.uint8, device=x.device)
+    sat = counter if counter is not None else new_counter(x.device)
+    _run(Mode.ENCODE, fmt, block, n, scale, local=x.reshape(-1), outb=out, sat=sat)
+    return out, (0 if counter is not None else sat)
+
+
+def decode(
+    payload: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: fpf.ElementFormat,
+    block: int,
+    out: torch.Tensor,
+    acc: bool,
+) -> None:
+    """out (contiguous float32) = the payload's values, or += with ``acc``."""
+    flat = out.reshape(-1)
+    mode = Mode.DECODE_ACC if acc else Mode.DECODE
+    _run(mode, fmt, block, out.numel(), scale, inb=payload, local=flat, outf=flat)
+
+
+def hop(
+    payload: torch.Tensor,
+    local: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: fpf.ElementFormat,
+    block: int,
+    counter: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int | torch.Tensor]:
+    """The fused hop: the payload of local (contiguous float32, not modified) +
+    decode(payload), and the saturated count as :func:`encode` returns it."""
+    n = local.numel()
+    out = torch.empty((n * fmt.bits + 7) // 8, dtype=torch.uint8, device=local.device)
+    sat = counter if counter is not None else new_counter(local.device)
+    _run(Mode.DAR, fmt, block, n, scale, inb=payload, local=local.reshape(-1), outb=out, sat=sat)
+    return out, (0 if counter is not None else sat)
+
+
+#: The block sizes compile_all builds: the OCP block (a scale per row) and one
+#: that is not a multiple of 4 (a scale per value).
+_COMPILE_BLOCKS = (32, 6)
+
+
+def compile_all(arch: int = 90) -> list[str]:
+    """Compile every kernel variant for a CUDA target (sm_<arch>) without a GPU
+    (Triton's front end and the ptxas in its wheel) and check that divisions are
+    the correctly rounded ones and no multiply-add was fused. Catches what the
+    interpreter lets through (it runs the Python directly). Needs
+    TRITON_INTERPRET unset when this module is imported. Returns one line per
+    variant."""
+    if triton is None or interpreting():
+        raise RuntimeError("compile_all needs triton and TRITON_INTERPRET=0 at import")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    sig = {
+        "inb": "*u8", "local": "*fp32", "outf": "*fp32", "outb": "*u8", "scale": "*fp32",
+        "sat": "*i64", "n": "i32",
+        **dict.fromkeys(
+            ("MODE", "BITS", "MAN", "BIAS", "FMAX", "SAFE", "SUB", "NAN_TOP", "B", "TILE"),
+            "constexpr",
+        ),
+    }  # fmt: skip
+    names = list(sig)
+    out = []
+    for fmt in (fpf.E4M3, fpf.E3M2, fpf.E2M1):
+        for mode in Mode:
+            for block in _COMPILE_BLOCKS:
+                const = {"MODE": int(mode), **_consts(fmt), "B": block, "TILE": TILE}
+                src = ASTSource(
+                    _mx_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}
+                )
+                opts = {"enable_fp_fusion": False, "num_warps": _WARPS}
+                ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
+                what = f"_mx_kernel {fmt.name} {mode.name} block {block}"
+                if "div.full" in ptx or "div.approx" in ptx or "fma.rn.f32" in ptx:
+                    raise AssertionError(f"{what}: approximate division or fused multiply-add")
+                if mode in (Mode.ENCODE, Mode.DAR) and "div.rn.f32" not in ptx:
+                    raise AssertionError(f"{what}: no correctly rounded division")
+                out.append(f"{what}: ok")
+    return out
