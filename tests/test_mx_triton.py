@@ -175,6 +175,19 @@ def test_partial_blocks_and_rows_pack_like_the_reference():
 
 
 @interpreter
+def test_chunks_launched_in_pieces_equal_the_reference(monkeypatch):
+    """A chunk too long for int32 offsets runs as several launches, each from a
+    block, a tile and a byte (here forced: pieces of one block of tiles)."""
+    monkeypatch.setattr(mx_triton, "_PIECE", 1)
+    for name in FORMATS:
+        kern, ref = _pair(name, mu_init=1.0, block=6)
+        n = 6 * mx_triton.TILE + 6 * 50  # two pieces, the second short
+        x, y = _nasty(n, 8), _nasty(n, 9)
+        plans = _plans(kern, ref, _nasty(n, 10) * 0.5)
+        _check_chunk(kern, ref, plans, 0, x, y)
+
+
+@interpreter
 @pytest.mark.parametrize("name", FORMATS)
 @pytest.mark.parametrize("topology, n", [("ring", 3), ("butterfly", 4)])
 def test_simulation_with_the_kernels_equals_the_reference(name, topology, n):

@@ -245,19 +245,25 @@ def _run(
     # are whole numbers
     step = max(1, _PIECE // (block * TILE)) * block * TILE
     const = _consts(fmt)
+    ins = dummy_b if inb is None else inb
+    loc = dummy_f if local is None else local
+    outs = dummy_f if outf is None else outf
+    outp = dummy_b if outb is None else outb
     with _INTERPRETER_LOCK:
         for lo in range(0, n, step):
             m = min(n, lo + step) - lo
-            p0, p1 = lo * bits // 8, (lo + m) * bits // 8 + 1
-            args = (
-                dummy_b if inb is None else inb[p0:p1],
-                dummy_f if local is None else local[lo : lo + m],
-                dummy_f if outf is None else outf[lo : lo + m],
-                dummy_b if outb is None else outb[p0:p1],
-                scale[lo // block :],
-                sat,
-                m,
-            )
+            args: tuple[Any, ...] = (ins, loc, outs, outp, scale, sat, m)
+            if n > step:  # views of the piece (one piece, the common case: none)
+                p0, p1 = lo * bits // 8, (lo + m) * bits // 8 + 1
+                args = (
+                    ins if inb is None else inb[p0:p1],
+                    loc if local is None else local[lo : lo + m],
+                    outs if outf is None else outf[lo : lo + m],
+                    outp if outb is None else outb[p0:p1],
+                    scale[lo // block :],
+                    sat,
+                    m,
+                )
             _mx_kernel[(triton.cdiv(m, TILE),)](
                 *args, MODE=int(mode), B=block, TILE=TILE, **const, **_LAUNCH
             )
