@@ -139,7 +139,7 @@ if triton is not None:
                 shift = (h & 0xFFFF) % un
             # units holds (unit * me) % n (no 32-bit overflow for any n): the sum
             # of two residues is below 2n, one conditional subtraction reduces it
-            pi = tl.load(units + ui).to(tl.uint32) + shift
+            pi = tl.load(units + ui.to(tl.int32)).to(tl.uint32) + shift
             pi = tl.where(pi >= un, pi - un, pi)
             # (pi + u) / n: pi + u is 0 or at least 2**-24 and n < 2**24, so the
             # quotient is normal and rn = 1 / n (rounded, from the host) serves
@@ -230,7 +230,8 @@ if triton is not None:
         ok2 = ok[:, None]
         rg = tl.load(inb + 2 * k + r[:, None] * NG + gidx[None, :], mask=ok2, other=0)
         rg = rg.to(tl.float32)  # [B, NG]
-        sf = tl.where(M < 1.329227995784916e36, tl.div_rn(rg * M, 255.0), rg * tl.div_rn(M, 255.0))
+        big = M >= 1.329227995784916e36  # as in _decode_sg
+        sf = tl.where(big, rg * tl.div_rn(M, 255.0), _div_by(rg * M, 255.0, _R255))
         ok3 = ok[:, None, None]
         at = inb + 2 * k + k * NG + r[:, None, None] * CODE_BYTES + (j // PER)[None, :, :]
         byte = tl.load(at, mask=ok3, other=0).to(tl.int32)
@@ -323,9 +324,9 @@ if triton is not None:
         # 2**-100 and 2**-90 of their group's maximum, the maximum below 2**120
         # (also no NaN or infinity: their bit patterns are above it)
         odd = (ai != 0) & ((ai < 0x0D800000) | (ax < gm * 8.077935669463161e-28))
-        if (mi < 0x7B800000) & (
-            tl.max(tl.max(tl.max(odd.to(tl.int32), axis=2), axis=1), axis=0) == 0
-        ):
+        n_odd = tl.max(tl.max(tl.max(odd.to(tl.int32), axis=2), axis=1), axis=0)
+        fast = (mi < 0x7B800000) & (n_odd == 0)
+        if fast:
             rgm = tl.where(gmax > 0.0, tl.div_rn(1.0, gmax), 0.0)[:, None, None]
             code = _codes(x, ax, gm, rgm, u, tab, dtab, rtab, bucket, TOP, NB_LOG, STEPS, True)
         else:
