@@ -17,18 +17,22 @@ byte) or 3 (FP6: one 24-bit word, bitpack's layout). Blocks of a multiple of
 gather). Any block size packs: the payload of a chunk is one bit stream, so
 blocks need not end on a byte as in the CPU kernels.
 
-The arithmetic is the reference's, as the numba kernels do it (see
-:mod:`hopq.codecs.mx._kernels_cpu_jit`): x / s * FMAX with ``tl.div_rn``
-(correctly rounded, as torch divides), magnitudes clamped to FMAX (NaN to
-FMAX), the element code ((Ee + bias - 1) << M) + rint(a * 2^(M - Ee)) with
-2^(M - Ee) built from its bits and rint the float32 addition of 1.5 * 2^23
-(ties to even, as the reference's table search). Decoding builds a code's
-magnitude from its fields (E4M3's top code is NaN), its sign as a bit flip
-(compiled Triton lowers a negation to 0 - x, which loses -0.0), then
-v * s / FMAX, or v * (s / FMAX) where v * s could overflow. Kernels launch
-with fp fusion off (no multiply-add contraction). The saturation count is
-added on the device into a counter the codec owns (one atomic per program
-that saw any), so a hop never waits for the GPU.
+The arithmetic is the reference's: x / s * FMAX with ``tl.div_rn`` (correctly
+rounded, as torch divides), magnitudes clamped to FMAX (NaN to FMAX), then
+rounded half to even to the element format (ties to the even code, as the
+reference's table search) without a table: a value in the format's normal
+range by integer rounding of its float32 bits to M mantissa bits (a carry
+moves into the exponent) and rebasing the exponent; a smaller one by one
+float32 addition of a power of two whose ulp is the format's subnormal step.
+Decoding places a code's fields in float32's and multiplies by 2^(127 - bias)
+(exact; the format's subnormals come from float32 subnormals, and the sign bit
+rides along, so -0.0 survives: compiled Triton lowers a negation to 0 - x);
+E4M3's top code is NaN. Then v * s / FMAX, or v * (s / FMAX) where v * s
+could overflow. Kernels launch with fp fusion off (no multiply-add
+contraction). The saturation count is added on the device into a counter the
+codec owns (one atomic per program that saw any), so a hop never waits for
+the GPU. Compiled for sm_90 (:func:`compile_all`), the fused hop is about 60
+instructions per value (FP8, FP4; 64 for FP6), decoding about 28.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) they run on
 CPU tensors; that is how CI checks them against the reference.
@@ -76,8 +80,6 @@ if triton is not None:
     _ENCODE, _DECODE, _DECODE_ACC, _DAR = (
         tl.constexpr(int(v)) for v in (Mode.ENCODE, Mode.DECODE, Mode.DECODE_ACC, Mode.DAR)
     )
-    #: 1.5 * 2^23: (t + _RINT) - _RINT is t rounded half to even, for |t| < 2^22.
-    _RINT = tl.constexpr(12582912.0)
 
     @triton.jit
     def _codes(inb, pb, rows, cols, le, ok, mb, BITS: tl.constexpr, R: tl.constexpr):
@@ -89,11 +91,11 @@ if triton is not None:
             bi = rows[:, None] * 2 + tl.arange(0, 2)[None, :]
             b = tl.load(inb + pb + bi, mask=bi < mb, other=0).to(tl.int32)
             c = tl.reshape(tl.join(b & 15, b >> 4), [R, 4])
-        else:  # 6 bits: a row's four codes in three bytes
-            bi = rows[:, None] * 3 + cols[None, :]
-            ld = (cols[None, :] < 3) & (bi < mb)
-            b = tl.load(inb + pb + bi, mask=ld, other=0).to(tl.int32)
-            w = tl.sum(b << (cols * 8)[None, :], axis=1)
+        else:  # 6 bits: a row's four codes in three bytes, loaded one by one
+            at = inb + pb + rows * 3
+            w = tl.load(at, mask=rows * 3 < mb, other=0).to(tl.int32)
+            w |= tl.load(at + 1, mask=rows * 3 + 1 < mb, other=0).to(tl.int32) << 8
+            w |= tl.load(at + 2, mask=rows * 3 + 2 < mb, other=0).to(tl.int32) << 16
             c = (w[:, None] >> (cols * 6)[None, :]) & 63
         return c
 
@@ -101,25 +103,27 @@ if triton is not None:
     def _decode_values(
         c, s,
         BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
-        SAFE: tl.constexpr, SUB: tl.constexpr, NAN_TOP: tl.constexpr,
+        SAFE: tl.constexpr, UP: tl.constexpr, NAN_TOP: tl.constexpr,
     ):  # fmt: skip
         """The values of codes c under scales s: v * s / FMAX, or v * (s / FMAX)
         where v * s could overflow float32 (the reference's two branches)."""
         TOP: tl.constexpr = 1 << (BITS - 1)
-        mc = c & (TOP - 1)
-        ef = mc >> MAN
-        mf = mc & ((1 << MAN) - 1)
-        normal = (((ef + (127 - BIAS)) << 23) | (mf << (23 - MAN))).to(tl.float32, bitcast=True)
-        mag = tl.where(ef == 0, mf.to(tl.float32) * SUB, normal)  # subnormals: exact products
-        if NAN_TOP:
-            mag = tl.where(mc == TOP - 1, float("nan"), mag)
-        flip = (c >= TOP).to(tl.uint32) << 31
-        v = (mag.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
+        cu = c.to(tl.uint32)
+        mc = cu & (TOP - 1)
+        # the code's fields in float32's exponent and mantissa, its sign in the
+        # sign bit: the float 2^(127 - bias) times smaller than the element (a
+        # float32 subnormal for the element's subnormals), so that one exact
+        # multiplication by UP = 2^(127 - bias) gives the element, +-0 included
+        sign = (cu & TOP) << (32 - BITS)
+        v = ((mc << (23 - MAN)) | sign).to(tl.float32, bitcast=True) * UP
+        if NAN_TOP:  # the top magnitude code is NaN (the reference's -NaN for its sign)
+            v = tl.where(mc == TOP - 1, (sign | 0x7FC00000).to(tl.float32, bitcast=True), v)
         return tl.where(s <= SAFE, tl.div_rn(v * s, FMAX), v * tl.div_rn(s, FMAX))
 
     @triton.jit
     def _encode_values(
-        x, s, BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr
+        x, s, BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr, FMAX: tl.constexpr,
+        MIN_NORMAL: tl.constexpr, SUB_ADD: tl.constexpr,
     ):  # fmt: skip
         """(codes, saturated count) of values x under scales s."""
         v = tl.where(s > 0.0, tl.div_rn(x, s) * FMAX, x)
@@ -127,18 +131,26 @@ if triton is not None:
         sat = ((a > FMAX) & (a != float("inf"))).to(tl.int32)
         neg = (v < 0.0).to(tl.int32)
         a = tl.where(a <= FMAX, a, FMAX)  # NaN and beyond FMAX: FMAX
-        ee = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) - 127, 1 - BIAS)
-        pw = ((127 + MAN - ee) << 23).to(tl.float32, bitcast=True)  # 2^(M - Ee), exact
-        k = ((a * pw + _RINT) - _RINT).to(tl.int32)
-        code = (((ee + (BIAS - 1)) << MAN) + k) | (neg << (BITS - 1))
+        ab = a.to(tl.int32, bitcast=True)
+        # a normal element: float32's exponent and mantissa rounded half to even
+        # to M bits on the integers (a carry moves into the exponent), the
+        # exponent rebased from 127 to the format's bias
+        SH: tl.constexpr = 23 - MAN
+        up = ab + ((1 << (SH - 1)) - 1) + ((ab >> SH) & 1)
+        normal = (up >> SH) - ((127 - BIAS) << MAN)
+        # a subnormal one (a < 2^(1 - bias)): a + SUB_ADD, whose ulp is the
+        # format's subnormal step, rounds a half to even to a multiple of it
+        SUB_BITS: tl.constexpr = (151 - BIAS - MAN) << 23  # SUB_ADD's bits
+        sub = (a + SUB_ADD).to(tl.int32, bitcast=True) - SUB_BITS
+        code = tl.where(a < MIN_NORMAL, sub, normal) | (neg << (BITS - 1))
         return code, tl.sum(sat)
 
     @triton.jit
     def _mx_kernel(
         inb, local, outf, outb, scale, sat, n,
         MODE: tl.constexpr, BITS: tl.constexpr, MAN: tl.constexpr, BIAS: tl.constexpr,
-        FMAX: tl.constexpr, SAFE: tl.constexpr, SUB: tl.constexpr, NAN_TOP: tl.constexpr,
-        B: tl.constexpr, TILE: tl.constexpr,
+        FMAX: tl.constexpr, SAFE: tl.constexpr, UP: tl.constexpr, MIN_NORMAL: tl.constexpr,
+        SUB_ADD: tl.constexpr, NAN_TOP: tl.constexpr, B: tl.constexpr, TILE: tl.constexpr,
     ):  # fmt: skip
         R: tl.constexpr = TILE // 4
         base = tl.program_id(0) * TILE
@@ -158,7 +170,7 @@ if triton is not None:
             s = tl.load(sp + (r0 + le) // B, mask=ok, other=1.0)
         if MODE != _ENCODE:
             c = _codes(inb, pb, rows, cols, le, ok, mb, BITS, R)
-            val = _decode_values(c, s, BITS, MAN, BIAS, FMAX, SAFE, SUB, NAN_TOP)
+            val = _decode_values(c, s, BITS, MAN, BIAS, FMAX, SAFE, UP, NAN_TOP)
         if MODE == _DECODE:
             tl.store(outf + base + le, val, mask=ok)
         elif MODE == _DECODE_ACC:
@@ -168,7 +180,7 @@ if triton is not None:
             x = tl.load(local + base + le, mask=ok, other=0.0)
             if MODE == _DAR:
                 x = x + val
-            code, cnt = _encode_values(x, s, BITS, MAN, BIAS, FMAX)
+            code, cnt = _encode_values(x, s, BITS, MAN, BIAS, FMAX, MIN_NORMAL, SUB_ADD)
             if BITS == 8:
                 tl.store(outb + pb + le, code.to(tl.uint8), mask=ok)
             elif BITS == 4:
@@ -176,12 +188,12 @@ if triton is not None:
                 byte = tl.sum(pair << (tl.arange(0, 2) * 4)[None, None, :], axis=2)
                 bi = rows[:, None] * 2 + tl.arange(0, 2)[None, :]
                 tl.store(outb + pb + bi, byte.to(tl.uint8), mask=bi < mb)
-            else:
+            else:  # a row's 24-bit word, stored byte by byte
                 w = tl.sum(code << (cols * 6)[None, :], axis=1)
-                byte = (w[:, None] >> (cols * 8)[None, :]) & 0xFF
-                bi = rows[:, None] * 3 + cols[None, :]
-                st = (cols[None, :] < 3) & (bi < mb)
-                tl.store(outb + pb + bi, byte.to(tl.uint8), mask=st)
+                at = outb + pb + rows * 3
+                tl.store(at, (w & 0xFF).to(tl.uint8), mask=rows * 3 < mb)
+                tl.store(at + 1, ((w >> 8) & 0xFF).to(tl.uint8), mask=rows * 3 + 1 < mb)
+                tl.store(at + 2, (w >> 16).to(tl.uint8), mask=rows * 3 + 2 < mb)
             tl.atomic_add(sat, cnt.to(tl.int64), mask=cnt > 0)
 
 
@@ -194,7 +206,10 @@ _INTERPRETER_LOCK = threading.Lock() if interpreting() else contextlib.nullconte
 @lru_cache(maxsize=8)
 def _consts(fmt: fpf.ElementFormat) -> dict[str, Any]:
     """The format's compile-time constants. SAFE is float32's FLT_MAX / FMAX as
-    the reference compares it (torch rounds the Python float to float32)."""
+    the reference compares it (torch rounds the Python float to float32); UP
+    scales a code's fields placed in float32's to the element's value;
+    SUB_ADD is the float32 power of two whose ulp is the format's subnormal
+    step."""
     safe = float(torch.tensor(_FLOAT_MAX / fmt.max, dtype=torch.float32))
     return {
         "BITS": fmt.bits,
@@ -202,7 +217,9 @@ def _consts(fmt: fpf.ElementFormat) -> dict[str, Any]:
         "BIAS": fmt.bias,
         "FMAX": float(fmt.max),
         "SAFE": safe,
-        "SUB": 2.0 ** (1 - fmt.bias - fmt.man_bits),
+        "UP": 2.0 ** (127 - fmt.bias),
+        "MIN_NORMAL": 2.0 ** (1 - fmt.bias),
+        "SUB_ADD": 2.0 ** (24 - fmt.bias - fmt.man_bits),
         "NAN_TOP": bool(fmt.nan_top),
     }
 
@@ -340,7 +357,10 @@ def compile_all(arch: int = 90) -> list[str]:
         "inb": "*u8", "local": "*fp32", "outf": "*fp32", "outb": "*u8", "scale": "*fp32",
         "sat": "*i64", "n": "i32",
         **dict.fromkeys(
-            ("MODE", "BITS", "MAN", "BIAS", "FMAX", "SAFE", "SUB", "NAN_TOP", "B", "TILE"),
+            (
+                "MODE", "BITS", "MAN", "BIAS", "FMAX", "SAFE", "UP", "MIN_NORMAL", "SUB_ADD",
+                "NAN_TOP", "B", "TILE",
+            ),
             "constexpr",
         ),
     }  # fmt: skip
