@@ -16,7 +16,13 @@
    overlapped hook (its side stream and the future with devices) against
    ``overlap=False`` bit for bit, and kernel selection under ``backend="auto"``;
 5. GComp's truncation thresholds from an optimizer's CUDA state against the
-   same state on the CPU (SGD, momentum, Nesterov, Adam, AdamW).
+   same state on the CPU (SGD, momentum, Nesterov, Adam, AdamW);
+6. the cluster part (``--only-cluster``): 4 Gloo ranks of the GPU as 2 nodes x
+   2 workers, every codec's two-tier all-reduce (ring, butterfly and direct
+   between the nodes, one piece and a pipeline of pieces), the flat ``direct``
+   schedule, the two-tier reduce-scatter, DDP's hook and FSDP2 on the layout,
+   and ``codec="auto"`` with the planner calibrated on the GPU's codec speeds,
+   each against the simulator on the CPU bit for bit; a summary table last.
 
 Two NCCL ranks cannot share one GPU: the multi-rank NCCL transport stays
 unverified by this script (Gloo ranks can, and do). Writes ``gpu_check.md`` under ``--out``.
@@ -28,7 +34,9 @@ import argparse
 import copy
 import os
 import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -358,10 +366,13 @@ def _fsdp_model(dev: str) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers[:-1]).to(dev)
 
 
-def _gloo_fsdp(rank: int, n: int, names: list[str], dev: str) -> dict[str, object]:
+def _gloo_fsdp(
+    rank: int, n: int, names: list[str], dev: str, layout: str | None = None
+) -> dict[str, object]:
     """FSDP2 (``fully_shard`` per Linear, a ``dev`` device mesh over the Gloo group)
     with hopq's reduce-scatter (or native, name "native"), AdamW, 3 steps (GComp
-    and DynamiQ with ``optimizer=``): each rank's first reduce-scatter (key, input, output,
+    and DynamiQ with ``optimizer=``; with a two-tier ``layout``, which takes no
+    optimizer, without): each rank's first reduce-scatter (key, input, output,
     op), its parameter shards, the calls per step and the losses, or the error.
     The shards leave as local tensors: ``full_tensor()`` of a CUDA DTensor over
     Gloo crashes the process (a segmentation fault in torch's functional
@@ -396,10 +407,10 @@ def _gloo_fsdp(rank: int, n: int, names: list[str], dev: str) -> dict[str, objec
             if name != "native":
                 # the codecs that read the optimizer get it: GComp's thresholds
                 # (exchanged at every call here), DynamiQ's super-group weights
-                extra: dict = {"optimizer": opt} if _reads(name) else {}
-                if hasattr(get_codec(name), "set_thresholds"):
+                extra: dict = {"optimizer": opt} if _reads(name) and not layout else {}
+                if hasattr(get_codec(name), "set_thresholds") and extra:
                     extra["thresholds_every"] = 1
-                comm = Capturing(name, "ring", seed=7, **extra)
+                comm = Capturing(name, "ring", seed=7, layout=layout, **extra)
                 comm.install(model)
             gen = torch.Generator().manual_seed(100 + rank)
             losses, calls = [], []
@@ -494,6 +505,588 @@ def check_fsdp(world: int, lines: list[str], dev: str = "cuda") -> bool:
         )
         print(lines[-1], flush=True)
     lines.append("")
+    return ok
+
+
+# -- the two-tier all-reduce, the direct schedule and codec="auto" -----------
+
+#: The layout of the two-tier checks: 4 Gloo ranks as 2 nodes of 2 workers.
+CLUSTER_LAYOUT = "2x2"
+#: The inter-node schedules of the two-tier checks (each a 2-rank schedule here).
+CLUSTER_INTER = ("ring", "butterfly", "direct")
+#: Pipeline pieces of the pieced two-tier runs (``hierarchy.PIECE_COORDS`` is
+#: patched to a quarter of the size, in the ranks and in the simulator alike).
+CLUSTER_PIECES = 4
+#: The codecs of the DDP and FSDP2 two-tier checks.
+CLUSTER_HOOK_CODECS = ("dynamiq", "bf16", "gcomp")
+CLUSTER_FSDP_CODECS = ("fp32", "dynamiq")
+
+
+def _cluster_inputs(d: int, n: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(21)
+    return [torch.randn(d, generator=gen) for _ in range(n)]
+
+
+def _runs_on(name: str, topology: str, dev: str) -> bool:
+    """Whether codec ``name`` takes float32 on ``dev`` over ``topology``."""
+    info = codec_info(name)
+    return info.refusal(dtype=torch.float32, device=torch.device(dev), topology=topology) is None
+
+
+def _try(fn: object) -> object:
+    """``fn()``, or its error as a short string (one failed call is reported, not fatal)."""
+    try:
+        return fn()  # type: ignore[operator]
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def _stats(info: object) -> tuple[float, float, float]:
+    """(bytes sent, intra-node bits per coordinate, inter-node bits per coordinate)."""
+    tiers = getattr(info, "tiers", {})
+    intra = tiers["intra"].bits_per_coord if "intra" in tiers else float("nan")
+    return float(info.bytes_sent), float(intra), float(info.inter_bits_per_coord)  # type: ignore[attr-defined]
+
+
+def _ddp_layout(rank: int, name: str, dev: str, layout: str) -> dict[str, object]:
+    """DDP with hopq's hook on ``layout`` (overlapped, CUDA parameters over Gloo):
+    every bucket's call in order (bucket index, input, output) and the final
+    parameters. ``name`` may be "auto": then the planner's summary too."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256),
+        torch.nn.ReLU(), torch.nn.Linear(256, 10),
+    ).to(dev)  # fmt: skip
+    cuda = dev == "cuda"
+    model = DDP(net, device_ids=[0] if cuda else None, bucket_cap_mb=0.25)
+    state = hopq.HookState(codec=name, layout=layout, seed=1)
+    # GComp without optimizer= truncates nothing (lossless): what this check wants
+    warnings.filterwarnings("ignore", message="HookState: codec 'gcomp' without optimizer=")
+    calls: list[list[object]] = []
+
+    # no annotations: DDP compares them with its own types, and this module's are strings
+    def hook(st, bucket):  # type: ignore[no-untyped-def]
+        slot: list[object] = [bucket.index(), bucket.buffer().detach().cpu().clone(), None]
+        calls.append(slot)
+
+        def done(f: torch.futures.Future) -> torch.Tensor:
+            v = f.value()
+            slot[2] = v.detach().cpu().clone()
+            return v
+
+        return hopq.ddp_hook(st, bucket).then(done)
+
+    model.register_comm_hook(state, hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    inter = []
+    for _ in range(3):
+        x = torch.randn(32, 256, generator=gen).to(dev)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        inter.append(state.step_metrics().get("hopq/inter_bits_per_coordinate", float("nan")))
+    if cuda:
+        torch.cuda.synchronize()
+    summary = state.auto.summary() if state.auto is not None else None
+    state.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+    return {"calls": calls, "params": flat, "inter": inter, "summary": summary}
+
+
+def _cluster_worker(
+    rank: int,
+    n: int,
+    names: list[str],
+    d: int,
+    dev: str,
+    speeds: dict[str, tuple[float, ...]],
+) -> dict[object, object]:
+    """Every check of the cluster part on one Gloo rank (one spawn for all):
+    two-tier all-reduces (1 and several pieces), flat direct, two-tier
+    reduce-scatters, the DDP hook and FSDP2 on the layout, and codec="auto"."""
+    from hopq.comm import hierarchy
+    from hopq.comm import plan as pm
+    from hopq.comm.collectives import reduce_scatter_with_stats
+
+    x = _cluster_inputs(d, n)[rank]
+    out: dict[object, object] = {}
+    t0 = time.perf_counter()
+
+    def two_tier(name: str, topo: str, layout: str) -> object:
+        y = x.to(dev, copy=True)
+        info = hopq.all_reduce(y, name, topo, seed=3, layout=layout, timeout=120)
+        assert y.device.type == dev
+        return (y.cpu(), *_stats(info))
+
+    kept = hierarchy.PIECE_COORDS
+    for pieces in (1, CLUSTER_PIECES):
+        hierarchy.PIECE_COORDS = kept if pieces == 1 else d // CLUSTER_PIECES
+        try:
+            for name in names:
+                for topo in CLUSTER_INTER:
+                    if _runs_on(name, topo, dev):
+                        out[("tier", name, topo, pieces)] = _try(
+                            lambda name=name, topo=topo: two_tier(name, topo, CLUSTER_LAYOUT)
+                        )
+        finally:
+            hierarchy.PIECE_COORDS = kept
+    # "auto" from torchrun's environment (LOCAL_WORLD_SIZE, LOCAL_RANK, GROUP_RANK)
+    env = {"LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": str(rank % 2), "GROUP_RANK": str(rank // 2)}
+    os.environ.update(env)
+    try:
+        out[("tier", "dynamiq", "env")] = _try(lambda: two_tier("dynamiq", "ring", "auto"))
+    finally:
+        for k in env:
+            del os.environ[k]
+    out["t_tier"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+
+    def direct(name: str) -> object:
+        y = x.to(dev, copy=True)
+        info = hopq.all_reduce(y, name, "direct", seed=3, timeout=120)
+        return y.cpu(), info.bytes_sent
+
+    def scatter(name: str) -> object:
+        y, info = reduce_scatter_with_stats(
+            x.to(dev), name, seed=3, layout=CLUSTER_LAYOUT, timeout=120
+        )
+        return (y.cpu(), *_stats(info))
+
+    for name in names:
+        if _runs_on(name, "direct", dev):
+            out[("direct", name)] = _try(lambda name=name: direct(name))
+        out[("rs", name)] = _try(lambda name=name: scatter(name))
+    out["t_flat"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for name in CLUSTER_HOOK_CODECS:
+        out[("ddp", name)] = _try(lambda name=name: _ddp_layout(rank, name, dev, CLUSTER_LAYOUT))
+    out["fsdp"] = _gloo_fsdp(rank, n, list(CLUSTER_FSDP_CODECS), dev, CLUSTER_LAYOUT)
+    out["t_hooks"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    # codec="auto": the planner with this device's codec speeds, flat and two-tier
+    pm.AUTO_OVERRIDES["speeds"] = dict(speeds)
+    try:
+        for layout in (None, CLUSTER_LAYOUT):
+            y = x.to(dev, copy=True)
+            got = _try(lambda y=y, layout=layout: hopq.all_reduce(
+                y, "auto", seed=5, layout=layout, timeout=120))  # fmt: skip
+            if isinstance(got, str):
+                out[("auto", layout)] = got
+                continue
+            where = (d, pm._layout_key(layout) if layout is not None else None)
+            name, config, topo, lay = pm._PICKS[dist.group.WORLD][where]
+            out[("auto", layout)] = (
+                y.cpu(), name, config, topo, None if lay is None else lay.describe()
+            )  # fmt: skip
+        out["probe"] = pm._PROBES.get(dist.group.WORLD)
+        out[("ddp", "auto")] = _try(lambda: _ddp_layout(rank, "auto", dev, CLUSTER_LAYOUT))
+    finally:
+        pm.AUTO_OVERRIDES.pop("speeds", None)
+    out["t_auto"] = time.perf_counter() - t0
+    return out
+
+
+def _same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
+
+
+def _cell(got: list[object], check: object) -> tuple[str, bool]:
+    """A table cell from every rank's result: the first error, or ``check(got)``'s."""
+    bad = next((g for g in got if isinstance(g, str)), None)
+    if bad is not None:
+        return f"**{bad}**", False
+    return check(got)  # type: ignore[operator]
+
+
+def _cluster_sims(names: list[str], xs: list[torch.Tensor], dev: str) -> dict[object, object]:
+    """The simulator's runs (on the CPU) of the ranks' calls that need none of
+    their results: the two-tier all-reduces, flat direct and the two-tier
+    reduce-scatters, keyed as the ranks' results (each a result or an error)."""
+    from hopq.comm import hierarchy
+
+    d = xs[0].numel()
+    sims: dict[object, object] = {}
+    kept = hierarchy.PIECE_COORDS
+    for pieces in (1, CLUSTER_PIECES):
+        hierarchy.PIECE_COORDS = kept if pieces == 1 else d // CLUSTER_PIECES
+        try:
+            for name in names:
+                for topo in CLUSTER_INTER:
+                    if _runs_on(name, topo, dev):
+                        sims[("tier", name, topo, pieces)] = _try(
+                            lambda name=name, topo=topo: hopq.simulate(
+                                xs, name, topo, seed=3, layout=CLUSTER_LAYOUT
+                            )
+                        )
+        finally:
+            hierarchy.PIECE_COORDS = kept
+    for name in names:
+        if _runs_on(name, "direct", dev):
+            sims[("direct", name)] = _try(
+                lambda name=name: hopq.simulate(xs, name, "direct", seed=3)
+            )
+        sims[("rs", name)] = _try(
+            lambda name=name: hopq.simulate_reduce_scatter(xs, name, seed=3, layout=CLUSTER_LAYOUT)
+        )
+    return sims
+
+
+def check_cluster(
+    world: int, d: int, lines: list[str], summary: list[list[str]], dev: str = "cuda"
+) -> bool:
+    """What hopq added for clusters, on several Gloo ranks of the one GPU: the
+    two-tier all-reduce (2 nodes x 2 workers; ring, butterfly and direct between
+    the nodes; one piece and a pipeline of pieces), the flat direct schedule,
+    the two-tier reduce-scatter, DDP's hook and FSDP2 on the layout, and
+    ``codec="auto"`` with the planner calibrated on this device's codec speeds:
+    every rank's result against the simulator's on the CPU, bit for bit."""
+    from hopq.cli import measure_speeds
+    from hopq.cluster.launch import run_workers
+    from hopq.comm import hierarchy
+    from hopq.comm import plan as pm
+    from hopq.comm.layout import NodeLayout
+
+    if world != 4:
+        raise ValueError(f"the cluster part runs 2 nodes x 2 workers: --world 4, got {world}")
+    t_start = time.perf_counter()
+    ok = True
+    names = [c for c in available_codecs() if dev in codec_info(c).devices]
+    # the planner's codec speeds, timed on this device (hopq plan --measure --device)
+    t0 = time.perf_counter()
+    calib = [c for c in names if c in pm.DEFAULT_SPEEDS]
+    speeds = measure_speeds(calib, coords=d, device=dev)
+    t_speeds = time.perf_counter() - t0
+    # the ranks run in a thread of their own while this one runs the simulator
+    t0 = time.perf_counter()
+    box: dict[str, object] = {}
+
+    def ranks() -> None:
+        try:
+            box["res"] = run_workers(
+                world, _cluster_worker, names, d, dev, speeds, timeout=600, threads=2
+            )
+        except BaseException as e:  # noqa: BLE001 - raised below
+            box["error"] = e
+        box["seconds"] = time.perf_counter() - t0
+
+    launcher = threading.Thread(target=ranks, daemon=True)
+    launcher.start()
+    xs = _cluster_inputs(d, world)
+    sims = _cluster_sims(names, xs, dev)
+    t_sims = time.perf_counter() - t0
+    launcher.join()
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    res: list[dict] = box["res"]  # type: ignore[assignment]
+    t_workers = float(box["seconds"])  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    pieces_at = d // CLUSTER_PIECES
+    cuts = {1: len(hierarchy.tier_pieces(d, 2)) - 1}
+    kept = hierarchy.PIECE_COORDS
+    hierarchy.PIECE_COORDS = pieces_at
+    try:
+        cuts[CLUSTER_PIECES] = len(hierarchy.tier_pieces(d, 2)) - 1
+    finally:
+        hierarchy.PIECE_COORDS = kept
+
+    # 1. the two-tier all-reduce
+    cols = [(t, k) for t in CLUSTER_INTER for k in (1, CLUSTER_PIECES)]
+    lines += [
+        f"## The two-tier all-reduce on {world} Gloo ranks of the one GPU ({dev} tensors)",
+        "",
+        f"Layout {CLUSTER_LAYOUT} (2 nodes x 2 workers), {d:,} coordinates per rank, "
+        f"intra-node codec fp32; {cuts[CLUSTER_PIECES]} pieces with "
+        f"`hierarchy.PIECE_COORDS` = {pieces_at:,}. A cell says `same` when every "
+        'rank\'s output has the bits of `hopq.simulate(..., layout="2x2")` on the CPU '
+        "and every rank sent the simulator's bytes.",
+        "",
+        "| codec | "
+        + " | ".join(f"{t}, {cuts[k]} piece{'s' if cuts[k] > 1 else ''}" for t, k in cols)
+        + " | intra bits/coord | inter bits/coord (ring) |",
+        "|---|" + "---|" * len(cols) + "---:|---:|",
+    ]
+    n_ok = n_all = 0
+    for name in names:
+        row, bits = [name], ["", ""]
+        for topo, pieces in cols:
+            key = ("tier", name, topo, pieces)
+            if key not in res[0]:
+                row.append("n/a")
+                continue
+            got = [r[key] for r in res]
+            sim = sims[key]
+
+            def check(got: list, sim: object = sim) -> tuple[str, bool]:
+                if isinstance(sim, str):
+                    return f"**simulator: {sim}**", False
+                same = _same([g[0] for g in got], sim.outputs)  # type: ignore[attr-defined]
+                sent = [g[1] for g in got] == sim.bytes_sent  # type: ignore[attr-defined]
+                inter = [g[3] for g in got] == [s.inter_bits_per_coord for s in sim.stats]  # type: ignore[attr-defined]
+                if same and sent and inter:
+                    return "same", True
+                return ("**differs**" if not same else "**bits/coord differ**"), False
+
+            cell, good = _cell(got, check)
+            n_all += 1
+            n_ok += good
+            ok &= good
+            row.append(cell)
+            if topo == "ring" and pieces == 1 and not isinstance(got[0], str):
+                bits = [f"{got[0][2]:.2f}", f"{got[0][3]:.2f}"]
+        lines.append("| " + " | ".join(row + bits) + " |")
+        print(lines[-1], flush=True)
+    got = [r[("tier", "dynamiq", "env")] for r in res]
+    sim = sims[("tier", "dynamiq", "ring", 1)]
+    cell, good = _cell(got, lambda g: ("same", True) if _same([x[0] for x in g], sim.outputs)
+                       else ("**differs**", False))  # fmt: skip
+    ok &= good
+    lines += [
+        "",
+        '`layout="auto"` from torchrun\'s environment (LOCAL_WORLD_SIZE=2, LOCAL_RANK, '
+        f"GROUP_RANK), DynamiQ on a ring between the nodes, against the simulator's 2x2: {cell}",
+        "",
+    ]
+    print(lines[-2], flush=True)
+    summary.append(["two-tier all-reduce, every codec x inter schedule x pieces",
+                    f"{n_ok + good}/{n_all + 1} same bits"])  # fmt: skip
+
+    # 2. flat direct, and the two-tier reduce-scatter
+    lines += [
+        f"## The one-shot `direct` schedule (flat, {world} ranks) and the two-tier "
+        f"reduce-scatter ({CLUSTER_LAYOUT}) on {dev} tensors",
+        "",
+        'Against `hopq.simulate(..., "direct")` and '
+        '`hopq.simulate_reduce_scatter(..., layout="2x2")` on the CPU (bits and bytes):',
+        "",
+        "| codec | direct, 4 ranks | bits/coord (direct) | reduce-scatter, 2x2 "
+        "| inter bits/coord (reduce-scatter) |",
+        "|---|---|---:|---|---:|",
+    ]
+    d_ok = d_all = r_ok = r_all = 0
+    for name in names:
+        row = [name]
+        if ("direct", name) in res[0]:
+            got = [r[("direct", name)] for r in res]
+            sim = sims[("direct", name)]
+
+            def check_d(got: list, sim: object = sim) -> tuple[str, bool]:
+                if isinstance(sim, str):
+                    return f"**simulator: {sim}**", False
+                same = _same([g[0] for g in got], sim.outputs)  # type: ignore[attr-defined]
+                sent = [g[1] for g in got] == sim.bytes_sent  # type: ignore[attr-defined]
+                return ("same" if same and sent else "**differs**"), same and sent
+
+            cell, good = _cell(got, check_d)
+            d_all += 1
+            d_ok += good
+            ok &= good
+            row += [cell, "" if isinstance(sim, str) else f"{sim.bits_per_coord:.2f}"]
+        else:
+            row += ["n/a", ""]
+        got = [r[("rs", name)] for r in res]
+        simr = sims[("rs", name)]
+
+        def check_r(got: list, sim: object = simr) -> tuple[str, bool]:
+            if isinstance(sim, str):
+                return f"**simulator: {sim}**", False
+            same = _same([g[0] for g in got], sim.outputs)  # type: ignore[attr-defined]
+            sent = [g[1] for g in got] == sim.bytes_sent  # type: ignore[attr-defined]
+            return ("same" if same and sent else "**differs**"), same and sent
+
+        cell, good = _cell(got, check_r)
+        r_all += 1
+        r_ok += good
+        ok &= good
+        inter = "" if isinstance(got[0], str) else f"{got[0][3]:.2f}"
+        row += [cell, inter]
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    summary.append(["flat direct, every codec", f"{d_ok}/{d_all} same bits"])
+    summary.append(["two-tier reduce-scatter, every codec", f"{r_ok}/{r_all} same bits"])
+
+    # 3. DDP's hook and FSDP2 on the layout
+    lines += [
+        f'## DDP\'s hook and FSDP2 with `layout="{CLUSTER_LAYOUT}"` ({dev} parameters, Gloo)',
+        "",
+        "DDP (overlapped hook, AdamW, 3 steps, `bucket_cap_mb=0.25`): every bucket's call "
+        'replayed in order by `hopq.simulate(..., op="avg", key=bucket, layout="2x2")` '
+        "on the CPU with one codec instance (its state across calls and keys):",
+        "",
+        "| codec | ranks' parameters bit-identical | hook calls | calls = simulator's "
+        "| inter bits/coord per step |",
+        "|---|---|---:|---|---|",
+    ]
+    h_ok = 0
+    for name in CLUSTER_HOOK_CODECS:
+        got = [r[("ddp", name)] for r in res]
+
+        def check_h(got: list, name: str = name) -> tuple[str, bool]:
+            params = all(torch.equal(_bits(g["params"]), _bits(got[0]["params"])) for g in got)
+            codec = get_codec(name)
+            calls = got[0]["calls"]
+            replay = len(calls) > 0 and all(len(g["calls"]) == len(calls) for g in got)
+            for j in range(len(calls) if replay else 0):
+                key = calls[j][0]
+                sim = hopq.simulate([g["calls"][j][1] for g in got], codec, "ring", seed=1,
+                                    op="avg", key=key, layout=CLUSTER_LAYOUT)  # fmt: skip
+                replay &= _same([g["calls"][j][2] for g in got], sim.outputs)
+            inter = ", ".join(f"{v:.2f}" for v in got[0]["inter"])
+            good = params and replay
+            cells = ["yes" if params else "**NO**", str(len(calls)),
+                     f"{len(calls)} of {len(calls)}" if replay else "**NO**", inter]  # fmt: skip
+            return " | ".join(cells), good
+
+        cell, good = _cell(got, check_h)
+        h_ok += good
+        ok &= good
+        lines.append(f"| {name} | {cell} |")
+        print(lines[-1], flush=True)
+    lines += [
+        "",
+        'FSDP2 (`fully_shard` per Linear, AdamW, 3 steps, `FSDPReduceScatter(layout="2x2")`, '
+        "no optimizer input: a layout takes none): each rank's first reduce-scatter against "
+        '`hopq.simulate_reduce_scatter(..., layout="2x2")` on the CPU:',
+        "",
+        "| codec | first reduce-scatter = simulator's | reduce-scatters per step | losses (rank 0) |",
+        "|---|---|---|---|",
+    ]
+    f_ok = 0
+    for name in CLUSTER_FSDP_CODECS:
+        got = [r["fsdp"][name] for r in res]
+
+        def check_f(got: list, name: str = name) -> tuple[str, bool]:
+            key, _, _, (red, premul) = got[0]["first"]
+            op = red.value if premul is None else dist.ReduceOp.PREMUL_SUM(premul)
+            sim = hopq.simulate_reduce_scatter(
+                [g["first"][1] for g in got], get_codec(name), "ring", seed=7, op=op, key=key,
+                layout=CLUSTER_LAYOUT,
+            )  # fmt: skip
+            eq = _same([g["first"][2] for g in got], sim.outputs)
+            good = eq and min(got[0]["calls"]) > 0
+            losses = ", ".join(f"{v:.4f}" for v in got[0]["losses"])
+            return f"{'same bits' if eq else '**differs**'} | {got[0]['calls']} | {losses}", good
+
+        cell, good = _cell(got, check_f)
+        f_ok += good
+        ok &= good
+        lines.append(f"| {name} | {cell} |")
+        print(lines[-1], flush=True)
+    lines.append("")
+    summary.append(["DDP hook, layout 2x2 (params, every bucket)",
+                    f"{h_ok}/{len(CLUSTER_HOOK_CODECS)} codecs same"])  # fmt: skip
+    summary.append(["FSDP2, layout 2x2 (first reduce-scatter)",
+                    f"{f_ok}/{len(CLUSTER_FSDP_CODECS)} codecs same"])  # fmt: skip
+
+    # 4. codec="auto" with this device's speeds
+    lines += [
+        f'## `codec="auto"` with the planner calibrated on {dev}',
+        "",
+        f"Codec speeds timed on {dev} tensors (`hopq plan --measure --device {dev}`, "
+        f"{d:,} coordinates, one host thread), ns per coordinate, against the CPU "
+        "defaults (`DEFAULT_SPEEDS`, one core of an AMD EPYC):",
+        "",
+        "| codec | plan | encode | fused hop | decode | bits/coord "
+        "| CPU default: plan, encode, hop, decode |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for c, v in speeds.items():
+        dflt = ", ".join(f"{x:g}" for x in pm.DEFAULT_SPEEDS[c][:4])
+        lines.append(
+            f"| {c} | {v[0]:.3g} | {v[1]:.3g} | {v[2]:.3g} | {v[3]:.3g} | {v[4]:.2f} | {dflt} |"
+        )
+    lines.append("")
+    print(f"codec speeds timed on {dev} in {t_speeds:.1f} s", flush=True)
+    a_ok = 0
+    auto_rows = []
+    for layout in (None, CLUSTER_LAYOUT):
+        got = [r[("auto", layout)] for r in res]
+
+        def check_a(got: list) -> tuple[str, bool]:
+            same_plan = all(g[1:] == got[0][1:] for g in got)
+            name, config, topo, lay = got[0][1:]
+            sim = hopq.simulate(xs, get_codec(name, **config), topo, seed=5, layout=lay)
+            eq = _same([g[0] for g in got], sim.outputs)
+            pick = f"{name}{config or ''} on {topo}" + (f", layout {lay}" if lay else ", flat")
+            cells = [pick, "yes" if same_plan else "**NO**", "same bits" if eq else "**differs**"]
+            return " | ".join(cells), same_plan and eq
+
+        cell, good = _cell(got, check_a)
+        a_ok += good
+        ok &= good
+        auto_rows.append(f"| {'flat' if layout is None else layout} | {cell} |")
+    got = [r[("ddp", "auto")] for r in res]
+
+    def check_da(got: list) -> tuple[str, bool]:
+        params = all(torch.equal(_bits(g["params"]), _bits(got[0]["params"])) for g in got)
+        plans = all(g["summary"] == got[0]["summary"] for g in got)
+        cells = [f"DDP hook: {got[0]['summary']}", "yes" if plans else "**NO**",
+                 "parameters bit-identical" if params else "**parameters differ**"]  # fmt: skip
+        return " | ".join(cells), params and plans
+
+    cell, good = _cell(got, check_da)
+    a_ok += good
+    ok &= good
+    auto_rows.append(f'| {CLUSTER_LAYOUT}, `HookState(codec="auto")` | {cell} |')
+    probe = res[0]["probe"]
+    lines += [
+        f'`hopq.all_reduce(x, codec="auto")` of {d:,} {dev} coordinates on {world} Gloo '
+        'ranks, `hopq.comm.plan.AUTO_OVERRIDES["speeds"]` = the speeds above; the '
+        "output against `hopq.simulate` of the picked codec, schedule and layout on the CPU"
+        + (
+            f" (the ranks' agreed probe: {probe[1]:.3g} Gbit/s, {probe[0] * 1e6:.0f} us per step)"
+            if probe
+            else ""
+        )
+        + ":",
+        "",
+        "| layout | pick | every rank the same plan | output |",
+        "|---|---|---|---|",
+        *auto_rows,
+        "",
+    ]
+    for row in auto_rows:
+        print(row, flush=True)
+    if probe:
+        with_speeds = {**pm.AUTO_OVERRIDES, "speeds": speeds}
+        saved = dict(pm.AUTO_OVERRIDES)
+        pm.AUTO_OVERRIDES.update(with_speeds)
+        try:
+            p = pm.plan_call(d, world, probe, NodeLayout.parse(CLUSTER_LAYOUT))
+        finally:
+            pm.AUTO_OVERRIDES.clear()
+            pm.AUTO_OVERRIDES.update(saved)
+        lines += [
+            f"The two-tier call's plan, as every rank computed it ({d:,} coordinates, 2x2, "
+            "the probe above, this device's speeds), its fastest 10 candidates:",
+            "",
+            p.table(10),
+            "",
+        ]
+    big = {"nodes": 2, "per_node": 8, "inter_gbit": 25.0, "params": 125_000_000}
+    on_dev, on_cpu = hopq.plan(**big, speeds=speeds), hopq.plan(**big)
+    lines += [
+        "For 2 nodes x 8 workers, 25 Gbit/s between the nodes, 125M parameters: "
+        f"{on_dev.pick.label} on {on_dev.schedule} with these speeds "
+        f"({on_dev.pick.sync_s * 1e3:.3g} ms predicted); {on_cpu.pick.label} on "
+        f"{on_cpu.schedule} with the CPU defaults ({on_cpu.pick.sync_s * 1e3:.3g} ms).",
+        "",
+    ]
+    print(lines[-2], flush=True)
+    summary.append(['codec="auto" (flat, 2x2, DDP hook)', f"{a_ok}/3 same plan and bits"])
+    t_sim = time.perf_counter() - t0
+    wall = time.perf_counter() - t_start
+    times = ", ".join(f"{k} {res[0][f't_{k}']:.1f} s" for k in ("tier", "flat", "hooks", "auto"))
+    lines += [
+        f"Seconds: codec speeds {t_speeds:.1f}; the ranks {t_workers:.1f} from spawn to exit "
+        f"(rank 0: {times}); the simulator on the CPU {t_sims:.1f} alongside the ranks and "
+        f"{t_sim:.1f} after them; the part {wall:.1f}.",
+        "",
+    ]
+    summary.append(["cluster part's wall time", f"{wall:.1f} s"])
     return ok
 
 
@@ -693,6 +1286,17 @@ def profile(name: str, n: int, world: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def _print_summary(summary: list[list[str]], ok: bool) -> None:
+    """The cluster part's results, shortest, printed last (a run's output tail)."""
+    if not summary:
+        return
+    print("\nSummary of the cluster part:\n")
+    print("| check | result |\n|---|---|")
+    for what, result in summary:
+        print(f"| {what} | {result} |")
+    print(f"\nall checks of this run passed: {'yes' if ok else 'NO'}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=".")
@@ -704,6 +1308,14 @@ def main() -> int:
     )
     p.add_argument("--only-gloo", action="store_true", help="only the Gloo ranks' sections")
     p.add_argument("--only-fsdp", action="store_true", help="only the FSDP2 section")
+    p.add_argument(
+        "--only-cluster",
+        action="store_true",
+        help="only the two-tier, direct and codec='auto' checks on Gloo ranks of the GPU",
+    )
+    p.add_argument(
+        "--cluster-n", type=int, default=1 << 18, help="coordinates per rank of the cluster part"
+    )
     p.add_argument("--only-hook", action="store_true", help="only the NCCL hook section")
     p.add_argument(
         "--only-thresholds", action="store_true", help="only GComp's thresholds on CUDA vs CPU"
@@ -714,13 +1326,19 @@ def main() -> int:
         help="run the engine-paths table with the CPU standing in for CUDA (checks the script)",
     )
     args = p.parse_args()
+    summary: list[list[str]] = []
     if args.cpu_dry_run:
         lines: list[str] = []
-        ok = check_variants(args.n // 4, args.world, lines, dev="cpu")
-        ok &= check_gloo(args.world, args.n // 16, lines, dev="cpu")
-        ok &= check_fsdp(args.world, lines, dev="cpu")
-        ok &= check_thresholds(lines, dev="cpu")
+        if args.only_cluster:
+            ok = check_cluster(args.world, args.cluster_n, lines, summary, dev="cpu")
+        else:
+            ok = check_variants(args.n // 4, args.world, lines, dev="cpu")
+            ok &= check_gloo(args.world, args.n // 16, lines, dev="cpu")
+            ok &= check_fsdp(args.world, lines, dev="cpu")
+            ok &= check_thresholds(lines, dev="cpu")
+            ok &= check_cluster(args.world, args.cluster_n, lines, summary, dev="cpu")
         print("\n".join(lines))
+        _print_summary(summary, ok)
         return 0 if ok else 1
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
@@ -749,6 +1367,12 @@ def main() -> int:
         (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return 0 if ok else 1
+    if args.only_cluster:
+        ok = check_cluster(args.world, args.cluster_n, lines, summary)
+        (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        _print_summary(summary, ok)
+        return 0 if ok else 1
     if args.only_gloo:
         ok = check_gloo(args.world, args.n // 16, lines)
         ok &= check_fsdp(args.world, lines)
@@ -760,11 +1384,13 @@ def main() -> int:
     ok &= check_variants(args.n // 4, args.world, lines)
     ok &= check_gloo(args.world, args.n // 16, lines)
     ok &= check_fsdp(args.world, lines)
+    ok &= check_cluster(args.world, args.cluster_n, lines, summary)
     if not args.skip_hook:
         ok &= check_hook(lines)
     out = Path(args.out) / "gpu_check.md"
     out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    _print_summary(summary, ok)
     return 0 if ok else 1
 
 
