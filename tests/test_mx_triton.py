@@ -206,6 +206,20 @@ def test_simulation_with_the_kernels_equals_the_reference(name, topology, n):
 
 
 @interpreter
+def test_empty_and_tiny_vectors_equal_the_reference():
+    """0, 1 and a few entries (chunks of none, or of one partial block)."""
+    for name in FORMATS:
+        for d in (0, 1, 5, 33):
+            for topology, n in (("ring", 3), ("butterfly", 4), ("ring", 1)):
+                xs = [_nasty(d, r) for r in range(n)]
+                kern, ref = _pair(name)
+                a = hopq.simulate(xs, ref, topology, seed=0).outputs
+                b = hopq.simulate(xs, kern, topology, seed=0).outputs
+                for ya, yb in zip(a, b, strict=True):
+                    assert torch.equal(_bits(ya), _bits(yb)), (name, d, topology)
+
+
+@interpreter
 def test_backend_selection(monkeypatch):
     """auto picks numba for CPU tensors (triton only for CUDA ones); triton on
     CPU tensors needs the interpreter and says so at plan time; the codecs
