@@ -757,7 +757,15 @@ def check_cluster(
     # the planner's codec speeds, timed on this device (hopq plan --measure --device)
     t0 = time.perf_counter()
     calib = [c for c in names if c in pm.DEFAULT_SPEEDS]
-    speeds = measure_speeds(calib, coords=d, device=dev)
+    speeds: dict[str, tuple[float, ...]] = {}
+    failed: dict[str, str] = {}  # a codec that fails here keeps its CPU default
+    for c in calib:
+        got = _try(lambda c=c: measure_speeds([c], coords=d, device=dev)[c])
+        if isinstance(got, str):
+            failed[c] = got
+        else:
+            speeds[c] = got  # type: ignore[assignment]
+    ok &= not failed
     t_speeds = time.perf_counter() - t0
     # the ranks run in a thread of their own while this one runs the simulator
     t0 = time.perf_counter()
@@ -993,13 +1001,18 @@ def check_cluster(
         "| CPU default: plan, encode, hop, decode |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
-    for c, v in speeds.items():
+    for c in calib:
         dflt = ", ".join(f"{x:g}" for x in pm.DEFAULT_SPEEDS[c][:4])
+        if c in failed:
+            lines.append(f"| {c} | **{failed[c]}** | | | | | {dflt} |")
+            continue
+        v = speeds[c]
         lines.append(
             f"| {c} | {v[0]:.3g} | {v[1]:.3g} | {v[2]:.3g} | {v[3]:.3g} | {v[4]:.2f} | {dflt} |"
         )
     lines.append("")
     print(f"codec speeds timed on {dev} in {t_speeds:.1f} s", flush=True)
+    summary.append([f"codec speeds timed on {dev}", f"{len(speeds)}/{len(calib)} codecs"])
     a_ok = 0
     auto_rows = []
     for layout in (None, CLUSTER_LAYOUT):
@@ -1286,6 +1299,22 @@ def profile(name: str, n: int, world: int) -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def _cluster_part(world: int, d: int, lines: list[str], summary: list[list[str]], dev: str) -> bool:
+    """:func:`check_cluster`; an error that stops it (a rank that crashed) is
+    reported in the section and the summary, so that the other parts' results
+    are still written."""
+    import traceback
+
+    try:
+        return check_cluster(world, d, lines, summary, dev)
+    except Exception as e:  # noqa: BLE001 - reported, the run fails
+        tail = traceback.format_exc().strip().splitlines()[-12:]
+        lines += ["## The cluster part stopped", "", "```", *tail, "```", ""]
+        print("\n".join(lines[-len(tail) - 4 :]), flush=True)
+        summary.append(["cluster part", f"**stopped: {type(e).__name__}: {str(e)[:200]}**"])
+        return False
+
+
 def _print_summary(summary: list[list[str]], ok: bool) -> None:
     """The cluster part's results, shortest, printed last (a run's output tail)."""
     if not summary:
@@ -1330,13 +1359,13 @@ def main() -> int:
     if args.cpu_dry_run:
         lines: list[str] = []
         if args.only_cluster:
-            ok = check_cluster(args.world, args.cluster_n, lines, summary, dev="cpu")
+            ok = _cluster_part(args.world, args.cluster_n, lines, summary, "cpu")
         else:
             ok = check_variants(args.n // 4, args.world, lines, dev="cpu")
             ok &= check_gloo(args.world, args.n // 16, lines, dev="cpu")
             ok &= check_fsdp(args.world, lines, dev="cpu")
             ok &= check_thresholds(lines, dev="cpu")
-            ok &= check_cluster(args.world, args.cluster_n, lines, summary, dev="cpu")
+            ok &= _cluster_part(args.world, args.cluster_n, lines, summary, "cpu")
         print("\n".join(lines))
         _print_summary(summary, ok)
         return 0 if ok else 1
@@ -1368,7 +1397,7 @@ def main() -> int:
         print("\n".join(lines))
         return 0 if ok else 1
     if args.only_cluster:
-        ok = check_cluster(args.world, args.cluster_n, lines, summary)
+        ok = _cluster_part(args.world, args.cluster_n, lines, summary, "cuda")
         (Path(args.out) / "gpu_check.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         _print_summary(summary, ok)
@@ -1384,7 +1413,7 @@ def main() -> int:
     ok &= check_variants(args.n // 4, args.world, lines)
     ok &= check_gloo(args.world, args.n // 16, lines)
     ok &= check_fsdp(args.world, lines)
-    ok &= check_cluster(args.world, args.cluster_n, lines, summary)
+    ok &= _cluster_part(args.world, args.cluster_n, lines, summary, "cuda")
     if not args.skip_hook:
         ok &= check_hook(lines)
     out = Path(args.out) / "gpu_check.md"
