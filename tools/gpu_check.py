@@ -1099,7 +1099,11 @@ def check_cluster(
         f"{t_sim:.1f} after them; the part {wall:.1f}.",
         "",
     ]
-    summary.append(["cluster part's wall time", f"{wall:.1f} s"])
+    summary.append([
+        "cluster part's wall time",
+        f"{wall:.1f} s (codec speeds {t_speeds:.1f}, ranks {t_workers:.1f}, simulator after "
+        f"them {t_sim:.1f})",
+    ])  # fmt: skip
     return ok
 
 
