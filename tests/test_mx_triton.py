@@ -220,6 +220,18 @@ def test_empty_and_tiny_vectors_equal_the_reference():
 
 
 @interpreter
+def test_warm_up_runs_every_mode_once_per_format_and_block():
+    """The engine warms the codec up before a call's timeout starts: the Triton
+    kernels of its format and block run once (compiling them on a GPU)."""
+    codec = hopq.get_codec("mxfp6", backend="triton", block=16)
+    key = ("e3m2", 16, "cpu")
+    mx_triton._warm.discard(key)
+    codec.warm_up(torch.device("cpu"))
+    assert key in mx_triton._warm
+    hopq.get_codec("mxfp6", backend="reference").warm_up(torch.device("cpu"))  # nothing to do
+
+
+@interpreter
 def test_backend_selection(monkeypatch):
     """auto picks numba for CPU tensors (triton only for CUDA ones); triton on
     CPU tensors needs the interpreter and says so at plan time; the codecs

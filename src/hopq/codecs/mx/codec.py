@@ -259,6 +259,14 @@ class MXCodec(Codec[MXPlan]):
             )
         return None
 
+    def warm_up(self, device: torch.device) -> None:
+        """Compile the Triton kernels this codec runs on ``device`` (about a
+        second each on first use; :meth:`Codec.warm_up
+        <hopq.codecs.base.Codec.warm_up>`). The numba kernels compile on import."""
+        warm = getattr(self.kernels(device), "warm_up", None)
+        if warm is not None:
+            warm(self.element, self.config.block, device)
+
     def _kernels_for(self, t: torch.Tensor) -> Any:
         """:meth:`kernels` for a tensor: the kernels take contiguous float32 only."""
         if t.dtype != torch.float32 or not t.is_contiguous():

@@ -335,6 +335,36 @@ def hop(
     return out, (0 if counter is not None else sat)
 
 
+#: (format, block, device) whose kernels :func:`warm_up` compiled in this process.
+_warm: set[tuple[str, int, str]] = set()
+_WARM_LOCK = threading.Lock()
+
+
+def warm_up(fmt: fpf.ElementFormat, block: int, device: torch.device) -> None:
+    """Compile (or load from Triton's disk cache) the four modes' kernels for
+    ``fmt`` and ``block`` on ``device`` before a call's timeout starts, on
+    chunks of whole blocks of a multiple of 16 values, as the codec's are
+    (another length specializes again: about a second per variant on an
+    H100 host, once per process, the disk cache keeps them). Once per
+    process; later calls return at once."""
+    key = (fmt.name, block, str(device))
+    if key in _warm:
+        return
+    with _WARM_LOCK:
+        if key in _warm:
+            return
+        n = 16 * block
+        x = torch.zeros(n, dtype=torch.float32, device=device)
+        scale = torch.ones(1, dtype=torch.float32, device=device).expand(1 + n // block)
+        scale = scale.contiguous()
+        counter = new_counter(device)
+        payload, _ = encode(x, scale, fmt, block, counter)
+        decode(payload, scale, fmt, block, x, False)
+        decode(payload, scale, fmt, block, x, True)
+        hop(payload, x, scale, fmt, block, counter)
+        _warm.add(key)
+
+
 #: The block sizes compile_all builds: the OCP block (a scale per row) and one
 #: that is not a multiple of 4 (a scale per value).
 _COMPILE_BLOCKS = (32, 6)
