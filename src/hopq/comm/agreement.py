@@ -34,7 +34,7 @@ import torch
 
 from hopq.comm.framing import Deadline, Where
 from hopq.comm.transport import Transport, exchange, exchange_tails, tails_ride
-from hopq.errors import MismatchError
+from hopq.errors import MismatchError, TransportError
 
 #: Fields of the fingerprint, in order; values are int64.
 FIELDS = (
@@ -161,6 +161,7 @@ def agree(
     describe: dict[str, str],
     extra: torch.Tensor | None = None,
     tails: dict[int, torch.Tensor] | None = None,
+    settled: bool = False,
 ) -> tuple[list[torch.Tensor] | None, dict[int, torch.Tensor]]:
     """Exchange the fingerprints; raise MismatchError on every rank if they differ.
     ``describe`` gives this rank's readable value of each field (for the message).
@@ -170,7 +171,13 @@ def agree(
     :func:`~hopq.comm.transport.tails_ride`) ride to one peer each; returned:
     the tail each peer sent this rank. Wherever tails can ride, every rank's
     receives leave room for them, sent or not, so that ranks that disagree
-    about the call still exchange their fingerprints and raise the same error."""
+    about the call still exchange their fingerprints and raise the same error.
+
+    A peer whose call skipped its round (its signature was agreed before: it
+    sends the call's messages, not a fingerprint) or that ended its messages
+    (:mod:`hopq.comm.settle`) disagrees about the call: this rank settles the
+    call's messages with every peer, then runs this round once more, which
+    names the fields that differ (``settled``: that second round)."""
     k = len(FIELDS)
     block = torch.zeros(8 * (k + 1) + FOLD_BYTES, dtype=torch.uint8)
     block[: 8 * k] = torch.tensor(mine, dtype=torch.int64).view(torch.uint8)
@@ -184,7 +191,10 @@ def agree(
         block[8 * k + 8 : 8 * k + 8 + raw.numel()] = raw
     got: dict[int, torch.Tensor] = {}
     if tails_ride(transport):
-        blocks, got = exchange_tails(transport, block, tails or {}, deadline, where)
+        foreign: dict[int, tuple[list[int], torch.Tensor]] = {}
+        blocks, got = exchange_tails(transport, block, tails or {}, deadline, where, foreign)
+        if foreign:
+            _foreign(transport, mine, deadline, where, describe, foreign, settled)
     elif tails:
         raise ValueError("tails ride only where tails_ride(transport)")
     else:
@@ -213,11 +223,18 @@ def agree(
         )
         diffs.insert(0, f"the call's number on this group ({at})")
         transport.calls = max(transport.calls, *calls)
+    if settled and not diffs:
+        diffs.append("whether they agreed on this call's signature before")
     if diffs:
+        sent = (
+            "The payloads already sent were received and dropped"
+            if settled
+            else "No payload was sent"
+        )
         raise MismatchError(
             f"rank {transport.rank}: the ranks disagree about {where.what} (call "
             f"{where.call}): {'; '.join(diffs)}. This rank has {describe_line(describe, diffs)}. "
-            "No payload was sent; the group is still usable."
+            f"{sent}; the group is still usable."
         )
     if raw is None:
         return None, got
@@ -231,6 +248,56 @@ def agree(
             )
         out.append(b[8 * k + 8 : 8 * k + 8 + n].clone())
     return out, got
+
+
+def _foreign(
+    transport: Transport,
+    mine: list[int],
+    deadline: Deadline,
+    where: Where,
+    describe: dict[str, str],
+    foreign: dict[int, tuple[list[int], torch.Tensor]],
+    settled: bool,
+) -> None:
+    """Some peers sent something else than their fingerprint: raise. Refusals
+    alone (a peer refused the call, :func:`hopq.comm.engine.refuse`) raise
+    TransportError naming them, as before; a peer's message of a call that
+    skipped its round, or its END, means the ranks disagree: settle with every
+    peer (:mod:`hopq.comm.settle`; this rank sent each its block and posted one
+    receive from each), then agree once more, which raises MismatchError."""
+    from hopq.comm import framing, settle
+
+    refused = sorted(
+        q for q, (w, _) in foreign.items() if framing.status_of(w[3]) == framing.SENDER_FAILED
+    )
+    if len(refused) < len(foreign) and not settled:
+        streams = {}
+        for q in range(transport.world_size):
+            if q == transport.rank:
+                continue
+            s = settle.Stream(q, sent=1, posted=1, send_end=q not in refused)
+            s.read = 1  # the message of the round, read
+            if q in foreign:
+                settle.note(s, foreign[q][0], first=True)
+            streams[q] = s
+        owed, transport.owed = transport.owed, []
+        ends = settle.settle(
+            transport, streams, framing.END_MISMATCH, deadline, where, [h for h, _ in owed]
+        )
+        refused = sorted(q for q, e in ends.items() if e == framing.SENDER_FAILED)
+        if not refused:
+            again = Where(where.what, where.call, where.step, where.micro, where.phase)
+            agree(transport, mine, deadline, again, describe, settled=True)
+    if refused:
+        who = ", ".join(map(str, refused))
+        raise TransportError(
+            f"rank {transport.rank}: rank{'s' if len(refused) > 1 else ''} {who} failed in "
+            f"{where.describe()} and sent no payload (see rank {refused[0]}'s error)"
+        )
+    raise TransportError(
+        f"rank {transport.rank}: the ranks could not settle {where.describe()} after they "
+        "disagreed about it"
+    )
 
 
 def _groups(values: list[int]) -> dict[int, list[int]]:

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import deque
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -54,7 +55,7 @@ from typing import Any
 import torch
 
 from hopq.codecs.base import Codec, HopContext, Plan, ReduceOp, StatsOp
-from hopq.comm import agreement, framing
+from hopq.comm import agreement, framing, settle
 from hopq.comm.agreement import digest
 from hopq.comm.call import Call
 from hopq.comm.framing import Deadline, Where
@@ -104,6 +105,13 @@ DIRECT_STATS_BYTES = 16 * 1024
 #: Whether calls start with the agreement. Only ``hopq bench allreduce
 #: --agreement-cost`` turns it off, to measure what it costs; never in use.
 AGREEMENT = True
+#: Whether a call whose signature the ranks agreed on before skips its agreement
+#: round (:mod:`hopq.comm.settle`). Only ``hopq bench allreduce
+#: --agreement-cost`` turns it off, to time the round in every call.
+SKIP_AGREED = True
+#: Signatures a transport remembers (the first ones agreed; DDP's buckets are
+#: a few to a few hundred).
+AGREED_MAX = 1024
 
 
 def auto_microshards(numel: int, n_chunks: int, world_size: int, coords: int = 1 << 18) -> int:
@@ -265,6 +273,33 @@ class _Agreement:
         self.failed = False
         self.seconds = 0.0
         self.bytes = 0
+        #: The call's identity (every header of its hops carries it), its
+        #: signature (what the ranks agree on once) and schedule, and whether
+        #: the call may skip its round once its signature was agreed.
+        self.ident = digest(tuple(mine))
+        self.sig = 0
+        self.pattern: tuple[str, str] = ("", "")
+        self.may_skip = False
+        #: The call skipped its round (its signature was agreed before).
+        self.skipped = False
+
+    def skip(self) -> bool:
+        """Skip the round when the ranks agreed on this call's signature before
+        (every rank decides alike: they hold the same signatures)."""
+        if self.may_skip and self.sig in self.transport.agreed:
+            self.done = self.skipped = True
+        return self.skipped
+
+    def remember(self) -> None:
+        """The round found every fingerprint equal: later calls of this signature
+        may skip it, when they run the schedule of those that do."""
+        t = self.transport
+        if not self.may_skip or len(t.agreed) >= AGREED_MAX:
+            return
+        if t.agreed_pattern is None:
+            t.agreed_pattern = self.pattern
+        if t.agreed_pattern == self.pattern:
+            t.agreed.add(self.sig)
 
     def run(
         self, extra: torch.Tensor | None = None, tails: dict[int, torch.Tensor] | None = None
@@ -476,6 +511,43 @@ def _last_reduce_recv(schedule: Schedule, rank: int) -> dict[int, tuple[int, int
     return last
 
 
+@dataclass
+class _Recv:
+    """A transfer's receives in one step and microshard."""
+
+    t: Transfer
+    where: Where
+    bounds: list[int]
+    total: int
+    #: Byte sizes of its receives (:func:`~hopq.comm.framing.expect`).
+    shapes: list[int]
+    bufs: list[torch.Tensor] = field(default_factory=list)
+    handles: list[Handle] = field(default_factory=list)
+    #: Its first receive is the peer's first of the call, posted large, not yet
+    #: checked (a call that skipped its agreement round).
+    probe: bool = False
+
+
+class _Foreign(Exception):
+    """A peer's message that is not this call's (a call that skipped its
+    agreement round): another call's, or the peer's END or refusal."""
+
+    def __init__(self, peer: int, words: list[int], where: Where) -> None:
+        super().__init__(f"a message from rank {peer} in {where.describe()} is not of this call")
+        self.peer, self.words, self.where = peer, words, where
+
+    @property
+    def status(self) -> int:
+        """This rank's END after it: END_FAILED after a peer's failure or refusal,
+        else END_MISMATCH."""
+        st = framing.status_of(self.words[3])
+        return (
+            framing.END_FAILED
+            if st in (framing.END_FAILED, framing.SENDER_FAILED)
+            else (framing.END_MISMATCH)
+        )
+
+
 class _Hops:
     """One rank's state during the hops of one call."""
 
@@ -523,7 +595,21 @@ class _Hops:
         #: every posted send (with its message, kept alive until waited)
         self.sends: list[tuple[Handle, Where, list[torch.Tensor]]] = []
         self.posted: set[tuple[int, int, int]] = set()  # (step, microshard, peer) sent
-        self.recvs: dict[tuple[int, int], list[Any]] = {}
+        self.recvs: dict[tuple[int, int], list[_Recv]] = {}
+        #: The call skipped its agreement round (see :meth:`post_recvs`), and its
+        #: identity, which every header carries.
+        self.fast = False
+        self.ident = 0
+        #: Peers whose first message passed (:meth:`_validated`), those with a
+        #: first receive posted, and the receives that wait for it.
+        self.validated: set[int] = set()
+        self.probed: set[int] = set()
+        self.deferred: dict[int, list[_Recv]] = {}
+        #: Per peer: receives posted and not yet read (in order), receives posted,
+        #: messages sent (what settling a failed call needs, :mod:`hopq.comm.settle`).
+        self.fifo: dict[int, deque[tuple[Handle, torch.Tensor]]] = {}
+        self.posted_n: dict[int, int] = {}
+        self.sent_n: dict[int, int] = {}
         self.received: set[tuple[int, int]] = set()  # (step, microshard) processed
         self.prepared: set[int] = set()  # parts passed through Codec.prepare_part
         self.finished: set[int] = set()  # parts passed through Codec.finish_part
@@ -570,6 +656,11 @@ class _Hops:
 
     # -- receives ----------------------------------------------------------------
     def post_recvs(self, s: int, only: int | None = None) -> None:
+        """Post the receives of step s (microshard ``only``, else all). In a call
+        that skipped its agreement round, only one receive from a peer is posted
+        until that peer's first message proved it makes this call (a
+        :data:`~hopq.comm.framing.ANY_FIRST` receive, which any peer's first
+        message fits); the others wait (:meth:`_validated`)."""
         for j in range(self.u) if only is None else (only,):
             if (s, j) in self.recvs:
                 continue
@@ -577,22 +668,76 @@ class _Hops:
             for t in self.schedule.recvs(self.rank, s):
                 bounds = self.bound(t, j)
                 total = sum(bounds)
-                bufs = [
-                    self.transport.buffer(nb, self.device)
-                    for nb in framing.expect(len(t.chunks), total, self.transport.short_messages)
-                ]
-                where = self.where(s, j, t.phase)
-                _, handles = self.transport.post([], [(t.src, b) for b in bufs], where)
-                entries.append((t, bufs, handles, bounds, total))
+                shapes = framing.expect(len(t.chunks), total, self.transport.short_messages)
+                e = _Recv(t, self.where(s, j, t.phase), bounds, total, shapes)
+                if not self.fast or t.src in self.validated:
+                    self._post(e, shapes)
+                elif t.src not in self.probed:
+                    self.probed.add(t.src)
+                    e.probe = True
+                    self._post(e, [max(shapes[0], framing.ANY_FIRST)])
+                else:
+                    self.deferred.setdefault(t.src, []).append(e)
+                entries.append(e)
             self.recvs[(s, j)] = entries
+
+    def _post(self, e: _Recv, shapes: list[int]) -> None:
+        src = e.t.src
+        bufs = [self.transport.buffer(nb, self.device) for nb in shapes]
+        _, handles = self.transport.post([], [(src, b) for b in bufs], e.where)
+        e.bufs += bufs
+        e.handles += handles
+        self.fifo.setdefault(src, deque()).extend(zip(handles, bufs, strict=True))
+        self.posted_n[src] = self.posted_n.get(src, 0) + len(bufs)
+
+    def _take(self, e: _Recv, i: int) -> None:
+        """Wait for e's i-th receive (the oldest still posted from its peer)."""
+        h, _ = self.fifo[e.t.src].popleft()
+        if h is not e.handles[i]:
+            raise RuntimeError("hopq internal error: receives from a peer read out of order")
+        self._wait(h, e.where)
+
+    def _validated(self, e: _Recv) -> None:
+        """A call that skipped its agreement round: check the header of e's first
+        message against this rank's call (call number, identity, step);
+        anything else (another call's message, a peer's END or refusal) raises
+        :class:`_Foreign`. A peer's first message that passes lets the receives
+        that waited for it be posted: the probe's body (when it travels apart),
+        then the others, in order."""
+        src = e.t.src
+        words = framing.peek(e.bufs[0])
+        if words is None:
+            raise TransportError(
+                f"rank {self.rank}: message from rank {src} in {e.where.describe()} is not a "
+                "hopq message (bad header)"
+            )
+        ok = (
+            framing.status_of(words[3]) == framing.OK
+            and words[1] == self.call
+            and words[2] == e.where.tag()
+            and words[4] == self.ident
+        )
+        if not ok:
+            raise _Foreign(src, words, e.where)
+        if e.probe:
+            e.probe = False
+            self.validated.add(src)
+            if len(e.shapes) == 2:  # its body travels apart: receive it now
+                e.bufs[0] = e.bufs[0][: e.shapes[0]]
+                self._post(e, e.shapes[1:])
+            for d in self.deferred.pop(src, []):
+                self._post(d, d.shapes)
 
     def process_recvs(self, s: int, j: int) -> None:
         self.received.add((s, j))
-        for t, bufs, handles, bounds, total in self.recvs.pop((s, j)):
-            where = self.where(s, j, t.phase)
-            for h in handles:
-                self._wait(h, where)
-            head, body = framing.unpack(bufs, len(t.chunks), total)
+        for e in self.recvs.pop((s, j)):
+            t, where, bounds, total = e.t, e.where, e.bounds, e.total
+            self._take(e, 0)
+            if self.fast:
+                self._validated(e)
+            for i in range(1, len(e.handles)):
+                self._take(e, i)
+            head, body = framing.unpack(e.bufs, len(t.chunks), total)
             lengths = framing.check(head, where, t.src, self.rank, bounds, self.exact(t))
             offset = 0
             for c, size in zip(t.chunks, lengths, strict=True):
@@ -663,10 +808,11 @@ class _Hops:
                         f"part {i} of {where.describe()}, the plan says {b}"
                     )
             body = payloads[0] if len(payloads) == 1 else torch.cat(payloads)
-            header = framing.frame(where, lengths)
+            header = framing.frame(where, lengths, ident=self.ident)
             pad = not exact and not self.transport.short_messages
             msg = framing.pack(header, body, sum(bounds), pad)
             handles, _ = self.transport.post([(t.dst, p) for p in msg], [], where)
+            self.sent_n[t.dst] = self.sent_n.get(t.dst, 0) + len(msg)
             self.posted.add((s, j, t.dst))
             # the bytes that travel: the real sizes, or the bounds where padded
             self.info.payload_bytes += sum(bounds) if pad else int(body.numel())
@@ -721,10 +867,10 @@ class _Hops:
                                 self.post_recvs(s, j)
                     except TransportError:
                         continue
-            for (s, j), entries in sorted(self.recvs.items()):
-                for t, _bufs, handles, _b, _n in entries:
-                    for h in handles:
-                        h.wait(grace, self.where(s, j, t.phase))
+            for (_s, _j), entries in sorted(self.recvs.items()):
+                for e in entries:
+                    for h in e.handles:
+                        h.wait(grace, e.where)
             for h, where, _ in self.sends:
                 h.wait(grace, where)
         except Exception:  # noqa: BLE001 - a peer is gone: the group is broken anyway
@@ -769,6 +915,8 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
     try:
         stats, plan, gplan = _plan(r, agreed)
     except BaseException as e:
+        if agreed.skipped and not isinstance(e, KeyboardInterrupt):
+            _settle_call(r, agreed, e)
         if (
             agreed.done
             and not agreed.failed
@@ -776,7 +924,7 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
         ):
             _fail_peers(r)
         raise
-    st = _stages(r, plan, gplan)
+    st = _stages(r, plan, gplan, agreed)
     y = _finish(r, st, stats, agreed)
     r.info.seconds = time.perf_counter() - t_start
     r.info.cpu_seconds = time.thread_time() - cpu_start
@@ -912,21 +1060,31 @@ def refuse(transport: Transport, timeout: float | None, what: str) -> None:
     header = framing.frame(where, [0], framing.SENDER_FAILED)
     sends: list[tuple[int, torch.Tensor]] = []
     recvs: list[tuple[int, torch.Tensor]] = []
+    # peers whose call skipped its agreement round send the call's messages
+    # instead: the first fits a receive of ANY_FIRST, the rest are settled then
+    settles = transport.skips_agreement
     for q in range(n):
         if q != transport.rank:
             sends += [
                 (q, p) for p in framing.pack(header, None, bound, not transport.short_messages)
             ]
-            recvs += [
-                (q, torch.empty(nb, dtype=torch.uint8))
-                for nb in framing.expect(1, bound, transport.short_messages)
-            ]
+            shapes = framing.expect(1, bound, transport.short_messages)
+            if settles:
+                shapes = [max(shapes[0], framing.ANY_FIRST)]
+            recvs += [(q, torch.empty(nb, dtype=torch.uint8)) for nb in shapes]
     try:
         with transport.batch():
             sh, rh = transport.post(sends, recvs, where)
     except Exception:  # noqa: BLE001 - a peer is gone: its own call fails anyway
         return
-    transport.owed += [(h, where) for h in [*rh, *sh]]
+    transport.owed += [(h, where) for h in sh]
+    if settles:
+        transport.unsettled = (
+            where,
+            {q: (h, b) for (q, b), h in zip(recvs, rh, strict=True)},
+        )
+    else:
+        transport.owed += [(h, where) for h in rh]
 
 
 def _agreement(r: _Resolved) -> _Agreement:
@@ -959,7 +1117,33 @@ def _agreement(r: _Resolved) -> _Agreement:
         fold if fold is not None and fold <= agreement.FOLD_BYTES else None,
     )  # fmt: skip
     agreed.done = agreed.done or not call.agree  # the caller agreed on it (a tier)
+    t = r.transport
+    agreed.may_skip = (
+        SKIP_AGREED
+        and not agreed.done
+        and t.skips_agreement
+        and 1 < t.world_size <= DIRECT_EXCHANGE_MAX
+        and codec.first_stats_nbytes is None
+        and _stateless(codec)
+        and _stateless(r.gcodec)
+    )
+    if agreed.may_skip:
+        fields = dict(zip(agreement.FIELDS, mine, strict=True))
+        gname = digest((r.gcodec.name, repr(r.gcodec.config))) if r.gcodec is not codec else 0
+        agreed.sig = digest(
+            tuple(
+                v for f, v in fields.items() if f not in ("call", "state", "gather codec", "round")
+            )
+            + (gname,)
+        )
+        agreed.pattern = (r.schedule.topology, r.kind)
     return agreed
+
+
+def _stateless(codec: Codec[Any]) -> bool:
+    """Whether a codec's agreed state is its round counter alone (no adaptive state
+    that could change its messages from call to call)."""
+    return bool(codec.agreed_state() == {"round": codec.round})
 
 
 def _plan(r: _Resolved, agreed: _Agreement) -> tuple[_StatsExchange, Plan, Plan]:
@@ -975,8 +1159,9 @@ def _plan(r: _Resolved, agreed: _Agreement) -> tuple[_StatsExchange, Plan, Plan]
     stats.bounds = r.bounds
     stats.phases = 2 if r.gather else 1
     plan = codec.plan(r.x, stats)
-    if not agreed.done:  # a codec without statistics: the agreement on its own
+    if not agreed.done and not agreed.skip():  # a codec without statistics: on its own
         agreed.run()
+        agreed.remember()
     if len(plan.chunks) != r.steps.n_chunks * u:
         raise RuntimeError(
             f"{codec.name} planned {len(plan.chunks)} chunks, the schedule needs "
@@ -996,10 +1181,12 @@ def _plan(r: _Resolved, agreed: _Agreement) -> tuple[_StatsExchange, Plan, Plan]
     return stats, plan, gplan
 
 
-def _stages(r: _Resolved, plan: Plan, gplan: Plan) -> _Hops:
+def _stages(r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement) -> _Hops:
     """Step 3: the schedule's steps, reduce and gather stages, on the codec's
     working vector. On a failure this rank tells its peers what it still owes
-    them and drains what they still send, then raises."""
+    them and drains what they still send, then raises; in a call that skipped
+    its agreement round, it settles with every peer instead
+    (:func:`_settle_call`)."""
     codec, gcodec, schedule, transport, u = r.codec, r.gcodec, r.steps, r.transport, r.u
     work = codec.prepare(plan, r.x, r.in_place)
     st = _Hops(
@@ -1007,13 +1194,18 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan) -> _Hops:
         r.label, r.number, r.info,
     )  # fmt: skip
     st.op = r.call.op
+    st.fast, st.ident = agreed.skipped, agreed.ident
     # a reduce-scatter skips the gather steps, but for the deliveries to rank shards
     active = [
         i
         for i, step in enumerate(schedule.steps)
         if r.gather or r.bounds is not None or any(t.phase is Phase.REDUCE for t in step)
     ]
-    transport.reserve(_recv_bytes(st, active), work.device)
+    probes = 0
+    if st.fast:  # one receive per peer posted ANY_FIRST large
+        srcs = {t.src for i in active for t in schedule.recvs(transport.rank, i)}
+        probes = len(srcs) * (framing.ANY_FIRST + 64)
+    transport.reserve(_recv_bytes(st, active) + probes, work.device)
     try:
         for c in schedule.owned_chunks(transport.rank):
             if c not in st.last_recv:  # a sink with no children (world size 1)
@@ -1022,6 +1214,8 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan) -> _Hops:
                     st.finalize(m, gcodec.encode(gplan, st.own(m), st.ctxs[m]))
         _hops(st, active, r.call.pipeline and transport.prepost)
     except BaseException as e:
+        if st.fast and not isinstance(e, KeyboardInterrupt):
+            _settle_call(r, agreed, e, st)
         if not isinstance(e, KeyboardInterrupt):
             if transport.prepost:
                 st.fail_remaining(active)
@@ -1066,6 +1260,60 @@ def _fail_peers(r: _Resolved) -> None:
                 transport.post([(q, header), (q, torch.zeros(1, dtype=torch.uint8))], [], where)
             except Exception:  # noqa: BLE001, S112
                 continue
+
+
+def _settle_call(
+    r: _Resolved, agreed: _Agreement, error: BaseException, st: _Hops | None = None
+) -> None:
+    """A call that skipped its agreement round failed on this rank (``error``):
+    a peer's message was not of this call, a peer ended or refused it, or this
+    rank failed. Settle the call's messages with every peer
+    (:mod:`hopq.comm.settle`), then raise what every rank raises: after a
+    disagreement, MismatchError from an agreement round (naming the fields, as
+    the round at the start of the call would have); after a refusal or a
+    failure, TransportError naming the rank (this rank's own error where it
+    failed)."""
+    transport, rank = r.transport, r.transport.rank
+    status = error.status if isinstance(error, _Foreign) else framing.END_FAILED
+    streams: dict[int, settle.Stream] = {}
+    for q in range(transport.world_size):
+        if q == rank:
+            continue
+        s = settle.Stream(q)
+        if st is not None:
+            s.pending = st.fifo.get(q, deque())
+            s.sent, s.posted = st.sent_n.get(q, 0), st.posted_n.get(q, 0)
+        if isinstance(error, _Foreign) and error.peer == q:
+            settle.note(s, error.words, first=False)
+        streams[q] = s
+    where = Where(r.label, r.number, -1, 0, "settling")
+    sends = [h for h, _, _ in st.sends] if st is not None else []
+    try:
+        ends = settle.settle(transport, streams, status, r.deadline, where, sends)
+    except Exception as e:  # noqa: BLE001 - a peer is gone: its error, or this rank's own
+        if isinstance(error, _Foreign | KeyboardInterrupt):
+            raise e from error
+        raise error from None
+    if st is not None:
+        st.sends.clear()
+        st.recvs.clear()
+    refused = sorted(q for q, v in ends.items() if v == framing.SENDER_FAILED)
+    if refused:
+        raise TransportError(
+            f"rank {rank}: rank {refused[0]} failed in {r.label}, call {r.number}, and sent "
+            f"no payload (see rank {refused[0]}'s error)"
+        ) from None
+    if framing.END_MISMATCH in {status, *ends.values()}:
+        agreement.agree(
+            transport, agreed.mine, r.deadline, agreed.where, agreed.describe, settled=True
+        )
+    if not isinstance(error, _Foreign | TransportError):
+        raise error
+    failed = sorted(q for q, v in ends.items() if v == framing.END_FAILED)
+    raise TransportError(
+        f"rank {rank}: rank {failed[0] if failed else '?'} failed in {r.label}, call "
+        f"{r.number}, and sent no more payload (see that rank's error)"
+    ) from None
 
 
 def _finish(r: _Resolved, st: _Hops, stats: _StatsExchange, agreed: _Agreement) -> torch.Tensor:

@@ -10,10 +10,16 @@ arrived. A sender checks its own message against the plan before sending, so a
 longer one is never sent: a codec that produced a wrong size reports an error
 in the header instead, and every receiver raises :class:`~hopq.TransportError`.
 
-Header (int64): ``[MAGIC, call, step, status, len_0, ..., len_{k-1}]``, one
-length per part (chunk payload) the message carries, in order. ``call`` is the
-call's sequence number on this group, ``step`` the schedule step and microshard
-(``step * 2**20 + microshard``). Framing bytes are transport overhead, like TCP's:
+Header (int64): ``[MAGIC, call, step, status, ident, len_0, ..., len_{k-1}]``,
+one length per part (chunk payload) the message carries, in order. ``call`` is
+the call's sequence number on this group, ``step`` the schedule step and
+microshard (``step * 2**20 + microshard``), ``ident`` a digest of the whole call
+as its agreement fingerprints it (0 outside the hops): a call that skips its
+agreement round (its signature was agreed before, see
+:mod:`hopq.comm.agreement`) checks every peer's first message by it. The status
+word also says how many parts follow (bits 16 and up) and whether the body
+travels as a second message (:data:`SPLIT`), so that a header read alone tells
+what comes next from that peer (:mod:`hopq.comm.settle`). Framing bytes are transport overhead, like TCP's:
 they are counted apart (``RunStats.frame_bytes``), not in bits per coordinate.
 
 Small bodies travel in one message with their header; bodies over
@@ -42,8 +48,14 @@ from hopq.errors import PayloadError, TransportError
 
 #: "hopq" in the header's first word.
 MAGIC = 0x686F7071
-#: Status words.
-OK, SENDER_FAILED = 0, 1
+#: Status words (the low byte of the status word). END_MISMATCH and END_FAILED end
+#: a peer's messages in a call that failed after it skipped its agreement round
+#: (:mod:`hopq.comm.settle`): the call disagreed, or this rank failed.
+OK, SENDER_FAILED, END_MISMATCH, END_FAILED = 0, 1, 2, 3
+#: Status flag: the body follows as a message of its own (of max(sum(lengths), 1) bytes).
+SPLIT = 1 << 8
+#: The status word's parts count starts at this bit.
+PARTS_SHIFT = 16
 #: Bodies up to this many bytes (receiver's bound) share one message with their
 #: header: a second message costs ~100-200 us on Gloo, about what copying 1 MiB
 #: into the header's buffer costs. (It was 64 KiB until 2026-11-26: on loopback,
@@ -68,7 +80,7 @@ def slack(bound: int) -> int:
 
 
 def header_words(parts: int) -> int:
-    return 4 + parts
+    return 5 + parts
 
 
 def header_nbytes(parts: int) -> int:
@@ -109,10 +121,58 @@ class Where:
         return f"{self.what}, call {self.call}{step}{part}{phase}"
 
 
-def frame(where: Where, lengths: list[int], status: int = OK) -> torch.Tensor:
+def frame(where: Where, lengths: list[int], status: int = OK, ident: int = 0) -> torch.Tensor:
     """A header as uint8 bytes."""
-    words = [MAGIC, where.call, where.tag(), status, *lengths]
+    word = status | (len(lengths) << PARTS_SHIFT)
+    words = [MAGIC, where.call, where.tag(), word, ident, *lengths]
     return torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+
+
+#: Most parts a message carries (a schedule's chunks in one transfer), for
+#: :data:`ANY_FIRST`.
+MAX_PARTS = 256
+#: Bytes that hold any message a hopq peer sends first in a call, whatever call
+#: it makes: a body up to COALESCE_BYTES shares its message with the header,
+#: a longer one travels apart. A call that skips its agreement round posts its
+#: first receive from each peer this large, so that a peer making another call
+#: never aborts this rank (Gloo ends a receiver on a longer message).
+ANY_FIRST = COALESCE_BYTES + 8 * (5 + MAX_PARTS)
+
+
+def set_split(header: torch.Tensor) -> torch.Tensor:
+    """The header with :data:`SPLIT` set (its body goes as a second message)."""
+    words = header.clone().view(torch.int64)
+    words[3] |= SPLIT
+    return words.view(torch.uint8)
+
+
+def status_of(word: int) -> int:
+    """The status in a header's status word."""
+    return word & 0xFF
+
+
+def peek(buf: torch.Tensor) -> list[int] | None:
+    """The header words at the start of a received buffer (all its parts), or
+    None when it does not start with a hopq header."""
+    h0 = header_nbytes(0)
+    if buf.numel() < h0:
+        return None
+    head = buf[:h0].clone().view(torch.int64).cpu().tolist()
+    if head[0] != MAGIC:
+        return None
+    parts = head[3] >> PARTS_SHIFT
+    if not 0 <= parts <= MAX_PARTS or buf.numel() < header_nbytes(parts):
+        return None
+    return buf[: header_nbytes(parts)].clone().view(torch.int64).cpu().tolist()
+
+
+def body_after(words: list[int]) -> int | None:
+    """Bytes of the message that follows this header from the same peer when it
+    is its body (:data:`SPLIT`), else None. ``words``: at least the header."""
+    if not words[3] & SPLIT:
+        return None
+    parts = words[3] >> PARTS_SHIFT
+    return max(sum(words[5 : 5 + parts]), 1)
 
 
 def pack(
@@ -132,7 +192,7 @@ def pack(
         body = torch.cat([body, body.new_zeros(bound - body.numel())])
     if bound <= COALESCE_BYTES:
         return [torch.cat([header.to(body.device), body])]
-    return [header.to(body.device), body]
+    return [set_split(header).to(body.device), body]
 
 
 def expect(parts: int, bound: int, room: bool = True) -> list[int]:
@@ -174,7 +234,13 @@ def check(
             f"rank {rank}: message from rank {peer} in {where.describe()} is not a hopq "
             "message (bad header)"
         )
-    _, call, tag, status, *lengths = words
+    _, call, tag, word, _ident, *lengths = words
+    status = status_of(word)
+    if status in (END_MISMATCH, END_FAILED):
+        raise TransportError(
+            f"rank {rank}: rank {peer} ended its messages in {where.describe()}: "
+            + ("the ranks disagree about the call" if status == END_MISMATCH else "it failed")
+        )
     if status == SENDER_FAILED:
         raise TransportError(
             f"rank {rank}: rank {peer} failed in {where.describe()} and sent no payload "

@@ -40,6 +40,7 @@ import threading
 import warnings
 import weakref
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterator
 
 import torch
@@ -85,6 +86,11 @@ class Transport(ABC):
     #: simulator: yes). NCCL needs equal counts on both sides, so a variable-size
     #: payload is padded to its agreed bound there (the padding is sent and counted).
     short_messages: bool = True
+    #: Whether a call whose signature the ranks agreed on before may skip its
+    #: agreement round (:mod:`hopq.comm.settle`): where receives are preposted and
+    #: take shorter messages (Gloo, the simulator), not on a view of some ranks
+    #: (a two-tier call's tiers, which the whole group's agreement covers).
+    skips_agreement: bool = True
 
     def __init__(self) -> None:
         self._arena: torch.Tensor | None = None
@@ -96,6 +102,17 @@ class Transport(ABC):
         #: call: a refused call's notices and the receives of what its peers
         #: send in it, or sends a failed agreement did not wait for.
         self.owed: list[tuple[Handle, Where]] = []
+        #: Digests of the call signatures the ranks agreed on in a round of their
+        #: own (:mod:`hopq.comm.agreement`): a later call of one of them skips
+        #: the round. The same on every rank: a signature enters only when every
+        #: rank's agreement found every fingerprint equal.
+        self.agreed: set[int] = set()
+        #: The schedule (topology, kind) of the agreed signatures: calls that skip
+        #: their round all run the same schedule (see :mod:`hopq.comm.settle`).
+        self.agreed_pattern: tuple[str, str] | None = None
+        #: A refused call's receives (one per peer, with its buffer) and where,
+        #: settled at the next call (:mod:`hopq.comm.settle`).
+        self.unsettled: tuple[Where, dict[int, tuple[Handle, torch.Tensor]]] | None = None
 
     @contextlib.contextmanager
     def batch(self) -> Iterator[None]:
@@ -115,6 +132,18 @@ class Transport(ABC):
             # that call failed anyway; this one reports what goes wrong now
             with contextlib.suppress(Exception):
                 h.wait(deadline or Deadline(self.timeout_s), where)
+        if self.unsettled is not None:
+            from hopq.comm import settle
+
+            where, recvs = self.unsettled
+            self.unsettled = None
+            streams = {
+                q: settle.Stream(q, deque([hb]), sent=1, posted=1, send_end=False, block_ends=True)
+                for q, hb in recvs.items()
+            }
+            with contextlib.suppress(Exception):  # best effort, as the notices
+                settle.settle(self, streams, framing.END_FAILED, deadline or Deadline(
+                    self.timeout_s), where)  # fmt: skip
         self.calls += 1
         return self.calls
 
@@ -298,6 +327,7 @@ class DistTransport(Transport):
         self._warned_cap = False
         self.prepost = self.backend != "nccl"
         self.short_messages = self.backend != "nccl"
+        self.skips_agreement = self.prepost and self.short_messages
         #: Messages staged into the memory their backend takes (see the module's
         #: docstring), and per device type where its messages are staged to.
         self.staged_messages = 0
@@ -556,6 +586,7 @@ class SubTransport(Transport):
         self.world_size = len(members)
         self.prepost = parent.prepost
         self.short_messages = parent.short_messages
+        self.skips_agreement = False
 
     @property
     def timeout_s(self) -> float:
@@ -637,13 +668,17 @@ def _each_peer(
     deadline: Deadline,
     where: Where,
     bound: int | None = None,
+    foreign: dict[int, tuple[list[int], torch.Tensor]] | None = None,
 ) -> dict[int, torch.Tensor]:
     """One round with every peer q at once: send ``bodies[q]`` (framed), receive
     ``sizes[q]`` bytes from q (its header checked); the received bytes by peer.
     With ``bound`` (transports that take short messages), every message in the
     round (either way) has a body of at most ``bound`` bytes, whose length its
     header gives: receives are posted for the bound (``sizes`` is ignored) and
-    what arrived is returned."""
+    what arrived is returned. With ``foreign`` (the agreement's rounds), each
+    receive is posted :data:`~hopq.comm.framing.ANY_FIRST` bytes or more, and a
+    message that is not of this round (another call's, a peer's notice) goes
+    into ``foreign`` (its header words and buffer) instead of raising."""
     sends, recvs, bufs = [], [], {}
     for q, body in bodies.items():
         raw = body.contiguous().reshape(-1).view(torch.uint8)
@@ -651,10 +686,10 @@ def _each_peer(
         head = framing.frame(where, [raw.numel()])
         sends += [(q, p) for p in framing.pack(head, raw, cap)]
         want = sizes[q] if bound is None else bound
-        bufs[q] = [
-            transport.buffer(nb, body.device)
-            for nb in framing.expect(1, want, transport.short_messages)
-        ]
+        shapes = framing.expect(1, want, transport.short_messages)
+        if foreign is not None and len(shapes) == 1:
+            shapes = [max(shapes[0], framing.ANY_FIRST)]
+        bufs[q] = [transport.buffer(nb, body.device) for nb in shapes]
         recvs += [(q, b) for b in bufs[q]]
     sh, rh = transport.post(sends, recvs, where)
     for h in rh:
@@ -663,6 +698,13 @@ def _each_peer(
     try:
         for q in bodies:
             want = sizes[q] if bound is None else bound
+            if foreign is not None:
+                words = framing.peek(bufs[q][0])
+                if words is not None and (
+                    framing.status_of(words[3]) != framing.OK or words[2] != where.tag()
+                ):
+                    foreign[q] = (words, bufs[q][0])
+                    continue
             head, body = framing.unpack(bufs[q], 1, want)
             (length,) = framing.check(head, where, q, transport.rank, [want], exact=bound is None)
             got[q] = body[:length].clone()
@@ -670,6 +712,9 @@ def _each_peer(
         # a dropped send may never leave (Gloo): its peer still expects it
         transport.owed += [(h, where) for h in sh]
         raise
+    if foreign:
+        transport.owed += [(h, where) for h in sh]  # the caller settles (and waits)
+        return got
     for h in sh:
         h.wait(deadline, where)
     return got
@@ -714,6 +759,7 @@ def exchange_tails(
     tails: dict[int, torch.Tensor],
     deadline: Deadline,
     where: Where,
+    foreign: dict[int, tuple[list[int], torch.Tensor]] | None = None,
 ) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
     """:func:`exchange`, where the message to peer q also carries ``tails[q]``
     (at most :data:`TAIL_BYTES`; a peer without one gets the block alone), in the
@@ -739,7 +785,9 @@ def exchange_tails(
         if t8.numel() > TAIL_BYTES:
             raise ValueError(f"at most {TAIL_BYTES} bytes ride after a block, got {t8.numel()}")
         bodies[q] = torch.cat([raw, t8])
-    got = _each_peer(transport, bodies, {}, deadline, where, bound=k + TAIL_BYTES)
+    got = _each_peer(transport, bodies, {}, deadline, where, k + TAIL_BYTES, foreign)
+    if foreign:
+        return [], {}
     for q, b in got.items():
         if b.numel() < k:
             raise TransportError(
