@@ -206,6 +206,24 @@ def test_simulation_with_the_kernels_equals_the_reference(name, topology, n):
 
 
 @interpreter
+@pytest.mark.parametrize("name", FORMATS)
+def test_shards_microshards_and_reduce_scatter_equal_the_reference(name):
+    """Chunks that start their own blocks (rank shards, a partial last block),
+    microshards, and the reduce-scatter alone."""
+    xs = [_nasty(4099, r) for r in range(4)]
+    kern, ref = _pair(name)
+    for kw in ({"shards": "equal"}, {"microshards": 3}):
+        a = hopq.simulate(xs, ref, "ring", seed=0, **kw).outputs
+        b = hopq.simulate(xs, kern, "ring", seed=0, **kw).outputs
+        for ya, yb in zip(a, b, strict=True):
+            assert torch.equal(_bits(ya), _bits(yb)), kw
+    a = hopq.simulate_reduce_scatter(xs, ref, "ring", seed=0).outputs
+    b = hopq.simulate_reduce_scatter(xs, kern, "ring", seed=0).outputs
+    for ya, yb in zip(a, b, strict=True):
+        assert torch.equal(_bits(ya), _bits(yb))
+
+
+@interpreter
 def test_empty_and_tiny_vectors_equal_the_reference():
     """0, 1 and a few entries (chunks of none, or of one partial block)."""
     for name in FORMATS:
