@@ -1072,9 +1072,15 @@ def check_cluster(
         finally:
             pm.AUTO_OVERRIDES.clear()
             pm.AUTO_OVERRIDES.update(saved)
+        ranks_pick = res[0][("auto", CLUSTER_LAYOUT)]
+        mine = (p.codec, p.codec_config, p.topology, p.layout)
+        agrees = not isinstance(ranks_pick, str) and tuple(ranks_pick[1:]) == mine
+        ok &= agrees
         lines += [
-            f"The two-tier call's plan, as every rank computed it ({d:,} coordinates, 2x2, "
-            "the probe above, this device's speeds), its fastest 10 candidates:",
+            f"The two-tier call's plan recomputed here from the ranks' probe ({d:,} "
+            "coordinates, 2x2, this device's speeds): "
+            + ("the ranks' pick" if agrees else f"**not the ranks' pick** ({mine})")
+            + "; its fastest 10 candidates:",
             "",
             p.table(10),
             "",
