@@ -148,9 +148,9 @@ if triton is not None:
 
     @triton.jit
     def _decode_sg(
-        inb, r, k, j, gidx, tab,
+        inb, r, k, gidx, tab,
         NG: tl.constexpr, TOP: tl.constexpr, PER: tl.constexpr, CODE_BYTES: tl.constexpr,
-        W: tl.constexpr,
+        W: tl.constexpr, G: tl.constexpr, UNIT: tl.constexpr,
     ):  # fmt: skip  # type: ignore[no-untyped-def]
         """Decoded entries [NG, G // V, V] of super-group r of a segment of k."""
         b0 = tl.load(inb + 2 * r).to(tl.int32)
@@ -164,9 +164,17 @@ if triton is not None:
         sf = tl.where(
             M < 1.329227995784916e36, _div_by(rg * M, 255.0, _R255), rg * tl.div_rn(M, 255.0)
         )
-        byte = tl.load(inb + 2 * k + k * NG + r * CODE_BYTES + j // PER).to(tl.int32)
-        c = (byte >> ((j % PER) * W)) & ((1 << W) - 1)
-        mag = tl.load(tab + (c & (TOP - 1))) * sf[:, None, None]
+        # the V * W / 8 code bytes of a thread's V entries, each loaded once
+        jc = gidx[:, None, None] * G + tl.arange(0, G // _V)[None, :, None] * _V  # [NG, C, 1]
+        at = inb + 2 * k + k * NG + r * CODE_BYTES + jc // PER
+        word = tl.load(at).to(tl.int32)
+        for i in tl.static_range(1, _V * W // 8):
+            word = word | (tl.load(at + i).to(tl.int32) << (8 * i))
+        c = (word >> (tl.arange(0, _V)[None, None, :] * W)) & ((1 << W) - 1)  # [NG, C, V]
+        if UNIT:  # levels {0, 1}: the table's value is the code's low bit
+            mag = (c & 1).to(tl.float32) * sf[:, None, None]
+        else:
+            mag = tl.load(tab + (c & (TOP - 1))) * sf[:, None, None]
         # the sign as a bit flip, as torch's negation: compiled Triton lowers
         # -mag to 0 - mag, which gives +0.0 where the reference has -0.0
         flip = (c >= TOP).to(tl.uint32) << 31
@@ -176,10 +184,10 @@ if triton is not None:
         ["k", "row0", "g0", "g1", "p0", "p1", "n", "nu", "cm", "cm2", "s0", "s1"], ["inb", "outb"]
     )
     def _segment_kernel(
-        inb, local, outf, outb, units, tab, dtab, rtab, bucket,
+        inb, local, outf, outb, units, tab, ptab, qtab, bucket,
         k, row0, g0, g1, p0, p1, n, rn, nu, cm, cm2, s0, s1,
         W: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        NB_LOG: tl.constexpr, STEPS: tl.constexpr, CORR: tl.constexpr,
+        NB_LOG: tl.constexpr, STEPS: tl.constexpr, CORR: tl.constexpr, UNIT: tl.constexpr,
     ):  # fmt: skip
         NG: tl.constexpr = S // G
         TOP: tl.constexpr = 1 << (W - 1)
@@ -199,19 +207,19 @@ if triton is not None:
         # ENCODE and DAR (the decode modes: _decode_kernel)
         x = tl.load(local + r * S + j)
         if MODE == _DAR:
-            x = x + _decode_sg(inb, r, k, j, gidx, tab, NG, TOP, PER, CODE_BYTES, W)
+            x = x + _decode_sg(inb, r, k, gidx, tab, NG, TOP, PER, CODE_BYTES, W, G, UNIT)
         _encode_sg(
-            x, outb, r, k, row0 + r, j, gidx, units, tab, dtab, rtab, bucket,
+            x, outb, r, k, row0 + r, j, gidx, units, tab, ptab, qtab, bucket,
             g0.to(tl.uint32), g1.to(tl.uint32), p0.to(tl.uint32), p1.to(tl.uint32),
             n, rn, nu, cm, cm2, s0.to(tl.uint32), s1.to(tl.uint32),
-            W, S, NG, TOP, PER, CODE_BYTES, NB_LOG, STEPS, CORR,
+            W, S, NG, TOP, PER, CODE_BYTES, NB_LOG, STEPS, CORR, UNIT,
         )  # fmt: skip
 
     @_stable_jit(["k"], ["inb"])
     def _decode_kernel(
         inb, local, outf, tab, k,
         W: tl.constexpr, MODE: tl.constexpr, S: tl.constexpr, G: tl.constexpr,
-        B: tl.constexpr,
+        B: tl.constexpr, UNIT: tl.constexpr,
     ):  # fmt: skip
         """DECODE and DECODE_ACC, B super-groups per program: the decode is
         memory-bound (the encode is not), and B super-groups put B times the
@@ -236,7 +244,10 @@ if triton is not None:
         at = inb + 2 * k + k * NG + r[:, None, None] * CODE_BYTES + (j // PER)[None, :, :]
         byte = tl.load(at, mask=ok3, other=0).to(tl.int32)
         c = (byte >> ((j % PER) * W)[None, :, :]) & ((1 << W) - 1)
-        mag = tl.load(tab + (c & (TOP - 1))) * sf[:, :, None]
+        if UNIT:  # levels {0, 1}, as in _decode_sg
+            mag = (c & 1).to(tl.float32) * sf[:, :, None]
+        else:
+            mag = tl.load(tab + (c & (TOP - 1))) * sf[:, :, None]
         flip = (c >= TOP).to(tl.uint32) << 31  # the sign as in _decode_sg
         v = (mag.to(tl.uint32, bitcast=True) ^ flip).to(tl.float32, bitcast=True)
         e = r[:, None, None] * S + j[None, :, :]
@@ -245,22 +256,45 @@ if triton is not None:
         tl.store(outf + e, v, mask=ok3)
 
     @triton.jit
+    def _pair(v):
+        """The two float32 halves (low, high) of int64 table entries."""
+        lo = v.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (v >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        return lo, hi
+
+    @triton.jit
     def _codes(
-        x, ax, gm, rgm, u, tab, dtab, rtab, bucket,
+        ax, gm, rgm, u, tab, ptab, qtab, bucket,
         TOP: tl.constexpr, NB_LOG: tl.constexpr, STEPS: tl.constexpr, FAST: tl.constexpr,
+        UNIT: tl.constexpr,
     ):  # fmt: skip
-        """The magnitude codes of entries x (|x| = ax) of groups of maxima gm.
-        FAST: the two divisions by reciprocals (rgm = 1 / gm per group, rtab
-        per level), for a super-group whose entries are all zero or at least
-        2**-100 and 2**-90 of their group's maximum, below 2**120 (the
+        """The magnitude codes of entries |x| = ax of groups of maxima gm.
+        FAST: the two divisions by reciprocals (rgm = 1 / gm per group, the
+        level gaps' from qtab), for a super-group whose entries are all zero or
+        at least 2**-100 and 2**-90 of their group's maximum, below 2**120 (the
         reciprocal division is the correctly rounded one there: _div_by); else
-        tl.div_rn."""
+        tl.div_rn. Tables (_tables): tab the levels, ptab (tab[i], tab[i + 1])
+        and qtab (the gap hi - lo, its reciprocal) as int64 pairs, one load
+        each; UNIT: the levels are {0, 1}."""
         if FAST:  # noqa: SIM108 (Triton: a constexpr branch)
             y = _div_by(ax, gm, rgm)  # rgm = 0 for an all-zero group: y = 0
         else:
             y = tl.where(gm > 0.0, tl.div_rn(ax, gm), 0.0)
-        if TOP == 1:  # levels {0, 1}: p = y
+        if TOP == 1 or (FAST and UNIT):
+            # levels {0, 1}, y in [0, 1]: the level is 0, p = y / 1 (y = 1 reaches
+            # the top level with p = 0 and the same code, 1)
             code = (u < y).to(tl.int32)
+        elif FAST and STEPS == 1:
+            b = tl.minimum((y * (1 << NB_LOG)).to(tl.int32), (1 << NB_LOG) - 1)
+            lv = tl.load(bucket + b)  # at most TOP - 2 (_tables): no clamp below
+            lo, hi = _pair(tl.load(ptab + lv))
+            up = hi <= y
+            lv += up.to(tl.int32)
+            lo = tl.where(up, hi, lo)
+            # the top level's gap is +inf (1/inf = 0): the quotient comes out
+            # NaN where tl.div_rn gives 0, and u < p is false for both
+            d, rd = _pair(tl.load(qtab + lv))
+            code = lv + (u < _div_by(y - lo, d, rd)).to(tl.int32)
         else:
             if FAST:  # y is a number in [0, 1]
                 b = tl.minimum((y * (1 << NB_LOG)).to(tl.int32), (1 << NB_LOG) - 1)
@@ -277,22 +311,21 @@ if triton is not None:
             else:
                 lv = tl.where(isnum, tl.minimum(lv, TOP - 1), TOP - 1)
             lo = tl.load(tab + lv)
-            if FAST:
-                # the top level's gap is +inf (1/inf = 0): the quotient comes out
-                # NaN where tl.div_rn gives 0, and u < p is false for both
-                p = _div_by(y - lo, tl.load(dtab + lv), tl.load(rtab + lv))
+            d, rd = _pair(tl.load(qtab + lv))
+            if FAST:  # noqa: SIM108 (Triton: a constexpr branch)
+                p = _div_by(y - lo, d, rd)
             else:
-                p = tl.div_rn(y - lo, tl.load(dtab + lv))
+                p = tl.div_rn(y - lo, d)
             code = lv + (u < p).to(tl.int32)
         return code
 
     @triton.jit
     def _encode_sg(
-        x, outb, r, k, R, j, gidx, units, tab, dtab, rtab, bucket,
+        x, outb, r, k, R, j, gidx, units, tab, ptab, qtab, bucket,
         g0, g1, p0, p1, n, rn, nu, cm, cm2, s0, s1,
         W: tl.constexpr, S: tl.constexpr, NG: tl.constexpr, TOP: tl.constexpr,
         PER: tl.constexpr, CODE_BYTES: tl.constexpr, NB_LOG: tl.constexpr, STEPS: tl.constexpr,
-        CORR: tl.constexpr,
+        CORR: tl.constexpr, UNIT: tl.constexpr,
     ):  # fmt: skip
         """Encode super-group r (row R of the working vector) from x [NG, G // V, V]."""
         codes_at = 2 * k + k * NG
@@ -328,9 +361,9 @@ if triton is not None:
         fast = (mi < 0x7B800000) & (n_odd == 0)
         if fast:
             rgm = tl.where(gmax > 0.0, tl.div_rn(1.0, gmax), 0.0)[:, None, None]
-            code = _codes(x, ax, gm, rgm, u, tab, dtab, rtab, bucket, TOP, NB_LOG, STEPS, True)
+            code = _codes(ax, gm, rgm, u, tab, ptab, qtab, bucket, TOP, NB_LOG, STEPS, True, UNIT)
         else:
-            code = _codes(x, ax, gm, gm, u, tab, dtab, rtab, bucket, TOP, NB_LOG, STEPS, False)
+            code = _codes(ax, gm, gm, u, tab, ptab, qtab, bucket, TOP, NB_LOG, STEPS, False, UNIT)
         code = code | ((x < 0.0).to(tl.int32) << (W - 1))
         packed = tl.reshape(code, [S // PER, PER])
         shifts = tl.arange(0, PER) * W
@@ -395,14 +428,34 @@ if triton is not None:
 @lru_cache(maxsize=64)
 def _tables(
     width: int, eps: float, device: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
-    """Levels, their gaps (hi - lo, as the reference subtracts them), the gaps'
-    correctly rounded reciprocals (float32 division on the CPU), the bucket
-    table and its geometry."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, bool]:
+    """The encoding kernels' tables: the levels (with +inf appended), int64
+    pairs (level i, level i + 1) and (gap hi - lo as the reference subtracts
+    it, its correctly rounded reciprocal: a float32 division on the CPU), the
+    bucket table and its geometry, and whether the levels are {0, 1}."""
     ext, bucket, nb_log, steps = search_tables(width, eps)
     dtab = torch.cat([ext[1:] - ext[:-1], ext.new_full((1,), float("inf"))])  # hi - lo
     rtab = torch.ones_like(dtab) / dtab
-    return ext.to(device), dtab.to(device), rtab.to(device), bucket.to(device), nb_log, steps
+    top = 1 << (width - 1)
+    if bucket.numel() and int(bucket.max()) > max(top - 2, 0):
+        raise AssertionError("bucket table above the second-highest level")
+
+    def pairs(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        bits = torch.stack([lo, hi], dim=1).contiguous().view(torch.int32).to(torch.int64)
+        return (bits[:, 0] & 0xFFFFFFFF) | (bits[:, 1] << 32)
+
+    ptab = pairs(ext, torch.cat([ext[1:], ext[-1:]]))
+    qtab = pairs(dtab, rtab)
+    unit = ext.numel() == 3 and float(ext[0]) == 0.0 and float(ext[1]) == 1.0
+    return (
+        ext.to(device),
+        ptab.to(device),
+        qtab.to(device),
+        bucket.to(device),
+        nb_log,
+        steps,
+        unit,
+    )
 
 
 def _reciprocal(n: int) -> float:
@@ -465,17 +518,17 @@ def run_segment(call: SegmentCall) -> None:
                 MODE=mode, BLOCK=block, CORR=corr, **_LAUNCH,
             )  # fmt: skip
             return
-        tab, dtab, rtab, bucket, nb_log, steps = _tables(width, call.eps, dev)
+        tab, ptab, qtab, bucket, nb_log, steps, unit = _tables(width, call.eps, dev)
         if mode in (Mode.DECODE, Mode.DECODE_ACC):
             _decode_kernel[(triton.cdiv(rows, _DECODE_SGS),)](
                 inb, loc, outf, tab, rows,
-                W=width, MODE=mode, S=S, G=G, B=_DECODE_SGS, **_LAUNCH, **_DECODE_WARPS,
+                W=width, MODE=mode, S=S, G=G, B=_DECODE_SGS, UNIT=unit, **_LAUNCH, **_DECODE_WARPS,
             )  # fmt: skip
             return
         _segment_kernel[(rows,)](
-            inb, loc, outf, outb, un, tab, dtab, rtab, bucket, rows, call.row0, *keys,
+            inb, loc, outf, outb, un, tab, ptab, qtab, bucket, rows, call.row0, *keys,
             *st.scale_key,
-            W=width, MODE=mode, S=S, G=G, NB_LOG=nb_log, STEPS=steps, CORR=corr,
+            W=width, MODE=mode, S=S, G=G, NB_LOG=nb_log, STEPS=steps, CORR=corr, UNIT=unit,
             **_LAUNCH, **_ONE_WARP,
         )  # fmt: skip
 
@@ -512,6 +565,8 @@ def compile_all(arch: int = 90) -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from hopq.codecs.dynamiq.config import DEFAULT_EPS
+
     target = GPUTarget("cuda", arch, 32)
     out = []
 
@@ -542,10 +597,10 @@ def compile_all(arch: int = 90) -> list[str]:
         "cm2": "i64",
     }
     seg = {
-        **ptrs, "tab": "*fp32", "dtab": "*fp32", "rtab": "*fp32", "bucket": "*i32",
+        **ptrs, "tab": "*fp32", "ptab": "*i64", "qtab": "*i64", "bucket": "*i32",
         "k": "i32", "row0": "i32",
         **keys, "s0": "i64", "s1": "i64",
-        **dict.fromkeys(("W", "MODE", "S", "G", "NB_LOG", "STEPS", "CORR"), "constexpr"),
+        **dict.fromkeys(("W", "MODE", "S", "G", "NB_LOG", "STEPS", "CORR", "UNIT"), "constexpr"),
     }  # fmt: skip
     seg16 = {
         **ptrs, "total": "i32", "first": "i32", **keys,
@@ -553,18 +608,23 @@ def compile_all(arch: int = 90) -> list[str]:
     }  # fmt: skip
     dec = {
         "inb": "*u8", "local": "*fp32", "outf": "*fp32", "tab": "*fp32", "k": "i32",
-        **dict.fromkeys(("W", "MODE", "S", "G", "B"), "constexpr"),
+        **dict.fromkeys(("W", "MODE", "S", "G", "B", "UNIT"), "constexpr"),
     }  # fmt: skip
     for mode in Mode:
         for corr in (CORR_NONE, CORR_FASTMOD, CORR_REM):
             for w in (2, 4, 8):
                 const: dict[str, object] = {"W": w, "MODE": int(mode), "S": 256, "G": 32}
                 if mode in (Mode.ENCODE, Mode.DAR):
-                    const |= {"NB_LOG": 8, "STEPS": 2, "CORR": corr}
+                    _, _, _, _, nb_log, steps, unit = _tables(w, DEFAULT_EPS.get(w, 0.0), "cpu")
+                    const |= {"NB_LOG": nb_log, "STEPS": steps, "CORR": corr, "UNIT": unit}
                     build(_segment_kernel, seg, const, warps=1)
                 elif corr == CORR_NONE:  # the decode kernels draw no random numbers
-                    build(_decode_kernel, dec, {**const, "B": _DECODE_SGS}, warps=2)
+                    unit = _tables(w, DEFAULT_EPS.get(w, 0.0), "cpu")[-1]
+                    build(_decode_kernel, dec, {**const, "B": _DECODE_SGS, "UNIT": unit}, warps=2)
             build(_segment16_kernel, seg16, {"MODE": int(mode), "BLOCK": 1024, "CORR": corr})
+    # the level search of several steps (tables of large eps)
+    const = {"W": 4, "MODE": int(Mode.DAR), "S": 256, "G": 32, "NB_LOG": 8, "STEPS": 2}
+    build(_segment_kernel, seg, {**const, "CORR": CORR_FASTMOD, "UNIT": False}, warps=1)
     build(
         _stats_kernel,
         {
