@@ -15,6 +15,7 @@ codec         backend     module                                          needs
 ============  ==========  ==============================================  ===============
 dynamiq       ``triton``  :mod:`hopq.codecs.dynamiq.kernels_triton`       ``hopq[triton]``
 dynamiq       ``cpu``     :mod:`hopq.codecs.dynamiq.kernels_cpu` (numba)  ``hopq[cpu]``
+equarx        ``triton``  :mod:`hopq.codecs.equarx.kernels_triton`        ``hopq[triton]``
 equarx        ``cpu``     :mod:`hopq.codecs.equarx.kernels_cpu` (numba)   ``hopq[cpu]``
 gcomp         ``cpu``     :mod:`hopq.codecs.gcomp.kernels_cpu` (numba)    ``hopq[cpu]``
 gqsgd-exp     ``cpu``     :mod:`hopq.codecs.gqsgd.kernels_cpu` (numba)    ``hopq[cpu]``
@@ -38,8 +39,8 @@ from types import ModuleType
 
 class CpuBackend(str, Enum):
     """The ``backend`` option of the codecs whose kernels are numba CPU kernels
-    (equarx, gcomp, gqsgd, thc; mx has its own, with ``triton``): the same bits
-    either way."""
+    (gcomp, gqsgd, thc; equarx and mx have their own, with ``triton``): the same
+    bits either way."""
 
     #: The numba kernels for CPU tensors when numba is installed, else the reference.
     AUTO = "auto"
@@ -109,6 +110,9 @@ _BACKENDS: list[KernelBackend] = [
         "dynamiq", "triton", "hopq.codecs.dynamiq.kernels_triton", ("cuda",), ("triton",), "triton"
     ),
     _numba("dynamiq", "hopq.codecs.dynamiq.kernels_cpu"),
+    KernelBackend(
+        "equarx", "triton", "hopq.codecs.equarx.kernels_triton", ("cuda",), ("triton",), "triton"
+    ),
     _numba("equarx", "hopq.codecs.equarx.kernels_cpu"),
     _numba("gcomp", "hopq.codecs.gcomp.kernels_cpu"),
     _numba("gqsgd-exp", "hopq.codecs.gqsgd.kernels_cpu"),

@@ -1,7 +1,8 @@
 """EQuARX: dynamic block-wise quantization of every hop (Ahmed et al.); see :mod:`.codec`,
-and :mod:`.kernels_cpu` for its numba kernel."""
+:mod:`.kernels_cpu` for its numba kernel and :mod:`.kernels_triton` for its GPU kernels."""
 
 from hopq.codecs.equarx.codec import (
+    Backend,
     Element,
     EQuARX,
     EQuARXCodec,
@@ -12,6 +13,7 @@ from hopq.codecs.equarx.codec import (
 )
 
 __all__ = [
+    "Backend",
     "EQuARX",
     "EQuARXCodec",
     "EQuARXConfig",

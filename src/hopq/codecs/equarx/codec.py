@@ -81,7 +81,7 @@ from hopq.codecs.base import (
 from hopq.codecs.registry import register
 from hopq.codecs.uncompressed import working_copy
 from hopq.errors import PayloadError
-from hopq.kernels import CpuBackend, Mode, resolve
+from hopq.kernels import Mode, resolve
 from hopq.numerics import fp_formats as fpf
 from hopq.numerics.div import div, div_
 from hopq.options import changed_options, check_options, option
@@ -101,6 +101,17 @@ class Element(str, Enum):
 class Layout(str, Enum):
     STRIDED = "strided"  # the paper's: scale k covers entry k of every 8x128 tile
     CONTIGUOUS = "contiguous"  # runs of `block` consecutive entries
+
+
+class Backend(str, Enum):
+    #: The first available kernel backend for the tensor's device (:mod:`hopq.kernels`):
+    #: Triton on CUDA, numba on CPU; else the reference.
+    AUTO = "auto"
+    REFERENCE = "reference"
+    #: hopq.codecs.equarx.kernels_triton (CUDA tensors; on CPU only under TRITON_INTERPRET=1).
+    TRITON = "triton"
+    #: hopq.codecs.equarx.kernels_cpu (CPU tensors, numba).
+    CPU = "cpu"
 
 
 class ScaleFormat(str, Enum):
@@ -133,10 +144,10 @@ class EQuARXConfig(CodecConfig):
         1024, "scales per minishard (strided layout): the tile size", lo=1, hi=1 << 16
     )
     scale: ScaleFormat = option(ScaleFormat.BF16, "scale format ('none': naive FP8 cast)")
-    backend: CpuBackend = option(
-        CpuBackend.AUTO,
+    backend: Backend = option(
+        Backend.AUTO,
         "implementation of encode and decode (same bits; the naive cast runs the reference)",
-        choices=CpuBackend,
+        choices=Backend,
     )
 
     def __post_init__(self) -> None:
@@ -148,10 +159,10 @@ class EQuARXConfig(CodecConfig):
                 "equarx: scales sets the strided layout's tile; contiguous blocks "
                 "(layout 'contiguous') have one scale per block and would ignore it"
             )
-        if self.scale is ScaleFormat.NONE and self.backend is CpuBackend.CPU:
+        if self.scale is ScaleFormat.NONE and self.backend in (Backend.CPU, Backend.TRITON):
             raise ValueError(
-                "equarx: the naive cast (scale 'none') has no CPU kernel, only the "
-                "reference: use backend 'auto' or 'reference'"
+                f"equarx: the naive cast (scale 'none') has no {self.backend.value.upper()} "
+                "kernel, only the reference: use backend 'auto' or 'reference'"
             )
 
     @property
@@ -224,8 +235,9 @@ class EQuARXCodec(Codec[Plan]):
 
     # -- kernels -------------------------------------------------------------
     def kernels(self, device: torch.device) -> Any:
-        """The kernel module on ``device`` (:mod:`hopq.codecs.equarx.kernels_cpu`), or None
-        for the reference (the naive cast, no numba)."""
+        """The kernel module on ``device`` (:mod:`hopq.codecs.equarx.kernels_triton` for
+        CUDA tensors, :mod:`hopq.codecs.equarx.kernels_cpu` for CPU ones), or None for
+        the reference (the naive cast, no triton or numba)."""
         cfg = self.config
         if cfg.scale is ScaleFormat.NONE:
             return None
@@ -283,7 +295,7 @@ class EQuARXCodec(Codec[Plan]):
     ) -> torch.Tensor:
         n = local.numel()
         self._check_decoded(plan, payload, n, ctx)
-        out = torch.empty(self.config.payload_nbytes(n), dtype=torch.uint8)
+        out = torch.empty(self.config.payload_nbytes(n), dtype=torch.uint8, device=local.device)
         bad = self._kernel(
             Mode.DAR, n, local.device, payload=payload.contiguous(), local=local, out_payload=out
         )
@@ -333,8 +345,8 @@ class EQuARXCodec(Codec[Plan]):
         n = chunk.numel()
         if cfg.scale is ScaleFormat.NONE:
             return self._quantize(chunk, chunk).view(torch.uint8).reshape(-1)
-        if chunk.device.type == "cpu" and chunk.dtype == torch.float32:
-            out = torch.empty(cfg.payload_nbytes(n), dtype=torch.uint8)
+        if chunk.dtype == torch.float32:
+            out = torch.empty(cfg.payload_nbytes(n), dtype=torch.uint8, device=chunk.device)
             if self._kernel(Mode.ENCODE, n, chunk.device, local=chunk, out_payload=out) is not None:
                 return out
         scales: list[torch.Tensor] = []
