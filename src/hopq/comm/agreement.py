@@ -54,6 +54,10 @@ FIELDS = (
     "kind",
     "microshards",
 )
+#: The header step of the agreement round that follows a settled call (the same
+#: on every rank, whichever round each began with: the engine's, a two-tier
+#: call's layout agreement).
+SETTLED_STEP = -1000
 #: Readable names for the digests of small vocabularies.
 _NONE_KEY = -(1 << 62)
 
@@ -286,7 +290,8 @@ def _foreign(
         )
         refused = sorted(q for q, e in ends.items() if e == framing.SENDER_FAILED)
         if not refused:
-            again = Where(where.what, where.call, where.step, where.micro, where.phase)
+            # every rank's round after settling has the same step, whatever it began
+            again = Where(where.what, where.call, SETTLED_STEP, 0, "agreement")
             agree(transport, mine, deadline, again, describe, settled=True)
     if refused:
         who = ", ".join(map(str, refused))

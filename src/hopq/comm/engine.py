@@ -1253,7 +1253,8 @@ def _fail_peers(r: _Resolved) -> None:
     if transport.world_size == 1 or not (transport.prepost and transport.short_messages):
         return
     where = Where(r.label, r.number, -1, 0, "statistics")
-    header = framing.frame(where, [0], framing.SENDER_FAILED)
+    # a header, then one byte: SPLIT says so (what a settling peer reads by)
+    header = framing.set_split(framing.frame(where, [0], framing.SENDER_FAILED))
     for q in range(transport.world_size):
         if q != transport.rank:
             try:  # best effort: a peer that is gone refuses the post
