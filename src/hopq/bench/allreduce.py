@@ -241,23 +241,23 @@ def _agreement_worker(rank: int, n: int, o: Options) -> dict[tuple[str, int, str
         }
         for m in methods:
             topology, layout = _schedule(m, o)
-            fn = functools.partial(
+            hop = functools.partial(
                 all_reduce, x, codecs[m], topology, microshards=_microshards(m), layout=layout
             )
             for v in AGREEMENT_VARIANTS:
-                runs[(m, v)] = fn
+                runs[(m, v)] = hop
         firsts = []
-        for fn in runs.values():
+        for go in runs.values():
             reset()
-            fn()  # warm-up, and the signature's agreement
-            firsts.append(_time(fn, 1, reset)[0])
+            go()  # warm-up, and the signature's agreement
+            firsts.append(_time(go, 1, reset)[0])
         iters = max(5, min(100, int(o.budget_s / max(max(firsts), 1e-6))))
         times: dict[tuple[str, str], list[float]] = {k: [] for k in runs}
         try:
             for _ in range(iters):
-                for (m, v), fn in runs.items():
+                for (m, v), go in runs.items():
                     engine.AGREEMENT, engine.SKIP_AGREED = settings.get(v, (True, True))
-                    times[(m, v)] += _time(fn, 1, reset)
+                    times[(m, v)] += _time(go, 1, reset)
         finally:
             engine.AGREEMENT, engine.SKIP_AGREED = True, True
         for (m, v), ts in times.items():

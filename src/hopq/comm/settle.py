@@ -117,8 +117,8 @@ def settle(
     for q, s in streams.items():
         if s.send_end:
             head = framing.frame(where, [s.posted], status)
-            h, _ = transport.post([(q, head)], [], where)
-            mine += h
+            ends, _ = transport.post([(q, head)], [], where)
+            mine += ends
             s.sent += 1
     for q, s in streams.items():
         while s.ended is None or s.body is not None:
@@ -140,8 +140,8 @@ def settle(
     for q, s in streams.items():
         extra = s.wants - s.sent if s.ended in (framing.END_MISMATCH, framing.END_FAILED) else 0
         if extra > 0:
-            h, _ = transport.post([(q, torch.zeros(1, dtype=torch.uint8))] * extra, [], where)
-            mine += h
+            fill, _ = transport.post([(q, torch.zeros(1, dtype=torch.uint8))] * extra, [], where)
+            mine += fill
         while s.pending:  # filled by the peer's fillers
             h, _buf = s.pending.popleft()
             h.wait(deadline, where)
