@@ -390,7 +390,8 @@ def parser() -> tuple[
         ("allreduce", AllreduceOptions, "hopq.bench.allreduce",
          "nccl-tests style all-reduce timings beside torch.distributed's"),
         ("kernels", KernelOptions, "hopq.bench.kernels",
-         "DynamiQ kernel time and bandwidth against a copy on the same device"),
+         "codec kernel time and bandwidth (DynamiQ; --codecs: EQuARX, MX) against a copy "
+         "on the same device"),
         ("vnmse", VnmseOptions, "hopq.bench.vnmse",
          "compression error of every codec on real gradients"),
         ("model", ModelOptions, "hopq.bench.cost_model",

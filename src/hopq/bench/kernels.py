@@ -1,9 +1,12 @@
-"""``hopq bench kernels``: DynamiQ's kernels against a copy of the same device.
+"""``hopq bench kernels``: codec kernels against a copy of the same device.
 
-For each width and size, one width-uniform segment (what the reorder makes of
-every chunk) goes through the codec's four kernels as the engine calls them:
-compress, decompress, decompress-accumulate and the fused
-decompress-accumulate-recompress hop, plus the statistics pre-pass. Each row
+For each DynamiQ width and size, one width-uniform segment (what the reorder
+makes of every chunk) goes through the codec's four kernels as the engine calls
+them: compress, decompress, decompress-accumulate and the fused
+decompress-accumulate-recompress hop, plus the statistics pre-pass. With
+``--codecs``, EQuARX and MXFP8/6/4 (at their defaults, the call as one chunk)
+go through the same four through their codec API, whichever backend
+``--backend`` picks for the device (the Triton kernels on CUDA). Each row
 gives the time (median of ``repeats`` after a warm-up), the bytes the kernel
 must move (counted: compressed in, local chunk in, compressed or float out),
 the bandwidth this achieves and its ratio to a copy measured in the same run
@@ -30,8 +33,12 @@ import torch
 
 from hopq.codecs.base import HopContext, LocalStats
 from hopq.codecs.dynamiq import Backend, DynamiQ
-from hopq.options import option
+from hopq.codecs.registry import get_codec
+from hopq.options import check_scoped, option
 from hopq.reporting import machine, markdown_table, pyplot, save_figure
+
+#: Codecs ``--codecs`` takes: DynamiQ per width, the others at their defaults.
+BENCH_CODECS = ("dynamiq", "equarx", "mxfp8", "mxfp6", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -39,12 +46,19 @@ class KernelOptions:
     sizes: tuple[int, ...] = option(
         (), "coordinates per segment; default: 1M, 4M, 16M on CPU, up to 256M on GPU"
     )
-    widths: tuple[int, ...] = option((2, 4, 8, 16), "bit widths", choices=(2, 4, 8, 16))
+    codecs: tuple[str, ...] = option(
+        ("dynamiq",),
+        "codecs whose kernels to time (dynamiq per --widths, the others at their defaults)",
+        choices=BENCH_CODECS,
+    )
+    widths: tuple[int, ...] = option((2, 4, 8, 16), "DynamiQ's bit widths", choices=(2, 4, 8, 16))
     device: str = option(
         "auto", "auto: CUDA when available, else CPU", choices=("auto", "cpu", "cuda")
     )
     backend: str = option(
-        "auto", "DynamiQ's backend (the same bits)", choices=tuple(b.value for b in Backend)
+        "auto",
+        "every codec's backend (the same bits; auto: Triton on CUDA, numba on CPU)",
+        choices=tuple(b.value for b in Backend),
     )
     repeats: int = option(5, "timed repetitions (median) after a warm-up")
     plot: str = option("kernel_bandwidth.png", "bandwidth plot (PNG); empty: none")
@@ -58,6 +72,9 @@ class KernelOptions:
             raise ValueError("--widths must be among 2 4 8 16")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError("--device must be auto, cpu or cuda")
+        if not self.codecs or any(c not in BENCH_CODECS for c in self.codecs):
+            raise ValueError(f"--codecs must be among {' '.join(BENCH_CODECS)}")
+        check_scoped(self, {"widths": ("dynamiq",)}, self.codecs, "--codecs")
 
 
 def timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
@@ -125,12 +142,13 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
     rows: list[list[object]] = []
     curves: dict[str, list[tuple[int, float]]] = {}
     backend_used = "?"
+    backends: dict[str, str] = {}  # codec -> the backend its kernels ran on
 
     def one_width(w: int, x: torch.Tensor, copy_bw: float) -> Any:
         nonlocal backend_used
         n = x.numel()
         codec = DynamiQ(widths=(w,), budget=w + 1.0, allocation="fixed", backend=o.backend)
-        backend_used = codec.backend_name(device)
+        backend_used = backends["dynamiq"] = codec.backend_name(device)
         plan = codec.plan(x, LocalStats())
         work = codec.prepare_all(plan, x)
         ctx = HopContext(0, 0, 0, 1, 0, 2)
@@ -163,6 +181,44 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
                 )
         return codec.kernels(device)
 
+    def one_codec(name: str, x: torch.Tensor, copy_bw: float) -> None:
+        """A codec at its defaults, the call as one chunk, through its codec API."""
+        n = x.numel()
+        codec = get_codec(name, backend=o.backend)
+        kern = codec.kernels(device)
+        backends[name] = "reference" if kern is None else kern.__name__.rsplit("_", 1)[-1]
+        plan = codec.plan(x, LocalStats())
+        work = plan.chunk_view(codec.prepare_all(plan, x), 0)
+        ctx = HopContext(0, 0, 0, 1, 0, 2)
+        payload = codec.encode(plan, work, ctx)
+        P = payload.numel()
+        bits = f"{8 * P / n:.2f}"
+        acc, local, out = work.clone(), work.clone(), torch.empty_like(work)
+        kernels: list[tuple[str, Callable[[], object], int]] = [
+            ("compress", lambda: codec.encode(plan, work, ctx), 4 * n + P),
+            ("decompress", lambda: codec.decode(plan, payload, ctx, out), P + 4 * n),
+            (
+                "decompress_accumulate",
+                lambda: codec.decode_accumulate(plan, payload, acc, ctx),
+                P + 8 * n,
+            ),
+            (
+                "decompress_accumulate_recompress",
+                lambda: codec.decode_accumulate_encode(plan, payload, local, ctx),
+                P + 4 * n + P,
+            ),
+        ]
+        for kernel, fn, moved in kernels:
+            t = measure(fn)
+            rows.append(_row(device, n, bits, f"{name} {kernel}", t, moved, copy_bw))
+            if kernel == "decompress_accumulate_recompress":
+                bw = moved / t
+                curves.setdefault(f"{name} fused hop", []).append((n, bw / copy_bw))
+                say(
+                    f"{'':>11}  {name} fused hop {n / t / 1e6:7.0f} Mcoord/s, "
+                    f"{bw / copy_bw:.0%} of copy"
+                )
+
     def one_size(d: int) -> None:
         nonlocal backend_used
         g = torch.Generator().manual_seed(d)
@@ -185,14 +241,18 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         t = measure(bf16_hop)
         rows.append(_row(device, n, "16", "bf16 hop (floor)", t, 2 * n + 4 * n + 2 * n, copy_bw))
         kern = None
-        for w in o.widths:
-            kern = one_width(w, x, copy_bw)
+        if "dynamiq" in o.codecs:
+            for w in o.widths:
+                kern = one_width(w, x, copy_bw)
         # the statistics pre-pass (width-independent)
         if kern is not None:
             stats_kernel = kern.supergroup_stats
             t = measure(lambda: stats_kernel(x, 256))
             moved = 4 * n + 8 * (n // 256)
             rows.append(_row(device, n, "-", "stats pre-pass", t, moved, copy_bw))
+        for name in o.codecs:
+            if name != "dynamiq":
+                one_codec(name, x, copy_bw)
 
     try:
         for d in sizes:
@@ -201,11 +261,17 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         torch.set_num_threads(threads)
     header = ["device", "coords", "bits", "kernel", "ms", "MB moved", "GB/s", "of copy", "Mcoord/s"]
     where = "GPU" if device.type == "cuda" else "CPU, one core"
+    if o.codecs == ("dynamiq",):
+        title = f"DynamiQ kernels ({where}; backend: {backend_used})"
+    else:
+        used = ", ".join(f"{c} {b}" for c, b in backends.items())
+        title = f"Codec kernels ({where}; backends: {used})"
     text = (
-        f"# DynamiQ kernels ({where}; backend: {backend_used})\n\n"
+        f"# {title}\n\n"
         f"Machine: {machine()}\n\n"
         + markdown_table(header, rows)
-        + "\n\nMB moved counts compressed in, local chunk in, compressed or float32 out; "
+        + "\n\nMB moved counts compressed in, local chunk in, compressed or float32 out "
+        "(bits: the payload's per coordinate); "
         "'of copy' is the bandwidth over that of copy_() of the chunk (read + write) in the same run."
     )
     if device.type == "cpu":
@@ -222,7 +288,8 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("coordinates")
             ax.set_ylabel("% of copy bandwidth")
-            ax.set_title(f"DynamiQ fused hop ({where}, {backend_used})")
+            what = "DynamiQ" if o.codecs == ("dynamiq",) else "Codec"
+            ax.set_title(f"{what} fused hop ({where}, {', '.join(sorted(set(backends.values())))})")
             ax.grid(alpha=0.3)
             ax.legend()
             path = save_figure(fig, Path(o.plot))

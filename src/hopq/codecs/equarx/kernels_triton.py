@@ -9,10 +9,12 @@ A program holds whole blocks in registers: the strided layout's tiles of
 as [segments, rows, columns] tiles, the contiguous layout's runs as
 [runs, entries] tiles, and each block's maximum is a reduction over the
 rows (axis 1 in both). So the fused hop (DAR) reads the received codes and the
-local chunk once, writes the accumulated chunk and the new codes once, and
-the scales ride beside them. A block longer than one tile (over ``TILE``
-entries per column) takes a second pass over its entries, which the first
-pass just touched (L2).
+local chunk once and writes the new codes once, the scales riding beside them;
+the accumulated sum stays in registers (``local`` "may be overwritten", and
+the engine never reads it after the hop; the numba kernel does write it). A
+block longer than one tile (over ``TILE`` entries per column) takes a second
+pass over its entries, which the first pass just touched (L2); the fused hop
+then stores the sums in ``local`` for it.
 
 Every float operation is the reference's, in its order: divisions are
 ``tl.div_rn`` (correctly rounded, as torch's), kernels launch with fp fusion
@@ -242,11 +244,12 @@ if triton is not None:
     def _stage1(
         i, j, c, km, f, inb, local, outf, n, seg0, cols, sb,
         MODE: tl.constexpr, EL: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr,
-        RT: tl.constexpr, RUNS: tl.constexpr, PARTIAL: tl.constexpr,
+        RT: tl.constexpr, RUNS: tl.constexpr, PARTIAL: tl.constexpr, STORE: tl.constexpr,
     ):  # fmt: skip
         """Row tile i: ENCODE loads the local entries; the decoding modes decode
         the codes and store them (DECODE) or add them to the local entries and
-        store the sums. Returns (the entries to encode, offsets, mask)."""
+        store the sums (DECODE_ACC; DAR where ``STORE``). Returns (the entries
+        to encode, offsets, mask)."""
         offs, m = _tile(i, j, c, n, seg0, cols, S, BLOCK, RT, RUNS, PARTIAL)
         m = m & km
         if MODE == _ENCODE:
@@ -258,7 +261,8 @@ if triton is not None:
                 tl.store(outf + offs, s, mask=m)
             else:
                 s = _acc(tl.load(local + offs, mask=m, other=0.0), s)
-                tl.store(local + offs, s, mask=m)
+                if STORE:
+                    tl.store(local + offs, s, mask=m)
         return s, offs, m
 
     @_stable_jit(["n", "seg0", "cols", "sb"], ["inb", "outb"])
@@ -307,9 +311,11 @@ if triton is not None:
             f = tl.expand_dims(tl.div_rn(a_in, Q), 1)
         ENC: tl.constexpr = MODE == _ENCODE or MODE == _DAR  # noqa: SIM109 (constexprs)
         if NIT == 1:  # every block in registers: one pass
+            # the fused hop encodes the sums from registers: the local chunk is
+            # read, not written (the engine never reads it after the hop)
             s, offs, m = _stage1(
                 0, j, c, km, f, inb, local, outf, n, seg0, cols, sb,
-                MODE, EL, S, BLOCK, RT, RUNS, PARTIAL,
+                MODE, EL, S, BLOCK, RT, RUNS, PARTIAL, MODE != _DAR,
             )  # fmt: skip
             if ENC:
                 a = _put_scale(outb, k, kok, tl.max(_abs_bits(s), axis=1), SBYTES)
@@ -323,7 +329,7 @@ if triton is not None:
             for i in range(NIT):
                 s, offs, m = _stage1(
                     i, j, c, km, f, inb, local, outf, n, seg0, cols, sb,
-                    MODE, EL, S, BLOCK, RT, RUNS, PARTIAL,
+                    MODE, EL, S, BLOCK, RT, RUNS, PARTIAL, True,
                 )  # fmt: skip
                 if ENC:
                     mi = tl.maximum(mi, tl.max(_abs_bits(s), axis=1))
