@@ -237,6 +237,14 @@ def test_invalid_scales_raise_and_write_nothing():
 
 
 @interpreted
+def test_warm_up_runs_every_mode_once():
+    codec = EQuARX(backend="triton", block=8, scales=64, element="e5m2")
+    assert codec.warm_up(torch.device("cpu")) is None  # CPU: nothing to compile
+    triton_kernels.warm_up(codec, torch.device("cpu"))  # what it runs on CUDA
+    assert (codec.config, "cpu") in triton_kernels._warmed
+
+
+@interpreted
 @pytest.mark.parametrize("topology", ["ring", "semiloop", "butterfly"])
 def test_simulation_with_triton_equals_reference(topology):
     xs = [_hard_data(6001, s) for s in range(4)]
@@ -302,6 +310,10 @@ def test_gpu_kernels_match_reference(element, layout, scale):
     kw = dict(element=element, layout=layout, scale=scale)
     ref, tri = EQuARX(backend="reference", **kw), EQuARX(**kw)  # auto: triton on CUDA
     assert tri.kernels(torch.device("cuda")) is triton_kernels
+    tri.warm_up(torch.device("cuda"))  # what the engine calls before a call's timeout
+    assert (tri.config, "cuda") in triton_kernels._warmed or (tri.config, "cuda:0") in (
+        triton_kernels._warmed
+    )
     for i, n in enumerate((1, 65, 70001, 3_000_017)):
         _check_every_mode(ref, tri, n, i, device="cuda", canonical=True)
 

@@ -243,6 +243,15 @@ class EQuARXCodec(Codec[Plan]):
             return None
         return _resolve(cfg.backend.value, device.type)
 
+    def warm_up(self, device: torch.device) -> None:
+        """Compile the Triton kernels calls on ``device`` run (a second or so each on
+        first use), once per process and configuration, before a call's timeout
+        starts (:meth:`Codec.warm_up <hopq.codecs.base.Codec.warm_up>`). The numba
+        kernel compiles on first use and is cached on disk."""
+        warm = getattr(self.kernels(device), "warm_up", None)
+        if device.type == "cuda" and warm is not None:
+            warm(self, device)
+
     def _kernel(self, mode: Mode, n: int, device: torch.device, **tensors: Any) -> int | None:
         """Run the kernel on a part of ``n`` entries, or None where the reference must
         (no kernel, or a tensor that is not contiguous float32)."""

@@ -453,6 +453,30 @@ def run(
     return int(bad.item()) if check else 0
 
 
+#: (configuration, device) pairs whose kernels :func:`warm_up` compiled.
+_warmed: set[tuple[Any, str]] = set()
+
+
+def warm_up(codec: Any, device: torch.device) -> None:
+    """Run every mode once through ``codec`` (an EQuARX codec whose kernels are
+    these) on ``device``: a full minishard and a shorter last one, so that the
+    variants a call runs are compiled (or loaded from Triton's cache). Once per
+    process and configuration."""
+    key = (codec.config, str(device))
+    if key in _warmed:
+        return
+    from hopq.codecs.base import HopContext, LocalStats
+
+    x = torch.zeros(min(codec.config.minishard, 1 << 22) + 1, device=device)
+    plan = codec.plan(x, LocalStats())
+    ctx = HopContext(0, 0, 0, 0, 0, 1)
+    p = codec.encode(plan, x, ctx)
+    codec.decode(plan, p, ctx, torch.empty_like(x))
+    codec.decode_accumulate(plan, p, x.clone(), ctx)
+    codec.decode_accumulate_encode(plan, p, x.clone(), ctx)
+    _warmed.add(key)
+
+
 def compile_all(arch: int = 90) -> list[str]:
     """Compile every kernel variant (each mode, element format and scale format;
     runs, strided segments and the short last segment; one pass and two) for a
@@ -513,4 +537,4 @@ def compile_all(arch: int = 90) -> list[str]:
     return out
 
 
-__all__ = ["CODES", "available", "compile_all", "geometry", "run"]
+__all__ = ["CODES", "available", "compile_all", "geometry", "run", "warm_up"]
