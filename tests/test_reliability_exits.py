@@ -186,9 +186,9 @@ def dies_in_the_agreement_or_first_send(rank: int, n: int, kind: str, victim: in
         # hops, the others fail in the statistics exchange
         each = transport._each_peer
 
-        def to_one_then_die(tr, bodies, sizes, deadline, where, bound=None):  # noqa: ANN001
+        def to_one_then_die(tr, bodies, sizes, deadline, where, bound=None, **kw):  # noqa: ANN001, ANN003
             if where.micro != 1:
-                return each(tr, bodies, sizes, deadline, where, bound)
+                return each(tr, bodies, sizes, deadline, where, bound, **kw)
             raw = bodies[2].contiguous().reshape(-1).view(torch.uint8)
             parts = framing.pack(framing.frame(where, [raw.numel()]), raw, raw.numel())
             bufs = [tr.buffer(nb, raw.device) for nb in framing.expect(1, sizes[2])]
@@ -201,8 +201,8 @@ def dies_in_the_agreement_or_first_send(rank: int, n: int, kind: str, victim: in
     if rank == victim and kind == "after the agreement":
         each = transport._each_peer
 
-        def then_die(tr, bodies, sizes, deadline, where, bound=None):  # noqa: ANN001
-            each(tr, bodies, sizes, deadline, where, bound)
+        def then_die(tr, bodies, sizes, deadline, where, bound=None, **kw):  # noqa: ANN001, ANN003
+            each(tr, bodies, sizes, deadline, where, bound, **kw)
             os._exit(3)
 
         transport._each_peer = then_die

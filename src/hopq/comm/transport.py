@@ -668,6 +668,7 @@ def _each_peer(
     deadline: Deadline,
     where: Where,
     bound: int | None = None,
+    *,
     foreign: dict[int, tuple[list[int], torch.Tensor]] | None = None,
 ) -> dict[int, torch.Tensor]:
     """One round with every peer q at once: send ``bodies[q]`` (framed), receive
@@ -785,7 +786,7 @@ def exchange_tails(
         if t8.numel() > TAIL_BYTES:
             raise ValueError(f"at most {TAIL_BYTES} bytes ride after a block, got {t8.numel()}")
         bodies[q] = torch.cat([raw, t8])
-    got = _each_peer(transport, bodies, {}, deadline, where, k + TAIL_BYTES, foreign)
+    got = _each_peer(transport, bodies, {}, deadline, where, bound=k + TAIL_BYTES, foreign=foreign)
     if foreign:
         return [], {}
     for q, b in got.items():
