@@ -21,6 +21,13 @@ small all-gather whole, the same tail to every peer (statistics under
 Wherever tails can ride, every rank's receives have room for them whether it
 sends any or not, so ranks that disagree about what rides still fit.
 
+A call whose signature (the fingerprint without the call's number, round and
+state) every rank's round found equal before, on a transport where receives
+are preposted and take shorter messages, skips the round when its codecs have
+no statistics and no adaptive state: see :mod:`hopq.comm.settle` for how its
+messages are checked and how a disagreement found in them still raises
+MismatchError on every rank (:func:`agree` runs once more after settling).
+
 Configurations and states are compared by a 63-bit digest (tensors in a state by
 a position-weighted integer checksum of their bits, computed with torch).
 """

@@ -4,7 +4,11 @@
 
 1. **Agreement** (:mod:`hopq.comm.agreement`): all ranks check that they make the
    same call; any difference raises :class:`~hopq.MismatchError` on every rank
-   before anything else is sent.
+   before anything else is sent. A call without statistics whose signature the
+   ranks agreed on before skips the round: its headers carry its identity, each
+   peer's first message is checked before anything else from that peer is
+   received, and a difference found there is settled
+   (:mod:`hopq.comm.settle`) before every rank raises the same error.
 2. **Plan**: the codec's statistics exchange (an all-gather reduced in rank
    order; large statistics reduce-scattered first, that round riding with the
    agreement's) and its plan, identical on every rank. The plan cuts the
