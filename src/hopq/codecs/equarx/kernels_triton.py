@@ -25,10 +25,12 @@ bits (torch's ``Float8_e4m3fn(float)`` / ``Float8_e5m2(float)``, which its CUDA
 copy kernel runs too) and decoded likewise (torch's NaN bits included), and
 block maxima are taken on the bit patterns of the finite entries' |x|.
 
-A payload's scales are checked first, by a small kernel that counts the
-invalid ones (negative, -0.0, NaN or Inf) into a device counter; the main
-kernel reads the counter and writes nothing when it is not zero, and
-:func:`run` returns it (one device-to-host read per decoding call).
+A payload's scales are checked first, by a small kernel whose programs count
+the invalid ones (negative, -0.0, NaN or Inf) in their share of the scales;
+every program of the main kernel sums those counts and writes nothing when the
+sum is not zero, and :func:`run` returns it (one device-to-host read per
+decoding call). A part takes one launch of the main kernel: its shorter last
+segment is a branch of it.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the kernels
 run on CPU tensors; that is how the tests hold them to the reference.
@@ -64,8 +66,10 @@ CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 TILE = 4096
 #: Warps per program for a full tile (smaller tiles: fewer, at least one).
 WARPS = 4
-#: Scales checked per program by the validity pre-pass.
+#: The validity pre-pass: scales per step, and per program (each leaves one count,
+#: which every program of the main kernel sums: 16 at 16M coordinates).
 CHECK_BLOCK = 2048
+CHECK_PER_PROGRAM = 16384
 
 
 def available() -> bool:
@@ -265,9 +269,9 @@ if triton is not None:
                     tl.store(local + offs, s, mask=m)
         return s, offs, m
 
-    @_stable_jit(["n", "seg0", "cols", "sb"], ["inb", "outb"])
-    def _hop_kernel(
-        inb, local, outf, outb, bad, n, seg0, cols, sb,
+    @triton.jit
+    def _body(
+        pid, inb, local, outf, outb, n, seg0, cols, sb, bad,
         MODE: tl.constexpr, EL: tl.constexpr, Q: tl.constexpr, SBYTES: tl.constexpr,
         S: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, RT: tl.constexpr,
         CT: tl.constexpr, RUNS: tl.constexpr, PARTIAL: tl.constexpr, CHECK: tl.constexpr,
@@ -276,8 +280,8 @@ if triton is not None:
         of BLOCK entries) or SP segments x CT columns of the strided layout
         (segments of BLOCK rows of S columns; PARTIAL: the part's shorter last
         segment, at segment index seg0, of ``cols`` columns). ``sb``: bytes of
-        the payload's scales (the codes follow them)."""
-        pid = tl.program_id(0)
+        the payload's scales (the codes follow them); ``bad``: the number of
+        invalid scales in the payload (then nothing is written)."""
         NIT: tl.constexpr = (BLOCK + RT - 1) // RT
         if RUNS:
             if PARTIAL:
@@ -303,7 +307,7 @@ if triton is not None:
         if CHECK:
             # invalid scales anywhere: write nothing (the count broadcast first: the
             # interpreter refuses a mask made with a scalar boolean)
-            kok = kok & ((tl.load(bad) + tl.zeros_like(k)) == 0)
+            kok = kok & ((bad + tl.zeros_like(k)) == 0)
         km = tl.expand_dims(kok, 1)
         f = 0.0
         if MODE != _ENCODE:
@@ -342,14 +346,52 @@ if triton is not None:
                     s = tl.load(local + offs, mask=m, other=0.0)
                     tl.store(outb + sb + offs, _quant(s, a, EL, Q).to(tl.uint8), mask=m)
 
+    @_stable_jit(["n", "full", "last_cols", "sb", "nfp", "nparts"], ["inb", "outb"])
+    def _hop_kernel(
+        inb, local, outf, outb, counts, n, full, last_cols, sb, nfp, nparts,
+        MODE: tl.constexpr, EL: tl.constexpr, Q: tl.constexpr, SBYTES: tl.constexpr,
+        S: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, RT: tl.constexpr,
+        CT: tl.constexpr, RUNS: tl.constexpr, CHECK: tl.constexpr,
+    ):  # fmt: skip
+        """A part in one launch: programs below ``nfp`` take SP full segments (or
+        runs) each, the others the part's shorter last one (segment ``full``, of
+        ``last_cols`` columns). With CHECK, the ``nparts`` counts of invalid
+        scales that :func:`_check_kernel` left in ``counts`` are summed first
+        (program 0 stores the sum after them, for the host)."""
+        pid = tl.program_id(0)
+        # the short segment's columns have a run-time stride (one address per
+        # entry): a quarter of the columns per program keeps its registers below
+        # the full segments' (which set the program's)
+        CTP: tl.constexpr = CT // 4 if CT >= 4 else 1
+        bad = tl.full((), 0, tl.int32)
+        if CHECK:
+            for i in range(0, nparts, 128):
+                idx = i + tl.arange(0, 128)
+                bad += tl.sum(tl.load(counts + idx, mask=idx < nparts, other=0), axis=0)
+            if pid == 0:
+                tl.store(counts + nparts, bad)
+        if pid < nfp:
+            _body(
+                pid, inb, local, outf, outb, n, full, S, sb, bad,
+                MODE, EL, Q, SBYTES, S, BLOCK, SP, RT, CT, RUNS, False, CHECK,
+            )  # fmt: skip
+        else:
+            _body(
+                pid - nfp, inb, local, outf, outb, n, full, last_cols, sb, bad,
+                MODE, EL, Q, SBYTES, S, BLOCK, 1, RT, CTP, RUNS, True, CHECK,
+            )  # fmt: skip
+
     @_stable_jit(["ns"], ["inb"])
-    def _check_kernel(inb, bad, ns, SBYTES: tl.constexpr, B: tl.constexpr):
-        """Count the scales that are negative (sign bit set: -0.0 too), NaN or Inf."""
-        k = tl.program_id(0) * B + tl.arange(0, B)
-        ok = k < ns
-        bits = _scale_bits(inb, k, ok, SBYTES)
-        nbad = tl.sum(((bits < 0) | (bits >= 0x7F800000)).to(tl.int32), axis=0)
-        tl.atomic_add(bad, nbad)
+    def _check_kernel(inb, counts, ns, SBYTES: tl.constexpr, B: tl.constexpr, PER: tl.constexpr):
+        """counts[p]: how many of scales p PER .. (p + 1) PER - 1 are negative (sign
+        bit set: -0.0 too), NaN or Inf."""
+        p = tl.program_id(0)
+        nbad = tl.full((), 0, tl.int32)
+        for i in range(0, PER, B):
+            k = p * PER + i + tl.arange(0, B)
+            bits = _scale_bits(inb, k, k < ns, SBYTES)
+            nbad += tl.sum(((bits < 0) | (bits >= 0x7F800000)).to(tl.int32), axis=0)
+        tl.store(counts + p, nbad)
 
 
 _LAUNCH = {} if interpreting() else {"enable_fp_fusion": False}
@@ -428,29 +470,25 @@ def run(
     sb = ns * scale_bytes
     sp, rt, ct, warps = geometry(S, block, TILE)
     check = mode != Mode.ENCODE
-    const = dict(
-        MODE=int(mode), EL=CODES[element], Q=float(q), SBYTES=scale_bytes, S=S, BLOCK=block,
-        RT=rt, CT=ct, RUNS=S == 1, CHECK=check, **_LAUNCH,
-    )  # fmt: skip
-    if not interpreting():
-        const["num_warps"] = warps
+    # programs: SP full segments (or runs) x CT columns each, then the short last one
+    nfp = triton.cdiv(full, sp) * triton.cdiv(S, ct)
+    grid = nfp + (triton.cdiv(last_cols, max(1, ct // 4)) if rest else 0)
     with _INTERPRETER_LOCK:
-        bad = dummy_i
+        counts, nparts = dummy_i, 0
         if check:
-            bad = torch.zeros(1, dtype=torch.int32, device=dev)
-            _check_kernel[(triton.cdiv(ns, CHECK_BLOCK),)](
-                inb, bad, ns, SBYTES=scale_bytes, B=CHECK_BLOCK, **_LAUNCH
-            )
-        args = (inb, loc, outf, outb, bad, n)
-        # full segments (or runs), then the part's shorter last one
-        if full:
-            grid = triton.cdiv(full, sp) * triton.cdiv(S, ct)
-            _hop_kernel[(grid,)](*args, 0, S, sb, SP=sp, PARTIAL=False, **const)
-        if rest:
-            _hop_kernel[(triton.cdiv(last_cols, ct),)](
-                *args, full, last_cols, sb, SP=1, PARTIAL=True, **const
-            )
-    return int(bad.item()) if check else 0
+            nparts = triton.cdiv(ns, CHECK_PER_PROGRAM)
+            counts = torch.empty(nparts + 1, dtype=torch.int32, device=dev)
+            _check_kernel[(nparts,)](
+                inb, counts, ns, SBYTES=scale_bytes, B=CHECK_BLOCK, PER=CHECK_PER_PROGRAM,
+                **_LAUNCH,
+            )  # fmt: skip
+        _hop_kernel[(grid,)](
+            inb, loc, outf, outb, counts, n, full, last_cols, sb, nfp, nparts,
+            MODE=int(mode), EL=CODES[element], Q=float(q), SBYTES=scale_bytes, S=S,
+            BLOCK=block, SP=sp, RT=rt, CT=ct, RUNS=S == 1, CHECK=check, **_LAUNCH,
+            **({} if interpreting() else {"num_warps": warps}),
+        )  # fmt: skip
+    return int(counts[nparts].item()) if check else 0
 
 
 #: (configuration, device) pairs whose kernels :func:`warm_up` compiled.
@@ -503,35 +541,39 @@ def compile_all(arch: int = 90) -> list[str]:
             )
         out.append(f"{fn.__name__} {const}: ok")
 
-    names = ("MODE", "EL", "Q", "SBYTES", "S", "BLOCK", "SP", "RT", "CT", "RUNS", "PARTIAL")
+    names = ("MODE", "EL", "Q", "SBYTES", "S", "BLOCK", "SP", "RT", "CT", "RUNS")
     sig = {
-        "inb": "*u8", "local": "*fp32", "outf": "*fp32", "outb": "*u8", "bad": "*i32",
-        "n": "i32", "seg0": "i32", "cols": "i32", "sb": "i32",
+        "inb": "*u8", "local": "*fp32", "outf": "*fp32", "outb": "*u8", "counts": "*i32",
+        **dict.fromkeys(("n", "full", "last_cols", "sb", "nfp", "nparts"), "i32"),
         **dict.fromkeys((*names, "CHECK"), "constexpr"),
     }  # fmt: skip
     qs = (127.0, 448.0, 57344.0)
-    # (columns, block, partial): the paper's strided geometry, its short last
-    # segment, contiguous runs of 64, and blocks longer than a tile (two passes)
-    shapes = ((1024, 64, False), (1024, 64, True), (1, 64, False), (1, 64, True),
-              (16, 1024, False), (1, 8192, False))  # fmt: skip
+    # (columns, block): the paper's strided geometry, contiguous runs of 64, and
+    # blocks longer than a tile (two passes); each with its short last segment
+    shapes = ((1024, 64), (1, 64), (16, 1024), (1, 8192))
     for mode in Mode:
         for el in range(3):
             for sbytes in (2, 4):
-                for s, block, partial in shapes:
-                    if (s, block, partial) != shapes[0] and (el, sbytes) != (mode % 3, 2):
+                for s, block in shapes:
+                    if (s, block) != shapes[0] and (el, sbytes) != (mode % 3, 2):
                         continue  # the other shapes once per mode, with varying elements
                     sp, rt, ct, warps = geometry(s, block, TILE)
                     const: dict[str, object] = dict(
-                        zip(names, (int(mode), el, qs[el], sbytes, s, block,
-                                    1 if partial else sp, rt, ct, s == 1, partial), strict=True),
+                        zip(names, (int(mode), el, qs[el], sbytes, s, block, sp, rt, ct, s == 1),
+                            strict=True),
                         CHECK=mode != Mode.ENCODE,
                     )  # fmt: skip
                     build(_hop_kernel, sig, const, warps)
     for sbytes in (2, 4):
         build(
             _check_kernel,
-            {"inb": "*u8", "bad": "*i32", "ns": "i32", "SBYTES": "constexpr", "B": "constexpr"},
-            {"SBYTES": sbytes, "B": CHECK_BLOCK},
+            {
+                "inb": "*u8",
+                "counts": "*i32",
+                "ns": "i32",
+                **dict.fromkeys(("SBYTES", "B", "PER"), "constexpr"),
+            },
+            {"SBYTES": sbytes, "B": CHECK_BLOCK, "PER": CHECK_PER_PROGRAM},
             4,
         )
     return out
