@@ -280,6 +280,40 @@ def test_backend_selection(monkeypatch):
         mx_codec._resolve.cache_clear()
 
 
+@interpreter
+def test_division_by_fmax_by_reciprocal():
+    """The decoding divides v * s by FMAX with a correctly rounded reciprocal
+    and one fused multiply-add correction where every scale of a tile is 0 or
+    in [2^-90, 2^100]: for every code of the three formats times every
+    bfloat16 scale of that range (every plan's scale is a bfloat16 or a power
+    of two), and random float32 scales, the correctly rounded quotient, +-0
+    and NaN included."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def divide(a_ptr, out_ptr, n, FMAX: tl.constexpr, RFMAX: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < n
+        a = tl.load(a_ptr + i, mask=ok, other=0.0)
+        tl.store(out_ptr + i, mx_triton._div_fmax(a, FMAX, RFMAX), mask=ok)
+
+    bf16 = (torch.arange(0x0001, 0x7F80, dtype=torch.int32) << 16).view(torch.float32)
+    g = torch.Generator().manual_seed(0)
+    rnd = torch.rand(1 << 16, generator=g) * 2.0 ** torch.randint(-90, 100, (1 << 16,), generator=g)
+    s = torch.cat([bf16[(bf16 >= 2.0**-90) & (bf16 <= 2.0**100)], rnd, torch.zeros(1)])
+    for fmt in (fpf.E4M3, fpf.E3M2, fpf.E2M1):
+        v = fpf.decode(torch.arange(1 << fmt.bits, dtype=torch.int32).to(torch.uint8), fmt)
+        a = (v[:, None] * s[None, :]).reshape(-1)
+        consts = mx_triton._consts(fmt)
+        out = torch.empty_like(a)
+        n = a.numel()
+        divide[(triton.cdiv(n, 1 << 20),)](
+            a, out, n, FMAX=consts["FMAX"], RFMAX=consts["RFMAX"], BLOCK=1 << 20
+        )
+        assert torch.equal(_bits(out), _bits(a / fmt.max)), fmt.name
+
+
 def test_triton_kernels_compile_for_cuda_without_a_gpu():
     """The interpreter runs the kernels' Python as is; the compiler is stricter
     (constexpr globals, types). Every variant must compile for sm_90 with
