@@ -228,3 +228,36 @@ def test_mismatches_where_the_round_was_skipped_raise_on_every_gloo_rank():
         else:
             for g in got:
                 assert isinstance(g, str) and g.startswith("MismatchError"), (name, got)
+
+
+def test_a_failure_in_a_call_that_skipped_its_round_raises_everywhere_then_recovers():
+    """Rank 1's codec fails in its hops (a call of an agreed signature): rank 1
+    raises its own error, every peer TransportError naming it, and the next
+    call sums right (the call's messages were settled, none left behind)."""
+    n = 4
+    ts = make_inprocess_group(n)
+    codecs = [get_codec("bf16") for _ in range(n)]
+    fail = {"now": False}
+    real = codecs[1].decode_accumulate_encode
+
+    def flaky(*a: Any, **k: Any) -> Any:
+        if fail["now"]:
+            raise hopq.CodecError("injected")
+        return real(*a, **k)
+
+    codecs[1].decode_accumulate_encode = flaky  # type: ignore[method-assign]
+
+    def call(r: int, t: Any) -> float:
+        y, _ = engine.run(Call(codecs[r], timeout=20.0), torch.full((3000,), float(r + 1)), t)
+        return float(y.mean())
+
+    assert _each_rank(ts, call) == [10.0] * n
+    fail["now"] = True
+    t0 = time.monotonic()
+    got = _each_rank(ts, call)
+    assert time.monotonic() - t0 < 10
+    assert isinstance(got[1], hopq.CodecError), got
+    for r in (0, 2, 3):
+        assert isinstance(got[r], hopq.TransportError) and "rank 1" in str(got[r]), got
+    fail["now"] = False
+    assert _each_rank(ts, call) == [10.0] * n

@@ -1192,7 +1192,12 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement) -> _Hops:
     its agreement round, it settles with every peer instead
     (:func:`_settle_call`)."""
     codec, gcodec, schedule, transport, u = r.codec, r.gcodec, r.steps, r.transport, r.u
-    work = codec.prepare(plan, r.x, r.in_place)
+    try:
+        work = codec.prepare(plan, r.x, r.in_place)
+    except BaseException as e:
+        if agreed.skipped and not isinstance(e, KeyboardInterrupt):
+            _settle_call(r, agreed, e)  # the peers are in their hops already
+        raise
     st = _Hops(
         codec, gcodec, plan, gplan, work, schedule, transport, r.call.seed, u, r.deadline,
         r.label, r.number, r.info,
@@ -1280,6 +1285,7 @@ def _settle_call(
     failed)."""
     transport, rank = r.transport, r.transport.rank
     status = error.status if isinstance(error, _Foreign) else framing.END_FAILED
+    origin = -1 if isinstance(error, TransportError) else rank  # a peer's, or this rank's
     streams: dict[int, settle.Stream] = {}
     for q in range(transport.world_size):
         if q == rank:
@@ -1290,11 +1296,12 @@ def _settle_call(
             s.sent, s.posted = st.sent_n.get(q, 0), st.posted_n.get(q, 0)
         if isinstance(error, _Foreign) and error.peer == q:
             settle.note(s, error.words, first=False)
+            origin = s.origin
         streams[q] = s
     where = Where(r.label, r.number, -1, 0, "settling")
     sends = [h for h, _, _ in st.sends] if st is not None else []
     try:
-        ends = settle.settle(transport, streams, status, r.deadline, where, sends)
+        ends = settle.settle(transport, streams, status, r.deadline, where, sends, origin)
     except Exception as e:  # noqa: BLE001 - a peer is gone: its error, or this rank's own
         if isinstance(error, _Foreign | KeyboardInterrupt):
             raise e from error
@@ -1314,10 +1321,15 @@ def _settle_call(
         )
     if not isinstance(error, _Foreign | TransportError):
         raise error
-    failed = sorted(q for q, v in ends.items() if v == framing.END_FAILED)
+    # the ranks that failed, as every END_FAILED reports them (the same everywhere)
+    failed = sorted(
+        {s.origin for s in streams.values() if s.ended == framing.END_FAILED and s.origin >= 0}
+        | ({origin} if origin >= 0 else set())
+    )
+    who = f"rank {failed[0]}" if failed else "a rank"
     raise TransportError(
-        f"rank {rank}: rank {failed[0] if failed else '?'} failed in {r.label}, call "
-        f"{r.number}, and sent no more payload (see that rank's error)"
+        f"rank {rank}: {who} failed in {r.label}, call {r.number}, and sent no more "
+        f"payload (see {'its' if failed else 'their'} error)"
     ) from None
 
 

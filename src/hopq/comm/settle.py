@@ -15,7 +15,8 @@ posted gets a message, and the group stays usable.
 The protocol (every rank that takes part, with every peer):
 
 1. send an END notice (a header with status END_MISMATCH or END_FAILED, whose one
-   length word says how many receives this rank had posted from that peer);
+   length word says how many receives this rank had posted from that peer, and
+   whose identity word names the rank that failed, if one did);
 2. read that peer's messages in order until its END: the receives already
    posted first, then new ones of :data:`~hopq.comm.framing.ANY_FIRST` bytes
    (any first message fits) or, after a header that says its body travels
@@ -74,6 +75,8 @@ class Stream:
     block_ends: bool = False
     #: Messages read from the peer.
     read: int = 0
+    #: The rank whose failure the peer's END_FAILED reports (-1: not known).
+    origin: int = -1
 
 
 def note(stream: Stream, words: list[int] | None, first: bool) -> None:
@@ -87,9 +90,11 @@ def note(stream: Stream, words: list[int] | None, first: bool) -> None:
     if status in (framing.END_MISMATCH, framing.END_FAILED):
         stream.ended = status
         stream.wants = words[5] if len(words) > 5 else 0
+        stream.origin = words[4] - 1  # an END's identity word: the failed rank + 1
         return
     if status == framing.SENDER_FAILED:
         stream.ended = status
+        stream.origin = stream.peer
         stream.wants = 1  # a refusal posts one receive per peer
         stream.body = framing.body_after(words)
         return
@@ -106,17 +111,21 @@ def settle(
     deadline: Deadline,
     where: Where,
     sends: list[Handle] | None = None,
+    origin: int = -1,
 ) -> dict[int, int]:
     """Run the protocol above with every peer in ``streams``; return each peer's
     END status (SENDER_FAILED for a refusal, OK for a peer that ran its
     agreement round, as a refusing rank sees it). ``status``: this rank's END
     (END_MISMATCH or END_FAILED); ``sends``: this rank's sends of the call still
-    to wait on. Raises TransportError when a peer does not settle in time."""
+    to wait on; ``origin``: the rank whose failure this rank's END_FAILED reports
+    (-1: not known), which the END carries in its identity word. Raises
+    TransportError when a peer does not settle in time."""
     rank = transport.rank
     mine: list[Handle] = list(sends or [])
     for q, s in streams.items():
         if s.send_end:
-            head = framing.frame(where, [s.posted], status)
+            # one length word: the END fits any receive a peer posted from this rank
+            head = framing.frame(where, [s.posted], status, ident=origin + 1)
             ends, _ = transport.post([(q, head)], [], where)
             mine += ends
             s.sent += 1
