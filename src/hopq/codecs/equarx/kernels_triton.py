@@ -454,8 +454,6 @@ def run(
     was written)."""
     if n == 0:
         return 0
-    if n >= 1 << 31:
-        raise ValueError(f"equarx: a part of {n} entries (the kernels index with int32)")
     tensors = (payload, local, out_rows, out_payload)
     dev = str(next(t for t in tensors if t is not None).device)
     dummy_b, dummy_f, dummy_i = _dummies(dev)
@@ -468,6 +466,8 @@ def run(
     last_cols = min(S, -(-rest // block)) if rest else 0
     ns = full * S + last_cols
     sb = ns * scale_bytes
+    if n + sb >= 1 << 31:
+        raise ValueError(f"equarx: a part of {n} entries (the kernels index with int32)")
     sp, rt, ct, warps = geometry(S, block, TILE)
     check = mode != Mode.ENCODE
     # programs: SP full segments (or runs) x CT columns each, then the short last one
