@@ -136,6 +136,23 @@ def test_kernels_match_reference_bit_for_bit(element, layout, scale, geometry):
 
 
 @interpreted
+@pytest.mark.parametrize("tile", [256, 16384])
+def test_other_tile_sizes_give_the_same_bits(monkeypatch, tile):
+    """The program's tile is a speed setting: smaller (the paper's blocks in two
+    passes, several short-segment programs) or larger, the same bits."""
+    monkeypatch.setattr(triton_kernels, "TILE", tile)
+    monkeypatch.setattr(triton_kernels, "WARPS", 8)
+    for kw in (
+        {"block": 16, "scales": 64},
+        {"layout": "contiguous", "element": "e4m3", "block": 100},
+        {"block": 3, "scales": 5, "scale": "fp32"},
+    ):
+        ref, tri = EQuARX(backend="reference", **kw), EQuARX(backend="triton", **kw)
+        for i, n in enumerate((65, 3001)):
+            _check_every_mode(ref, tri, n, i)
+
+
+@interpreted
 @pytest.mark.parametrize("element", ["int8", "e4m3", "e5m2"])
 @pytest.mark.parametrize("scale", ["bf16", "fp32"])
 def test_kernels_decode_any_valid_payload_like_the_reference(element, scale):

@@ -65,6 +65,7 @@ CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 #: tile of 64 rows x 64 columns.
 TILE = 4096
 #: Warps per program for a full tile (smaller tiles: fewer, at least one).
+#: Both are read at every call, so a GPU run may sweep them (the same bits).
 WARPS = 4
 #: The validity pre-pass: scales per step, and per program (each leaves one count,
 #: which every program of the main kernel sums: 16 at 16M coordinates).
@@ -405,11 +406,11 @@ def _pow2(v: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def geometry(columns: int, block: int, tile: int) -> tuple[int, int, int, int]:
+def geometry(columns: int, block: int, tile: int, warps: int) -> tuple[int, int, int, int]:
     """(SP, RT, CT, warps) for segments of ``block`` rows x ``columns`` columns
     (``columns`` 1: runs of ``block`` entries): a program covers SP segments (or
     runs) x RT rows x CT columns, about ``tile`` entries, a block's rows in one
-    tile where they fit (one pass)."""
+    tile where they fit (one pass), on ``warps`` warps for a full tile."""
     rows = _pow2(block)
     if columns == 1:
         rt = min(rows, tile)
@@ -419,8 +420,7 @@ def geometry(columns: int, block: int, tile: int) -> tuple[int, int, int, int]:
         ct = min(_pow2(columns), max(64, tile // rows))
         rt = min(rows, max(1, tile // ct))
         sp = max(1, tile // (rt * ct))
-    warps = max(1, min(WARPS, sp * rt * ct * WARPS // tile))
-    return sp, rt, ct, warps
+    return sp, rt, ct, max(1, min(warps, sp * rt * ct * warps // tile))
 
 
 @lru_cache(maxsize=16)
@@ -468,7 +468,7 @@ def run(
     sb = ns * scale_bytes
     if n + sb >= 1 << 31:
         raise ValueError(f"equarx: a part of {n} entries (the kernels index with int32)")
-    sp, rt, ct, warps = geometry(S, block, TILE)
+    sp, rt, ct, warps = geometry(S, block, TILE, WARPS)
     check = mode != Mode.ENCODE
     # programs: SP full segments (or runs) x CT columns each, then the short last one
     nfp = triton.cdiv(full, sp) * triton.cdiv(S, ct)
@@ -557,7 +557,7 @@ def compile_all(arch: int = 90) -> list[str]:
                 for s, block in shapes:
                     if (s, block) != shapes[0] and (el, sbytes) != (mode % 3, 2):
                         continue  # the other shapes once per mode, with varying elements
-                    sp, rt, ct, warps = geometry(s, block, TILE)
+                    sp, rt, ct, warps = geometry(s, block, TILE, WARPS)
                     const: dict[str, object] = dict(
                         zip(names, (int(mode), el, qs[el], sbytes, s, block, sp, rt, ct, s == 1),
                             strict=True),
