@@ -58,11 +58,12 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 #: (as :data:`hopq.codecs.equarx.kernels_cpu.CODES`).
 CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
-#: Entries per program. 4096 float32 entries (16 KB in, 16 KB out, plus the
-#: codes) on 4 warps is 32 entries per thread: eight 16-byte loads of the
-#: local chunk in flight per thread, with registers left for two or more
-#: programs per SM. The paper's geometry (64 rows of 1024 columns) makes a
-#: tile of 64 rows x 64 columns.
+#: Entries per program. 4096 on 4 warps is 32 entries per thread: eight 16-byte
+#: loads of the local chunk in flight per thread (16 KB per program), and
+#: (ptxas, sm_90) 80 registers for the int8 and E4M3 hops, 128 for E5M2, 46-72
+#: for the decoding kernels: four to ten programs per SM. The paper's geometry
+#: (64 rows of 1024 columns) makes tiles of 64 rows x 64 columns. Not yet
+#: measured against other settings on a GPU.
 TILE = 4096
 #: Warps per program for a full tile (smaller tiles: fewer, at least one).
 #: Both are read at every call, so a GPU run may sweep them (the same bits).
