@@ -7,7 +7,8 @@ decompress-accumulate-recompress hop, plus the statistics pre-pass. With
 ``--codecs``, EQuARX and MXFP8/6/4 (at their defaults, the call as one chunk)
 go through the same four through their codec API, whichever backend
 ``--backend`` picks for the device (the Triton kernels on CUDA). Each row
-gives the time (median of ``repeats`` after a warm-up), the bytes the kernel
+gives the time (the median; on CUDA triton's ``do_bench``, the GPU's time per
+call with the L2 cache flushed before each: :func:`timer`), the bytes the kernel
 must move (counted: compressed in, local chunk in, compressed or float out),
 the bandwidth this achieves and its ratio to a copy measured in the same run
 (``torch.Tensor.copy_`` of the chunk: device-to-device on GPU, ``memcpy`` on one
@@ -78,6 +79,25 @@ class KernelOptions:
 
 
 def timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]], float]:
+    """The median time of ``fn`` in seconds. On CUDA, triton's ``do_bench``
+    where Triton is installed: the GPU's own time per call (events), the L2
+    cache flushed before each, after about 25 ms of warm-up calls (which also
+    lift the clocks from idle), over about ``repeats`` x 10 ms of calls; the
+    host's Python work between kernels of one call is included only where the
+    GPU waits for it. Elsewhere: ``repeats`` calls after one warm-up."""
+    if device.type == "cuda":
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+
+            def bench(fn: Callable[[], object]) -> float:
+                ms = do_bench(fn, warmup=25, rep=10 * repeats, return_mode="median")
+                return float(ms) / 1e3
+
+            return bench
+
     def measure(fn: Callable[[], object]) -> float:
         fn()  # warm-up (compilation, caches)
         times = []
