@@ -211,6 +211,15 @@ def test_cli_measure_device(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as e:
             main(["plan", "--measure", "--device", "cuda"])
         assert e.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--measure-coords", "65536"])
+    assert e.value.code == 2 and "add --measure" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--measure", "--measure-coords", "10"])
+    assert e.value.code == 2
+    capsys.readouterr()
+    main(["plan", "--measure", "--measure-coords", "4096", "--codecs", "bf16", "--rows", "2"])
+    assert "measured on this machine" in capsys.readouterr().out
     speeds = measure_speeds(["bf16", "dynamiq"], coords=4096, device="cpu")
     assert set(speeds) == {"bf16", "dynamiq"}
     assert all(len(v) == 5 and min(v) >= 0 for v in speeds.values())

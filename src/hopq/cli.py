@@ -219,6 +219,12 @@ class PlanOptions:
         "where --measure times the codecs (cuda: this machine's GPU)",
         choices=("cpu", "cuda"),
     )
+    measure_coords: int = option(
+        1 << 19,
+        "coordinates per timed call of --measure (on a GPU give a bucket's size: small calls "
+        "time the host's launches, not the kernels)",
+        lo=256,
+    )
     rows: int = option(0, "show the fastest ROWS candidates only (0: all)", lo=0)
     json: bool = option(False, "print the plan as JSON (to pin it) instead of the table")
 
@@ -230,6 +236,10 @@ class PlanOptions:
                 )
         if self.params is not None and self.workload is not None:
             raise ValueError("give --params or --workload, not both")
+        if self.measure_coords < 256:
+            raise ValueError("--measure-coords must be at least 256")
+        if self.measure_coords != 1 << 19 and not self.measure:
+            raise ValueError("--measure-coords sets what --measure times: add --measure")
         if self.device != "cpu":
             if not self.measure:
                 raise ValueError(f"--device {self.device} times the codecs there: add --measure")
@@ -302,7 +312,7 @@ def plan_text(o: PlanOptions) -> str:
     if o.measure:
         t0 = time.perf_counter()
         names = list(o.codecs) or [c for c in _codec_names() if c in DEFAULT_SPEEDS]
-        speeds = measure_speeds(names, device=o.device)
+        speeds = measure_speeds(names, coords=o.measure_coords, device=o.device)
         where = "one core" if o.device == "cpu" else f"{o.device} tensors"
         lines.append(
             f"Codec speeds measured on this machine, {where}, in {time.perf_counter() - t0:.1f} s."
