@@ -193,6 +193,10 @@ def keyed_calls(rank: int, n: int) -> dict[str, Any]:
     else:
         ar("refused", full(SMALL), codec="bf16", key=0)
     ar("refused/after", full(SMALL), codec="bf16", key=0)
+    # a two-tier call on one rank (its agreement on the layout) where the others'
+    # flat call skips its round
+    ar("layout", full(SMALL), codec="bf16", key=0, **({"layout": "2x2"} if rank == 0 else {}))
+    ar("layout/after", full(SMALL), codec="bf16", key=0)
     # a statistics codec (its round, with its statistics) on one rank where the
     # others skip theirs
     ar("stats", full(LARGE), codec="dynamiq" if rank == 2 else "bf16", key=0)
