@@ -265,3 +265,48 @@ def test_a_failure_in_a_call_that_skipped_its_round_raises_everywhere_then_recov
         assert isinstance(got[r], hopq.TransportError) and "rank 1" in str(got[r]), got
     fail["now"] = False
     assert _each_rank(ts, call) == [10.0] * n
+
+
+def dies_in_a_call_that_skipped_its_round(rank: int, n: int, kind: str) -> tuple:
+    """Rank 3 dies (os._exit) after its first send, or on its first received
+    partial sum, in a call of an agreed signature; the survivors stay alive."""
+    import os
+
+    x = torch.full((300_000,), float(rank + 1))
+    for _ in range(2):
+        hopq.all_reduce(x.clone(), codec="bf16", timeout=15.0)
+    torch.distributed.barrier()
+    if rank == 3:
+        if kind == "after its first send":
+            build = engine._Hops.build_and_post
+
+            def build_then_die(self: Any, s: int, j: int) -> None:
+                build(self, s, j)
+                if self.sends:
+                    for h, where, _ in self.sends:
+                        h.wait(engine.Deadline(5.0), where)
+                    os._exit(3)
+
+            engine._Hops.build_and_post = build_then_die  # type: ignore[method-assign]
+        else:
+            engine._Hops.process_payload = lambda *a, **k: os._exit(3)  # type: ignore[method-assign]
+    t0 = time.perf_counter()
+    try:
+        hopq.all_reduce(x.clone(), codec="bf16", timeout=15.0)
+        return ("returned", time.perf_counter() - t0, "")
+    except Exception as e:  # noqa: BLE001 - classified by the test
+        return (type(e).__name__, time.perf_counter() - t0, str(e))
+
+
+@pytest.mark.parametrize("kind", ["after its first send", "mid-step"])
+def test_a_rank_dying_in_a_call_that_skipped_its_round_fails_every_survivor_at_once(kind):
+    from hopq.cluster.launch import spawn
+
+    outs = spawn(
+        4, dies_in_a_call_that_skipped_its_round, kind, timeout=120, clean_exit=False,
+        pg_timeout=60,
+    )  # fmt: skip
+    for o in outs[:3]:
+        what, seconds, msg = o.result
+        assert what == "TransportError" and "rank 3" in msg, (o.rank, o.result)
+        assert seconds < 9.0, (o.rank, o.result)
