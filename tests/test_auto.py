@@ -98,6 +98,49 @@ def test_hook_auto_on_gloo_ranks() -> None:
     assert a["metrics"][-1].keys() == b["metrics"][-1].keys()
 
 
+def optimizer_worker(rank: int, n: int) -> dict[str, Any]:
+    """codec="auto" with an optimizer: handed to the planned DynamiQ (its step
+    sizes), without a warning; the ranks stay bit-identical."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hopq.codecs.dynamiq import DynamiQ
+    from hopq.comm import plan as pm
+
+    pm.AUTO_OVERRIDES.update(inter_gbit=0.05, codecs=("dynamiq",))
+    handed: list[int] = []
+    real = DynamiQ.use_optimizer
+
+    def use_optimizer(self: Any, optimizer: Any, params: Any, key: Any, device: Any) -> None:
+        handed.append(key)
+        real(self, optimizer, params, key, device)
+
+    DynamiQ.use_optimizer = use_optimizer  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        state = hopq.HookState(codec="auto", optimizer=opt)
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        (ddp(torch.randn(16, 64, generator=g)) - 1).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    state.close()
+    return {"params": [p.detach().clone() for p in model.parameters()], "handed": handed}
+
+
+def test_hook_auto_hands_the_optimizer_to_a_planned_dynamiq() -> None:
+    a, b = run_workers(2, optimizer_worker, timeout=300)
+    assert a["handed"] and a["handed"] == b["handed"]  # every planned bucket, every step
+    for p, q in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(p, q)
+
+
 def mixed_worker(rank: int, n: int) -> dict[str, Any]:
     x = torch.ones(1000)
     try:

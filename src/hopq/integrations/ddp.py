@@ -113,7 +113,9 @@ class HookState(CallRecords):
             that read its state before each bucket: GComp's truncation needs
             it; DynamiQ weighs its bit allocation by the optimizer's step sizes
             (Adam: lr / (sqrt(v) + eps)), which trains closer to uncompressed
-            with adaptive optimizers (docs/codecs/dynamiq.md).
+            with adaptive optimizers (docs/codecs/dynamiq.md). With
+            ``codec="auto"`` it goes to the buckets whose planned codec reads
+            one.
         layout: The nodes the ranks run on, for two-tier all-reduces, as in
             :func:`hopq.all_reduce` (``"auto"``, ``"NxG"``, ``(N, G)`` or a
             ``NodeLayout``); None: flat.
@@ -188,7 +190,11 @@ class HookState(CallRecords):
         #: step sizes); None: the codec works without it. One given to a codec
         #: that reads none is accepted, ignored and said once (a UserWarning),
         #: so that changing only the codec's name never breaks a script.
-        if optimizer is not None:
+        if optimizer is not None and self.auto is not None:
+            # codec="auto": handed to the buckets whose planned codec reads one
+            # (DynamiQ's step sizes, GComp's thresholds), ignored by the others
+            pass
+        elif optimizer is not None:
             why = reads_no_optimizer(self.codec)
             if why:
                 self._ignore_optimizer(why, "HookState(optimizer=...)")
@@ -521,9 +527,23 @@ def _reduce(
     reference); with ``params``, the optimizer's state for them first (the
     codec's ``use_optimizer``), counted as codec work."""
     t_thr = c_thr = 0.0
-    if params is not None and state.optimizer is not None:
+    # the bucket index names the bucket from step to step (DynamiQ shares the
+    # step's bit budget across buckets by it)
+    codec, topology, layout = state.codec, state.topology, state.layout
+    if state.auto is not None:  # codec="auto": this bucket's plan (docs/plan.md)
+        codec, topology, layout = state.auto.pick(buf, group, index)
+    hand = params is not None and state.optimizer is not None
+    if hand and state.auto is not None:  # the planned codec's, where it reads one
+        hand = not reads_no_optimizer(codec)
+        if hand:
+            try:
+                check_takes_optimizer(codec, state.optimizer)
+            except ValueError as why:
+                state._ignore_optimizer(str(why), f"HookState(codec='auto') planned {codec.name!r}")
+                hand = False
+    if hand:
         t0, c0 = time.perf_counter(), time.thread_time()
-        state.codec.use_optimizer(state.optimizer, params, index, buf.device)  # type: ignore[attr-defined]
+        codec.use_optimizer(state.optimizer, params, index, buf.device)  # type: ignore[attr-defined]
         t_thr, c_thr = time.perf_counter() - t0, time.thread_time() - c0
     exact = r = None
     uniform = False  # SGD with one learning rate: the update's error is the gradient's
@@ -548,11 +568,6 @@ def _reduce(
                 uniform = r is None and isinstance(weigh, torch.optim.SGD)
         with state._lock:
             state.exact_seconds += time.perf_counter() - t0
-    # the bucket index names the bucket from step to step (DynamiQ shares the
-    # step's bit budget across buckets by it)
-    codec, topology, layout = state.codec, state.topology, state.layout
-    if state.auto is not None:  # codec="auto": this bucket's plan (docs/plan.md)
-        codec, topology, layout = state.auto.pick(buf, group, index)
     info = all_reduce(
         buf, codec, topology, "avg", group, state.seed, index,
         timeout=state.timeout, gather_codec=state.gather_codec, layout=layout,
@@ -839,7 +854,7 @@ def adopt_optimizer(state: HookState, optimizers: Any, where: str) -> None:
     wrappers allowed (their ``.optimizer``). Where that cannot be decided
     (several optimizers, or one the codec has no rule for) it warns and the
     codec works without one."""
-    why = optimizer_unused(state.codec)
+    why = None if state.auto is not None else optimizer_unused(state.codec)
     if why is not None:
         if reads_no_optimizer(state.codec) and any(o is not None for o in optimizers):
             state._ignore_optimizer(why, where, handed=True)
@@ -859,7 +874,8 @@ def adopt_optimizer(state: HookState, optimizers: Any, where: str) -> None:
         )
         return
     try:
-        check_takes_optimizer(state.codec, opts[0])
+        if state.auto is None:  # codec="auto": checked against each planned codec
+            check_takes_optimizer(state.codec, opts[0])
     except ValueError as e:
         warnings.warn(f"{where}: {e}; {name!r} works without it", UserWarning, stacklevel=3)
         return

@@ -267,7 +267,7 @@ class Sync:
         self.numel = sum(p.numel() for p in ddp.module.parameters() if p.requires_grad)
         if is_auto(name):  # the planner's picks, per bucket, from a probe of the link
             self.state = HookState(
-                codec="auto", topology=topology, seed=seed,
+                codec="auto", topology=topology, seed=seed, optimizer=optimizer,
                 layout="auto" if is_hierarchical(name) else None,
             )  # fmt: skip
             self.state.error_optimizer = optimizer
