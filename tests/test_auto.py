@@ -141,6 +141,51 @@ def test_hook_auto_hands_the_optimizer_to_a_planned_dynamiq() -> None:
         assert torch.equal(p, q)
 
 
+def revert_worker(rank: int, n: int) -> dict[str, Any]:
+    """A re-plan that measures slower than the plan it replaced is undone."""
+    from hopq.comm import plan as pm
+
+    _forced_timings(drift_at=4)  # 10 ms a call, 30 ms from step 4 on: a drift, then slower
+    pm.AUTO_OVERRIDES["inter_gbit"] = 0.05
+    records = _keep_log()
+    model = torch.nn.Linear(64, 64)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = hopq.HookState(codec="auto")
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    g = torch.Generator().manual_seed(rank)
+    first = last = None
+    for s in range(22):
+        STEP[0] = s
+        ddp(torch.randn(8, 64, generator=g)).square().mean().backward()
+        if s == 2:
+            first = state.auto.summary()  # type: ignore[union-attr]
+    last = state.step_metrics()
+    state.close()
+    assert state.auto is not None
+    return {
+        "replans": state.auto.replans,
+        "reverts": state.auto.reverts,
+        "first": first,
+        "final": state.auto.summary(),
+        "metrics": last,
+        "log": [m for m in records if "comes back" in m],
+    }
+
+
+def test_auto_undoes_a_replan_that_measures_slower() -> None:
+    res = run_workers(2, revert_worker, timeout=300)
+    for r in res:
+        # the drift re-planned once; the re-plan measured 3x slower, so the first
+        # plan came back and stayed (the drift goes on, no more re-plans)
+        assert r["replans"] == 1 and r["reverts"] == 1, r
+        assert r["final"] == r["first"]
+        assert r["metrics"]["hopq/plan_reverts"] == 1.0
+        assert len(r["log"]) == 1
+    assert res[0]["final"] == res[1]["final"]
+
+
 def mixed_worker(rank: int, n: int) -> dict[str, Any]:
     x = torch.ones(1000)
     try:

@@ -1048,7 +1048,12 @@ class AutoPlanner:
     machine; :data:`WARMUP_STEPS` steps after a plan are left out, where
     kernels compile). More than :data:`DRIFT` off for :data:`DRIFT_STEPS`
     consecutive steps: a re-plan (logged, counted in ``replans``), from a new
-    probe at the next call; the re-planned buckets' codecs start fresh.
+    probe at the next call; the re-planned buckets' codecs start fresh. A
+    re-plan is then judged by measurement: after :data:`COMPARE_STEPS` steps
+    its median step time is compared with that of each plan it replaced, and
+    when it is more than :data:`WORSE` slower than the best of them, that plan
+    comes back (logged, counted in ``reverts``) and stays: the planner stops
+    re-planning, since its model mispredicted this machine twice.
 
     Args:
         layout: The layout asked for (None: flat plans only; a layout adds the
@@ -1062,6 +1067,11 @@ class AutoPlanner:
     DRIFT_STEPS = 3
     #: Steps after a (re-)plan left out of the calibration (kernels compile there).
     WARMUP_STEPS = 1
+    #: Measured steps of a re-plan before it is compared with the plans it replaced.
+    COMPARE_STEPS = 5
+    #: How much slower (a fraction) a re-plan may measure than the best plan it
+    #: replaced before that plan comes back.
+    WORSE = 0.05
 
     def __init__(self, layout: Any = None, owner: str = "HookState") -> None:
         self.layout = layout
@@ -1070,6 +1080,12 @@ class AutoPlanner:
         self.replans = 0
         #: The last step's measured time over the calibrated prediction, minus 1.
         self.drift = 0.0
+        #: Re-plans undone because they measured slower than a plan they replaced.
+        self.reverts = 0
+        #: Replaced plans: (median measured step seconds, plans, probe, layout).
+        self._tried: list[tuple[float, dict[int, Plan], Any, Any]] = []
+        #: Whether a revert fixed the plan for good.
+        self._pinned = False
         self._device: Any = None
         self._reset()
 
@@ -1084,6 +1100,10 @@ class AutoPlanner:
         self._warm = self.WARMUP_STEPS
         self._drifted = 0
         self._logged = False
+        #: This plan's measured step seconds (after its warm-up), and whether it
+        #: was compared with the plans it replaced.
+        self._recent: list[float] = []
+        self._compared = False
 
     def pick(self, tensor: Any, group: Any, key: Any) -> tuple[Any, str, Any]:
         """(codec instance, topology, layout) of this call; every rank calls it
@@ -1132,8 +1152,13 @@ class AutoPlanner:
         if self._warm > 0:
             self._warm -= 1
             return
+        self._recent.append(measured)
+        if self._judge():
+            return
         if self._scale is None:
             self._scale = measured / predicted if predicted > 0 and measured > 0 else 1.0
+            return
+        if self._pinned:
             return
         expect = self._scale * predicted
         self.drift = measured / expect - 1 if expect > 0 else 0.0
@@ -1151,7 +1176,40 @@ class AutoPlanner:
                 measured * 1e3,
                 expect * 1e3,
             )
+            if self._recent:
+                self._tried.append(
+                    (statistics.median(self._recent), self._plans, self._probe, self._lay)
+                )
             self._reset()
+
+    def _judge(self) -> bool:
+        """After :data:`COMPARE_STEPS` measured steps of a re-plan, bring back the
+        best plan it replaced if it measured more than :data:`WORSE` faster
+        (every rank decides alike: the step times are agreed). True when it did."""
+        if (
+            self._pinned
+            or self._compared
+            or not self._tried
+            or len(self._recent) < self.COMPARE_STEPS
+        ):
+            return False
+        self._compared = True
+        now = statistics.median(self._recent)
+        best = min(self._tried, key=lambda t: t[0])
+        if now <= best[0] * (1 + self.WORSE):
+            return False
+        self.reverts += 1
+        _log.info(
+            "hopq codec='auto' (%s): the re-plan measured %.3g ms a step against %.3g ms for "
+            "the plan it replaced: that plan comes back and stays (no more re-plans)",
+            self.owner,
+            now * 1e3,
+            best[0] * 1e3,
+        )
+        self._reset()
+        _, self._plans, self._probe, self._lay = best
+        self._pinned = True
+        return True
 
     def describe(self, measured: float | None = None) -> str:
         """One line: the probe and each bucket's pick."""
@@ -1169,13 +1227,15 @@ class AutoPlanner:
 
     def metrics(self, prefix: str = "hopq/") -> dict[str, float]:
         """``{prefix}plan/<key>/<codec>@<schedule>``: each bucket's pick (the
-        value: its predicted seconds), ``{prefix}replans`` and
+        value: its predicted seconds), ``{prefix}replans``,
+        ``{prefix}plan_reverts`` (re-plans undone by measurement) and
         ``{prefix}plan_drift`` (the last step's drift from the prediction)."""
         out = {
             f"{prefix}plan/{k}/{b.plan.pick.label}@{b.plan.schedule}": float(b.predicted)
             for k, b in self._buckets.items()
         }
         out[f"{prefix}replans"] = float(self.replans)
+        out[f"{prefix}plan_reverts"] = float(self.reverts)
         out[f"{prefix}plan_drift"] = float(self.drift)
         return out
 
