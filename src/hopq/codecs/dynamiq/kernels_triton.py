@@ -18,9 +18,11 @@ more bytes in flight). Measured on an H100: docs/bench/kernels.md.
 
 Group and super-group maxima are in-register reductions over the bit patterns
 of |x| (their order is the floats' order; a NaN's pattern tops them all, which is
-how the reference's ``amax`` propagates it). Divisions use ``tl.div_rn``
-(correctly rounded, as the reference), kernels launch with fp fusion off (no
-multiply-add contraction), and the hash is lowbias32 in native uint32.
+how the reference's ``amax`` propagates it). Divisions are correctly rounded,
+as the reference's: ``tl.div_rn``, or a correctly rounded reciprocal with one
+fused multiply-add correction where the operands keep that exact (``_div_by``);
+kernels launch with fp fusion off (no other multiply-add), and the hash is
+lowbias32 in native uint32.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) they run on
 CPU tensors; that is how CI checks them against the reference.
