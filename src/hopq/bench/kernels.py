@@ -121,6 +121,36 @@ def timer(device: torch.device, repeats: int) -> Callable[[Callable[[], object]]
     return measure
 
 
+def _four_kernels(
+    codec: Any,
+    plan: Any,
+    work: torch.Tensor,
+    local: torch.Tensor,
+    payload: torch.Tensor,
+    ctx: HopContext,
+    n: int,
+) -> list[tuple[str, Callable[[], object], int]]:
+    """A codec's four kernels as the engine calls them, with the bytes each must
+    move: compress ``work``, decompress and decompress-accumulate ``payload``,
+    and the fused hop on ``local`` (which a codec may overwrite)."""
+    P = payload.numel()
+    acc, out = work.clone(), torch.empty_like(work)
+    return [
+        ("compress", lambda: codec.encode(plan, work, ctx), 4 * n + P),
+        ("decompress", lambda: codec.decode(plan, payload, ctx, out), P + 4 * n),
+        (
+            "decompress_accumulate",
+            lambda: codec.decode_accumulate(plan, payload, acc, ctx),
+            P + 8 * n,
+        ),
+        (
+            "decompress_accumulate_recompress",
+            lambda: codec.decode_accumulate_encode(plan, payload, local, ctx),
+            P + 4 * n + P,
+        ),
+    ]
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """torch's intra-op threads off for the block, so that references run on one
@@ -173,24 +203,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         work = codec.prepare_all(plan, x)
         ctx = HopContext(0, 0, 0, 1, 0, 2)
         payload = codec.encode(plan, work, ctx)
-        P = payload.numel()
-        acc = work.clone()
-        out = torch.empty_like(work)
-        kernels: list[tuple[str, Callable[[], object], int]] = [
-            ("compress", lambda: codec.encode(plan, work, ctx), 4 * n + P),
-            ("decompress", lambda: codec.decode(plan, payload, ctx, out), P + 4 * n),
-            (
-                "decompress_accumulate",
-                lambda: codec.decode_accumulate(plan, payload, acc, ctx),
-                P + 8 * n,
-            ),
-            (
-                "decompress_accumulate_recompress",
-                lambda: codec.decode_accumulate_encode(plan, payload, work, ctx),
-                P + 4 * n + P,
-            ),
-        ]
-        for name, fn, moved in kernels:
+        for name, fn, moved in _four_kernels(codec, plan, work, work, payload, ctx, n):
             t = measure(fn)
             bw = moved / t
             rows.append(_row(device, n, str(w), name, t, moved, copy_bw))
@@ -213,21 +226,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         payload = codec.encode(plan, work, ctx)
         P = payload.numel()
         bits = f"{8 * P / n:.2f}"
-        acc, local, out = work.clone(), work.clone(), torch.empty_like(work)
-        kernels: list[tuple[str, Callable[[], object], int]] = [
-            ("compress", lambda: codec.encode(plan, work, ctx), 4 * n + P),
-            ("decompress", lambda: codec.decode(plan, payload, ctx, out), P + 4 * n),
-            (
-                "decompress_accumulate",
-                lambda: codec.decode_accumulate(plan, payload, acc, ctx),
-                P + 8 * n,
-            ),
-            (
-                "decompress_accumulate_recompress",
-                lambda: codec.decode_accumulate_encode(plan, payload, local, ctx),
-                P + 4 * n + P,
-            ),
-        ]
+        kernels = _four_kernels(codec, plan, work, work.clone(), payload, ctx, n)
         for kernel, fn, moved in kernels:
             t = measure(fn)
             rows.append(_row(device, n, bits, f"{name} {kernel}", t, moved, copy_bw))
