@@ -35,9 +35,11 @@ def _keep_log() -> list[str]:
 
 def _forced_timings(drift_at: int) -> None:
     """Every call takes 10 ms, 30 ms from step ``drift_at`` on: the same on
-    every rank and free of the machine's noise."""
+    every rank and free of the machine's noise. No measured trial of the first
+    plan (its step periods are the machine's)."""
     from hopq.comm import plan as pm
 
+    pm.AutoPlanner.TRIAL_WITHIN = 0.0
     real = pm.AutoPlanner.observe
 
     def observe(self: Any, key: Any, seconds: float) -> None:
@@ -184,6 +186,62 @@ def test_auto_undoes_a_replan_that_measures_slower() -> None:
         assert r["metrics"]["hopq/plan_reverts"] == 1.0
         assert len(r["log"]) == 1
     assert res[0]["final"] == res[1]["final"]
+
+
+def trial_worker(rank: int, n: int, native_period: float) -> dict[str, Any]:
+    """The first plan (DynamiQ on a slow link) against its challengers, with
+    forced step periods: 10 ms a step under DynamiQ, ``native_period`` under
+    torch's own all-reduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hopq.comm import plan as pm
+
+    records = _keep_log()
+    now = [0.0]
+    pm.AutoPlanner.clock = staticmethod(lambda: now[0])  # type: ignore[method-assign]
+    pm.AUTO_OVERRIDES.update(inter_gbit=0.05, codecs=("dynamiq", "fp32", "bf16"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
+    ddp = DDP(model, bucket_cap_mb=0.02)
+    state = hopq.HookState(codec="auto")
+    assert state.auto is not None
+    state.auto.TRIAL_WITHIN = 1e9  # every challenger is tried
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    seen = []
+    for _ in range(24):
+        (ddp(torch.randn(16, 64, generator=g)) - 1).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(state.auto.summary())
+        now[0] += native_period if seen[-1].startswith("torch:") else 0.01
+    metrics = state.step_metrics()
+    state.close()
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "seen": seen,
+        "trials": state.auto.trials,
+        "results": state.auto.trial_results,
+        "metrics": metrics,
+        "log": [m for m in records if "measured" in m],
+    }
+
+
+@pytest.mark.parametrize("native_period", [0.005, 0.02])
+def test_auto_weighs_its_pick_against_torch_by_measurement(native_period: float) -> None:
+    a, b = run_workers(2, trial_worker, native_period, timeout=300)
+    for p, q in zip(a["params"], b["params"], strict=True):
+        assert torch.equal(p, q)  # every rank ran the same plans
+    assert a["seen"] == b["seen"]
+    assert a["seen"][3].startswith("dynamiq")  # the cost model's pick first
+    assert any(s == "torch:ddp" for s in a["seen"])  # torch's own all-reduce was tried
+    assert a["trials"] >= 1 and a["metrics"]["hopq/plan_trials"] == a["trials"]
+    assert len(a["log"]) == 1 and len(a["results"]) == a["trials"] + 1
+    faster = native_period < 0.01
+    # the plan of the shortest step stays: torch's when it measured faster
+    assert a["seen"][-1].startswith("torch:") == faster, a["seen"]
+    assert ("no re-plans" in a["log"][0]) == faster
 
 
 def mixed_worker(rank: int, n: int) -> dict[str, Any]:

@@ -1032,33 +1032,87 @@ class _Bucket:
     layout: Any
     plan: Plan
     predicted: float
+    #: Whether torch's own all-reduce runs it (an uncompressed flat pick in the
+    #: DDP hook: what DDP or torch's compression hooks do).
+    native: bool = False
+
+
+#: What an uncompressed flat pick runs as in the DDP hook: torch's own
+#: all-reduce of the bucket in that dtype (DDP's default, ``fp16_compress_hook``,
+#: ``bf16_compress_hook``).
+NATIVE_LABELS = {"fp32": "torch:ddp", "fp16": "torch:fp16", "bf16": "torch:bf16"}
+
+
+def _with_pick(p: Plan, c: Candidate, why: str) -> Plan:
+    """``p`` with ``c`` (one of its candidates) as its pick."""
+    hier = c.schedule.startswith("hier:")
+    return dataclasses.replace(
+        p,
+        codec=c.codec,
+        codec_config=dict(c.config),
+        topology=c.schedule.split(":", 1)[1] if hier else c.schedule,
+        layout=f"{p.inputs.nodes}x{p.inputs.per_node}" if hier else None,
+        reason=why,
+    )
+
+
+def challenger(p: Plan, compressed: bool, codec: str | None = None) -> Plan:
+    """``p`` with its fastest candidate within the error budget of the kind
+    asked for (compressed or not; ``codec``: that codec only) as its pick;
+    ``p`` itself when its pick is of that kind already or none is."""
+    if (p.codec not in UNCOMPRESSED) == compressed and codec in (None, p.codec):
+        return p
+    for c in p.candidates:  # fastest first
+        if c.excluded or (c.codec not in UNCOMPRESSED) != compressed:
+            continue
+        if codec is None or c.codec == codec:
+            return _with_pick(p, c, f"a challenger of {p.pick.label} on {p.schedule}")
+    return p
 
 
 class AutoPlanner:
     """``codec="auto"`` of :class:`hopq.HookState` and
     :class:`hopq.FSDPReduceScatter`: one plan per bucket (key) and size, from an
-    agreed probe of the link at the first call, re-planned when the measured
-    call times drift from the prediction.
+    agreed probe of the link at the first call, tried against its challengers
+    by measurement, re-planned when the measured call times drift from the
+    prediction.
 
     Every rank sees the same calls in the same order (DDP's buckets, FSDP's
     modules), so a key seen again starts a new step; at each step's end the
-    ranks agree on the step's slowest call time (one all-reduce of one float
-    per step) and compare it with the plan's prediction, scaled once by the
-    first measured step after a plan (the cost model's calibration to this
-    machine; :data:`WARMUP_STEPS` steps after a plan are left out, where
-    kernels compile). More than :data:`DRIFT` off for :data:`DRIFT_STEPS`
-    consecutive steps: a re-plan (logged, counted in ``replans``), from a new
-    probe at the next call; the re-planned buckets' codecs start fresh. A
-    re-plan is then judged by measurement: after :data:`COMPARE_STEPS` steps
-    its median step time is compared with that of each plan it replaced, and
-    when it is more than :data:`WORSE` slower than the best of them, that plan
-    comes back (logged, counted in ``reverts``) and stays: the planner stops
-    re-planning, since its model mispredicted this machine twice.
+    ranks agree on the step's slowest call time and its slowest period (the
+    time from one step's first call to the next's: compute included), one
+    all-reduce of two floats per step.
+
+    **The measured trial.** The cost model does not see everything (workers
+    that share cores with their compute, a backend faster than hopq's
+    uncompressed rings), so the first plan is weighed against its challengers
+    by measurement: the fastest plan of the other kind (uncompressed when the
+    pick compresses, compressed when it does not) and, in the DDP hook, torch's
+    own fp32 all-reduce, each one predicted within :data:`TRIAL_WITHIN` of the
+    pick. Each runs :data:`WARMUP_STEPS` + :data:`COMPARE_STEPS` steps; the one
+    of the shortest median period stays (logged once, counted in ``trials``);
+    when it is not the model's pick, the plan is pinned: no re-plans.
+
+    **Drift.** After the trial, the prediction is scaled once by the first
+    measured step (the cost model's calibration to this machine;
+    :data:`WARMUP_STEPS` steps after a plan are left out, where kernels
+    compile). More than :data:`DRIFT` off for :data:`DRIFT_STEPS` consecutive
+    steps: a re-plan (logged, counted in ``replans``), from a new probe at the
+    next call; the re-planned buckets' codecs start fresh. A re-plan is then
+    judged by measurement: after :data:`COMPARE_STEPS` steps its median step
+    time is compared with that of each plan it replaced, and when it is more
+    than :data:`WORSE` slower than the best of them, that plan comes back
+    (logged, counted in ``reverts``) and stays.
+
+    In the DDP hook (``native``), an uncompressed flat pick runs as torch's own
+    all-reduce of the bucket in that dtype (:data:`NATIVE_LABELS`): what DDP and
+    torch's compression hooks do, without hopq's per-hop work.
 
     Args:
         layout: The layout asked for (None: flat plans only; a layout adds the
             two-tier candidates).
         owner: Who plans, for the log line.
+        native: Whether uncompressed flat picks run as torch's own all-reduce.
     """
 
     #: How far (a fraction) a step's measured time may drift from the calibrated prediction.
@@ -1067,42 +1121,66 @@ class AutoPlanner:
     DRIFT_STEPS = 3
     #: Steps after a (re-)plan left out of the calibration (kernels compile there).
     WARMUP_STEPS = 1
-    #: Measured steps of a re-plan before it is compared with the plans it replaced.
+    #: Measured steps of a plan in a trial, and of a re-plan before it is
+    #: compared with the plans it replaced.
     COMPARE_STEPS = 5
     #: How much slower (a fraction) a re-plan may measure than the best plan it
     #: replaced before that plan comes back.
     WORSE = 0.05
+    #: A challenger is tried when its predicted time is at most this many times
+    #: the pick's.
+    TRIAL_WITHIN = 2.0
 
-    def __init__(self, layout: Any = None, owner: str = "HookState") -> None:
+    def __init__(self, layout: Any = None, owner: str = "HookState", native: bool = False) -> None:
         self.layout = layout
         self.owner = owner
+        self.native = native
         #: Re-plans so far.
         self.replans = 0
         #: The last step's measured time over the calibrated prediction, minus 1.
         self.drift = 0.0
         #: Re-plans undone because they measured slower than a plan they replaced.
         self.reverts = 0
+        #: Challengers tried by measurement against the first plan.
+        self.trials = 0
+        #: The trial's plans: (label, median step period in seconds).
+        self.trial_results: list[tuple[str, float]] = []
         #: Replaced plans: (median measured step seconds, plans, probe, layout).
         self._tried: list[tuple[float, dict[int, Plan], Any, Any]] = []
         #: Whether a revert fixed the plan for good.
         self._pinned = False
+        #: Whether the first plan's trial is over (or none was due).
+        self._trial_done = False
+        #: The trial's challengers not yet run, and what was measured.
+        self._pending: list[dict[int, Plan]] | None = None
+        self._measured: list[tuple[float, str, dict[int, Plan], dict[Any, _Bucket]]] = []
+        self._boundary: float | None = None
+        self._seen: set[Any] = set()
         self._device: Any = None
         self._reset()
+
+    #: The clock of step periods (tests replace it).
+    clock = staticmethod(time.perf_counter)
 
     def _reset(self) -> None:
         self._probe: tuple[float, float] | None = None
         self._lay: Any = None
         self._plans: dict[int, Plan] = {}
         self._buckets: dict[Any, _Bucket] = {}
+        self._restart()
+        self._logged = False
+
+    def _restart(self) -> None:
+        """Start measuring the current plans afresh."""
         self._step_keys: set[Any] = set()
         self._times: dict[Any, float] = {}
         self._scale: float | None = None
         self._warm = self.WARMUP_STEPS
         self._drifted = 0
-        self._logged = False
-        #: This plan's measured step seconds (after its warm-up), and whether it
-        #: was compared with the plans it replaced.
+        #: This plan's measured step seconds and periods (after its warm-up),
+        #: and whether it was compared with the plans it replaced.
         self._recent: list[float] = []
+        self._periods: list[float] = []
         self._compared = False
 
     def pick(self, tensor: Any, group: Any, key: Any) -> tuple[Any, str, Any]:
@@ -1125,10 +1203,18 @@ class AutoPlanner:
                 probe = self._probe if self._probe is not None else (1e-6, 1e3)
                 p = self._plans[numel] = plan_call(numel, n, probe, self._lay)
             codec, topology, lay = _built(p, self._lay)
-            b = self._buckets[key] = _Bucket(numel, codec, topology, lay, p, p.pick.sync_s)
+            native = self.native and p.codec in NATIVE_LABELS and not p.layout and n > 1
+            b = _Bucket(numel, codec, topology, lay, p, p.pick.sync_s, native)
+            self._buckets[key] = b
             # new buckets (DDP rebuilds its buckets after the first step): recalibrate
             self._scale, self._warm, self._drifted = None, self.WARMUP_STEPS, 0
+            self._periods, self._recent = [], []
         return b.codec, b.topology, b.layout
+
+    def is_native(self, key: Any) -> bool:
+        """Whether the call ``key`` (just picked) runs as torch's own all-reduce."""
+        b = self._buckets.get(key)
+        return b is not None and b.native
 
     def observe(self, key: Any, seconds: float) -> None:
         """This rank's measured seconds of the call ``key`` just made."""
@@ -1138,13 +1224,17 @@ class AutoPlanner:
         import torch
         import torch.distributed as dist
 
+        now = self.clock()
+        period = 0.0 if self._boundary is None else now - self._boundary
+        self._boundary = now
         times, self._times, self._step_keys = self._times, {}, set()
         if not times:
             return
-        t = torch.tensor([sum(times.values())], dtype=torch.float64, device=self._device)
+        self._seen = set(times)
+        t = torch.tensor([sum(times.values()), period], dtype=torch.float64, device=self._device)
         if dist.get_world_size(group) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's
-        measured = float(t.cpu())
+        measured, period = (float(v) for v in t.cpu())
         predicted = sum(self._buckets[k].predicted for k in times if k in self._buckets)
         if not self._logged:
             self._logged = True
@@ -1153,6 +1243,10 @@ class AutoPlanner:
             self._warm -= 1
             return
         self._recent.append(measured)
+        if period > 0:
+            self._periods.append(period)
+        if self._trial():
+            return
         if self._judge():
             return
         if self._scale is None:
@@ -1181,6 +1275,76 @@ class AutoPlanner:
                     (statistics.median(self._recent), self._plans, self._probe, self._lay)
                 )
             self._reset()
+
+    def _challengers(self) -> list[dict[int, Plan]]:
+        """The first plan's challengers (plans per size), each predicted within
+        :data:`TRIAL_WITHIN` of it."""
+        live = [b for k, b in self._buckets.items() if k in self._seen]
+        sizes = {b.numel for b in live}
+        if not sizes or self._probe is None:
+            return []
+        plans = {m: self._plans[m] for m in sizes}
+        compressed = any(p.codec not in UNCOMPRESSED for p in plans.values())
+        alts = [{m: challenger(p, not compressed) for m, p in plans.items()}]
+        if self.native:  # torch's own fp32 all-reduce (DDP's), flat
+            alts.append(
+                {
+                    m: p if p.codec == "fp32" and not p.layout else challenger(p, False, "fp32")
+                    for m, p in plans.items()
+                }
+            )
+
+        def predicted(ps: dict[int, Plan]) -> float:
+            return sum(ps[b.numel].pick.sync_s for b in live)
+
+        now = predicted(plans)
+        out: list[dict[int, Plan]] = []
+        for alt in alts:
+            same = all(alt[m] is plans[m] for m in sizes)
+            if same or alt in out or predicted(alt) > self.TRIAL_WITHIN * now:
+                continue
+            out.append(alt)
+        return out
+
+    def _trial(self) -> bool:
+        """The first plan's measured trial (the class docstring); True while it
+        runs or when it just switched plans (no drift is judged then)."""
+        if self._trial_done or self._pinned:
+            return False
+        if self._pending is None:
+            self._pending = self._challengers()
+            if not self._pending:
+                self._trial_done = True
+                return False
+        if len(self._periods) < self.COMPARE_STEPS:
+            return True
+        self._measured.append(
+            (statistics.median(self._periods), self.summary(), self._plans, self._buckets)
+        )
+        if self._pending:
+            self.trials += 1
+            self._plans = {**self._plans, **self._pending.pop(0)}
+            self._buckets = {}
+            self._restart()
+            return True
+        self._trial_done = True
+        if len(self._measured) == 1:
+            return False
+        self.trial_results = [(label, med) for med, label, _, _ in self._measured]
+        best = min(range(len(self._measured)), key=lambda i: self._measured[i][0])
+        _, label, plans, buckets = self._measured[best]
+        _log.info(
+            "hopq codec='auto' (%s): measured %s; keeps %s%s",
+            self.owner,
+            ", ".join(f"{lab}: {med * 1e3:.4g} ms a step" for lab, med in self.trial_results),
+            label,
+            "" if best == 0 else " (the cost model's pick measured slower here: no re-plans)",
+        )
+        if best != len(self._measured) - 1:
+            self._plans, self._buckets = plans, buckets
+        self._pinned = best != 0
+        self._restart()
+        return True
 
     def _judge(self) -> bool:
         """After :data:`COMPARE_STEPS` measured steps of a re-plan, bring back the
@@ -1211,6 +1375,12 @@ class AutoPlanner:
         self._pinned = True
         return True
 
+    @staticmethod
+    def _label(b: _Bucket) -> str:
+        if b.native:
+            return NATIVE_LABELS[b.plan.codec]
+        return f"{b.plan.pick.label}@{b.plan.schedule}"
+
     def describe(self, measured: float | None = None) -> str:
         """One line: the probe and each bucket's pick."""
         if self._probe is None:
@@ -1218,32 +1388,32 @@ class AutoPlanner:
         else:
             head = f"probed {self._probe[1]:.3g} Gbit/s and {self._probe[0] * 1e6:.0f} us per step"
         parts = [
-            f"{k}: {b.numel:,} coords -> {b.plan.pick.label} on {b.plan.schedule} "
-            f"({b.predicted * 1e3:.3g} ms predicted)"
+            f"{k}: {b.numel:,} coords -> {self._label(b)} ({b.predicted * 1e3:.3g} ms predicted)"
             for k, b in self._buckets.items()
         ]
         tail = "" if measured is None else f"; the first step took {measured * 1e3:.3g} ms"
         return f"hopq codec='auto' ({self.owner}): {head}; " + "; ".join(parts) + tail
 
     def metrics(self, prefix: str = "hopq/") -> dict[str, float]:
-        """``{prefix}plan/<key>/<codec>@<schedule>``: each bucket's pick (the
-        value: its predicted seconds), ``{prefix}replans``,
-        ``{prefix}plan_reverts`` (re-plans undone by measurement) and
-        ``{prefix}plan_drift`` (the last step's drift from the prediction)."""
+        """``{prefix}plan/<key>/<codec>@<schedule>`` (or ``torch:ddp``, ...):
+        each bucket's pick (the value: its predicted seconds),
+        ``{prefix}replans``, ``{prefix}plan_reverts`` (re-plans undone by
+        measurement), ``{prefix}plan_trials`` (challengers measured against the
+        first plan) and ``{prefix}plan_drift`` (the last step's drift from the
+        prediction)."""
         out = {
-            f"{prefix}plan/{k}/{b.plan.pick.label}@{b.plan.schedule}": float(b.predicted)
+            f"{prefix}plan/{k}/{self._label(b)}": float(b.predicted)
             for k, b in self._buckets.items()
         }
         out[f"{prefix}replans"] = float(self.replans)
         out[f"{prefix}plan_reverts"] = float(self.reverts)
+        out[f"{prefix}plan_trials"] = float(self.trials)
         out[f"{prefix}plan_drift"] = float(self.drift)
         return out
 
     def summary(self) -> str:
         """The picks, shortest: ``dynamiq@ring`` or ``0: bf16@ring, 1: dynamiq@ring``."""
-        picks = {f"{b.plan.pick.label}@{b.plan.schedule}" for b in self._buckets.values()}
+        picks = {self._label(b) for b in self._buckets.values()}
         if len(picks) <= 1:
             return next(iter(picks), "nothing planned")
-        return ", ".join(
-            f"{k}: {b.plan.pick.label}@{b.plan.schedule}" for k, b in self._buckets.items()
-        )
+        return ", ".join(f"{k}: {self._label(b)}" for k, b in self._buckets.items())

@@ -181,7 +181,7 @@ class HookState(CallRecords):
                     f"HookState(codec='auto') plans the codec's options itself; got "
                     f"{sorted(codec_config)} (hopq.comm.plan.AUTO_OVERRIDES changes what it assumes)"
                 )
-            self.auto = AutoPlanner(resolve_spec(layout), "HookState")
+            self.auto = AutoPlanner(resolve_spec(layout), "HookState", native=True)
             codec = "fp32"
         self.codec = get_codec(codec, **codec_config)
         self._said_optimizer_unused = False
@@ -568,11 +568,14 @@ def _reduce(
                 uniform = r is None and isinstance(weigh, torch.optim.SGD)
         with state._lock:
             state.exact_seconds += time.perf_counter() - t0
-    info = all_reduce(
-        buf, codec, topology, "avg", group, state.seed, index,
-        timeout=state.timeout, gather_codec=state.gather_codec, layout=layout,
-        intra_codec=state.intra_codec,
-    )  # fmt: skip
+    if state.auto is not None and state.auto.is_native(index):
+        info = torch_all_reduce(buf, codec.name, group)
+    else:
+        info = all_reduce(
+            buf, codec, topology, "avg", group, state.seed, index,
+            timeout=state.timeout, gather_codec=state.gather_codec, layout=layout,
+            intra_codec=state.intra_codec,
+        )  # fmt: skip
     if state.auto is not None:
         state.auto.observe(index, info.seconds)
     info.seconds += t_thr  # codec work: seconds - comm_seconds
@@ -596,6 +599,32 @@ def _reduce(
             state.uref_sq += uref
             state.exact_seconds += time.perf_counter() - t0
     state._record(info, err_sq=err, ref_sq=ref, uerr_sq=uerr, uref_sq=uref)
+
+
+#: The dtype torch's own all-reduce of an uncompressed plan runs in.
+_NATIVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def torch_all_reduce(buf: torch.Tensor, codec: str, group: Any) -> RunStats:
+    """Average ``buf`` over ``group`` with torch's own all-reduce in the dtype
+    of the uncompressed codec ``codec`` ("fp32": DDP's default; "fp16", "bf16":
+    as ``fp16_compress_hook`` and ``bf16_compress_hook``, which sum in that
+    dtype), in place; this rank's stats (the bytes of a ring)."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    n = dist.get_world_size(group)
+    dtype = _NATIVE_DTYPES[codec]
+    wire = buf if buf.dtype == dtype else buf.to(dtype)
+    wire.div_(n)
+    dist.all_reduce(wire, group=group)
+    if wire is not buf:
+        buf.copy_(wire)
+    seconds = time.perf_counter() - t0
+    chunk = -(-buf.numel() // n)
+    return RunStats(
+        rank=dist.get_rank(group), world_size=n, numel=buf.numel(),
+        payload_bytes=2 * (n - 1) * chunk * wire.element_size(), hops_per_chunk=n - 1,
+        seconds=seconds, comm_seconds=seconds, cpu_seconds=time.thread_time() - c0,
+    )  # fmt: skip
 
 
 def _run(
