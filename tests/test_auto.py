@@ -36,7 +36,7 @@ def _keep_log() -> list[str]:
 def _forced_timings(drift_at: int) -> None:
     """Every call takes 10 ms, 30 ms from step ``drift_at`` on: the same on
     every rank and free of the machine's noise. No measured trial of the first
-    plan (its step periods are the machine's)."""
+    plan (its step spans are the machine's)."""
     from hopq.comm import plan as pm
 
     pm.AutoPlanner.TRIAL_WITHIN = 0.0
@@ -190,8 +190,8 @@ def test_auto_undoes_a_replan_that_measures_slower() -> None:
 
 def trial_worker(rank: int, n: int, native_period: float) -> dict[str, Any]:
     """The first plan (DynamiQ on a slow link) against its challengers, with
-    forced step periods: 10 ms a step under DynamiQ, ``native_period`` under
-    torch's own all-reduce."""
+    forced timings: each bucket's call ends 10 ms after the last under DynamiQ,
+    ``native_period`` under torch's own all-reduce."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hopq.comm import plan as pm
@@ -199,6 +199,13 @@ def trial_worker(rank: int, n: int, native_period: float) -> dict[str, Any]:
     records = _keep_log()
     now = [0.0]
     pm.AutoPlanner.clock = staticmethod(lambda: now[0])  # type: ignore[method-assign]
+    real = pm.AutoPlanner.observe
+
+    def observe(self: Any, key: Any, seconds: float) -> None:
+        now[0] += native_period if self.is_native(key) else 0.01
+        real(self, key, seconds)
+
+    pm.AutoPlanner.observe = observe  # type: ignore[method-assign]
     pm.AUTO_OVERRIDES.update(inter_gbit=0.05, codecs=("dynamiq", "fp32", "bf16"))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 4))
@@ -215,7 +222,6 @@ def trial_worker(rank: int, n: int, native_period: float) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         seen.append(state.auto.summary())
-        now[0] += native_period if seen[-1].startswith("torch:") else 0.01
     metrics = state.step_metrics()
     state.close()
     return {

@@ -1079,9 +1079,10 @@ class AutoPlanner:
 
     Every rank sees the same calls in the same order (DDP's buckets, FSDP's
     modules), so a key seen again starts a new step; at each step's end the
-    ranks agree on the step's slowest call time and its slowest period (the
-    time from one step's first call to the next's: compute included), one
-    all-reduce of two floats per step.
+    ranks agree on the step's slowest call time and its slowest span (from its
+    first call to the end of its last: the backward pass that the plan's codec
+    work shares the cores with, and the synchronization it leaves exposed),
+    one all-reduce of two floats per step.
 
     **The measured trial.** The cost model does not see everything (workers
     that share cores with their compute, a backend faster than hopq's
@@ -1090,7 +1091,7 @@ class AutoPlanner:
     pick compresses, compressed when it does not) and, in the DDP hook, torch's
     own fp32 all-reduce, each one predicted within :data:`TRIAL_WITHIN` of the
     pick. Each runs :data:`WARMUP_STEPS` + :data:`COMPARE_STEPS` steps; the one
-    of the shortest median period stays (logged once, counted in ``trials``);
+    of the shortest median span stays (logged once, counted in ``trials``);
     when it is not the model's pick, the plan is pinned: no re-plans.
 
     **Drift.** After the trial, the prediction is scaled once by the first
@@ -1143,7 +1144,7 @@ class AutoPlanner:
         self.reverts = 0
         #: Challengers tried by measurement against the first plan.
         self.trials = 0
-        #: The trial's plans: (label, median step period in seconds).
+        #: The trial's plans: (label, median step span in seconds).
         self.trial_results: list[tuple[str, float]] = []
         #: Replaced plans: (median measured step seconds, plans, probe, layout).
         self._tried: list[tuple[float, dict[int, Plan], Any, Any]] = []
@@ -1154,12 +1155,12 @@ class AutoPlanner:
         #: The trial's challengers not yet run, and what was measured.
         self._pending: list[dict[int, Plan]] | None = None
         self._measured: list[tuple[float, str, dict[int, Plan], dict[Any, _Bucket]]] = []
-        self._boundary: float | None = None
+        self._first = self._last = 0.0
         self._seen: set[Any] = set()
         self._device: Any = None
         self._reset()
 
-    #: The clock of step periods (tests replace it).
+    #: The clock of step spans (tests replace it).
     clock = staticmethod(time.perf_counter)
 
     def _reset(self) -> None:
@@ -1177,10 +1178,10 @@ class AutoPlanner:
         self._scale: float | None = None
         self._warm = self.WARMUP_STEPS
         self._drifted = 0
-        #: This plan's measured step seconds and periods (after its warm-up),
+        #: This plan's measured step seconds and spans (after its warm-up),
         #: and whether it was compared with the plans it replaced.
         self._recent: list[float] = []
-        self._periods: list[float] = []
+        self._spans: list[float] = []
         self._compared = False
 
     def pick(self, tensor: Any, group: Any, key: Any) -> tuple[Any, str, Any]:
@@ -1190,6 +1191,8 @@ class AutoPlanner:
 
         if key in self._step_keys:
             self._end_step(group)
+        if not self._step_keys:
+            self._first = self.clock()
         self._step_keys.add(key)
         numel = int(tensor.numel())
         b = self._buckets.get(key)
@@ -1208,7 +1211,7 @@ class AutoPlanner:
             self._buckets[key] = b
             # new buckets (DDP rebuilds its buckets after the first step): recalibrate
             self._scale, self._warm, self._drifted = None, self.WARMUP_STEPS, 0
-            self._periods, self._recent = [], []
+            self._spans, self._recent = [], []
         return b.codec, b.topology, b.layout
 
     def is_native(self, key: Any) -> bool:
@@ -1219,22 +1222,21 @@ class AutoPlanner:
     def observe(self, key: Any, seconds: float) -> None:
         """This rank's measured seconds of the call ``key`` just made."""
         self._times[key] = self._times.get(key, 0.0) + float(seconds)
+        self._last = self.clock()
 
     def _end_step(self, group: Any) -> None:
         import torch
         import torch.distributed as dist
 
-        now = self.clock()
-        period = 0.0 if self._boundary is None else now - self._boundary
-        self._boundary = now
+        span = max(0.0, self._last - self._first)
         times, self._times, self._step_keys = self._times, {}, set()
         if not times:
             return
         self._seen = set(times)
-        t = torch.tensor([sum(times.values()), period], dtype=torch.float64, device=self._device)
+        t = torch.tensor([sum(times.values()), span], dtype=torch.float64, device=self._device)
         if dist.get_world_size(group) > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's
-        measured, period = (float(v) for v in t.cpu())
+        measured, span = (float(v) for v in t.cpu())
         predicted = sum(self._buckets[k].predicted for k in times if k in self._buckets)
         if not self._logged:
             self._logged = True
@@ -1243,8 +1245,8 @@ class AutoPlanner:
             self._warm -= 1
             return
         self._recent.append(measured)
-        if period > 0:
-            self._periods.append(period)
+        if span > 0:
+            self._spans.append(span)
         if self._trial():
             return
         if self._judge():
@@ -1316,10 +1318,10 @@ class AutoPlanner:
             if not self._pending:
                 self._trial_done = True
                 return False
-        if len(self._periods) < self.COMPARE_STEPS:
+        if len(self._spans) < self.COMPARE_STEPS:
             return True
         self._measured.append(
-            (statistics.median(self._periods), self.summary(), self._plans, self._buckets)
+            (statistics.median(self._spans), self.summary(), self._plans, self._buckets)
         )
         if self._pending:
             self.trials += 1
