@@ -1334,12 +1334,11 @@ class AutoPlanner:
             return False
         self.trial_results = [(label, med) for med, label, _, _ in self._measured]
         best = min(range(len(self._measured)), key=lambda i: self._measured[i][0])
-        _, label, plans, buckets = self._measured[best]
+        _, _, plans, buckets = self._measured[best]
         _log.info(
-            "hopq codec='auto' (%s): measured %s; keeps %s%s",
+            "hopq codec='auto' (%s): measured %s%s",
             self.owner,
-            ", ".join(f"{lab}: {med * 1e3:.4g} ms a step" for lab, med in self.trial_results),
-            label,
+            self.trial_note(),
             "" if best == 0 else " (the cost model's pick measured slower here: no re-plans)",
         )
         if best != len(self._measured) - 1:
@@ -1376,6 +1375,19 @@ class AutoPlanner:
         _, self._plans, self._probe, self._lay = best
         self._pinned = True
         return True
+
+    def trial_note(self) -> str:
+        """One line: the measured trial's plans and their median step spans,
+        and what stayed ("" when no trial ran)."""
+        if not self.trial_results:
+            return ""
+        best = min(self.trial_results, key=lambda r: r[1])
+        spans = ", ".join(f"{lab} {med * 1e3:.4g} ms" for lab, med in self.trial_results)
+        return (
+            f"the cost model's pick and its challengers, each for {self.COMPARE_STEPS} steps "
+            f"(median span of a step, from its first bucket's call to its last one's end): "
+            f"{spans}; kept {best[0]}"
+        )
 
     @staticmethod
     def _label(b: _Bucket) -> str:

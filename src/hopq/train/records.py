@@ -65,3 +65,5 @@ class CodecRun:
     #: The optimizer's class when the hook was handed it (HookState(optimizer=...):
     #: GComp's thresholds, DynamiQ's step sizes), else "".
     optimizer: str = ""
+    #: codec="auto": what its planner measured and kept (one line), else "".
+    plan_note: str = ""

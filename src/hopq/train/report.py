@@ -477,6 +477,7 @@ def load_runs(path: Path) -> list[CodecRun]:
             [tuple(e) for e in d["evals"]],
             d.get("bucket_bytes", []),
             d.get("optimizer", ""),
+            d.get("plan_note", ""),
         )
         for d in data
     ]
@@ -563,6 +564,7 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
             f"Machine: {machine()}. Network: {network}. Model: {runs[0].params:,} parameters.",
             bucket_line(runs, o.bucket_mb),
             *([line] if (line := optimizer_line(runs)) else []),
+            *[f"{r.codec}: {r.plan_note}" for r in runs if r.plan_note],
             *([line] if (line := tier_line(runs)) else []),
             "The contenders trained interleaved (step k of each before step k + 1 of any), so a",
             "change in the machine's load hits them alike. Compute was probed at least"
