@@ -294,6 +294,49 @@ def test_fsdp_auto_on_gloo_ranks() -> None:
     assert sum(m.startswith("INFO") for m in a["log"]) == 1
 
 
+def fsdp_optimizer_worker(rank: int, n: int) -> dict[str, Any]:
+    """FSDPReduceScatter("auto", optimizer=AdamW): the planned DynamiQ gets
+    the optimizer's step-size weights, without a warning."""
+    import warnings
+
+    from hopq.codecs.dynamiq import DynamiQ
+    from hopq.comm import plan as pm
+    from tests.workers_fsdp import build
+
+    pm.AUTO_OVERRIDES.update(inter_gbit=0.05, codecs=("dynamiq",))
+    weighed: list[Any] = []
+    real = DynamiQ.set_supergroup_weights
+
+    def set_supergroup_weights(self: Any, w: Any, key: Any, spent: float) -> None:
+        weighed.append(key)
+        real(self, w, key, spent)
+
+    DynamiQ.set_supergroup_weights = set_supergroup_weights  # type: ignore[method-assign]
+    model = build(n)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        comm = hopq.FSDPReduceScatter("auto", optimizer=opt)
+    comm.install(model)
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(3):
+        (model(torch.randn(8, 40, generator=g)) - 1).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    params = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    return {"params": params, "weighed": weighed, "metrics": comm.step_metrics()}
+
+
+def test_fsdp_auto_hands_the_optimizer_to_a_planned_dynamiq() -> None:
+    pytest.importorskip("torch.distributed.fsdp._fully_shard._fsdp_api")
+    a, b = run_workers(2, fsdp_optimizer_worker, timeout=300)
+    assert any("dynamiq" in k for k in a["metrics"] if k.startswith("hopq/plan/"))
+    # the weights exist once AdamW has stepped: modules of steps 2 and 3
+    assert a["weighed"] and a["weighed"] == b["weighed"]
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k])
+
+
 def test_train_takes_auto_as_a_contender() -> None:
     from hopq.train.contenders import is_auto, resolve_contenders
     from hopq.train.job import TrainOptions

@@ -33,15 +33,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from hopq.bench.kernels import one_thread
-from hopq.codecs.base import HopContext, LocalStats, ReduceOp
 from hopq.codecs.registry import codec_choices, get_codec, resolve_codecs
-from hopq.comm.cost import CodecCost, Network
+from hopq.comm.cost import CodecCost, Network, calibration_vector, time_codec
 from hopq.comm.cost import predict as predict_cluster
 from hopq.options import check_scoped, option
 from hopq.reporting import machine, markdown_table
@@ -175,67 +174,17 @@ def cluster_plot(points: list[tuple[str, str, int, float]], path: str) -> str | 
     return str(save_figure(fig, Path(path)))
 
 
-def _best(fn: Any, reps: int = 3, setup: Any = None, sync: Any = None) -> float:
-    """Best time of ``reps`` calls after an untimed one; with ``setup``, each call
-    is ``fn(setup())``, the setup untimed; ``sync`` (e.g. a CUDA synchronize)
-    runs before the clock starts and before it stops."""
-    times = []
-    for _ in range(reps + 1):
-        arg = setup() if setup is not None else None
-        if sync is not None:
-            sync()
-        t0 = time.perf_counter()
-        fn(arg) if setup is not None else fn()
-        if sync is not None:
-            sync()
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])
-
-
 def calibrate(codec_name: str, coords: int, device: str | torch.device = "cpu") -> CodecCost:
     """Measure a codec's per-coordinate costs with its own API on one core, its
-    tensors on ``device`` (on CUDA its GPU kernels, each timing synchronized)."""
+    tensors on ``device`` (on CUDA its GPU kernels, each timing synchronized),
+    and its bits per coordinate with the simulator."""
     from hopq.sim import simulate
 
-    dev = torch.device(device)
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
     with one_thread():
-        g = torch.Generator().manual_seed(0)
-        x = (
-            torch.randn(coords, generator=g)
-            * torch.logspace(-3, 0, coords)[torch.randperm(coords, generator=g)]
-        ).to(dev)
-        codec = get_codec(codec_name)
-        n_chunks = 4
-        plan = codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
-        work = codec.prepare_all(plan, x)
-        codec.finish(plan, work.clone(), ReduceOp.SUM, 1)
-
-        def plan_prepare_finish() -> None:
-            p = codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
-            w = codec.prepare_all(p, x)
-            codec.finish(p, w, ReduceOp.SUM, 1)
-
-        t_plan = _best(plan_prepare_finish, sync=sync)
-        c = max(range(n_chunks), key=plan.chunk_numel)
-        chunk = plan.chunk_view(work, c).clone()
-        ctx = HopContext(0, 0, c, 1, 1, 4, 0, 0, 1)
-        payload = codec.encode(plan, chunk, ctx)
-        out = torch.empty_like(chunk)
-
-        def fresh() -> Any:  # a plan may keep state across hops (gqsgd-exp counts them)
-            return codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
-
-        t_enc = _best(lambda p: codec.encode(p, chunk, ctx), setup=fresh, sync=sync)
-        t_hop = _best(
-            lambda p: codec.decode_accumulate_encode(p, payload, chunk.clone(), ctx),
-            setup=fresh,
-            sync=sync,
-        )
-        t_dec = _best(lambda p: codec.decode(p, payload, ctx, out), setup=fresh, sync=sync)
-        m = chunk.numel()
-        bits = simulate([x[: 1 << 18]] * 4, codec_name, "ring").bits_per_coord
-    return CodecCost(codec_name, t_plan / coords, t_enc / m, t_hop / m, t_dec / m, bits)
+        cost = time_codec(codec_name, coords, device)
+        x = calibration_vector(coords)[: 1 << 18]
+        bits = simulate([x] * 4, codec_name, "ring").bits_per_coord
+    return replace(cost, bits=bits)
 
 
 def predict(

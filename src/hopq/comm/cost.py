@@ -31,17 +31,25 @@ runs as a pipeline of pieces (:func:`hopq.comm.hierarchy.tier_pieces`): the
 tier inside the nodes is exposed for the first piece's reduce-scatter and the
 last piece's gather only, and each piece pays the statistics' latency.
 
-Pure functions of their inputs: no process group, no timing. The calibration
-(seconds per coordinate on this machine) and the check against the emulated
-network live in ``hopq bench model``.
+Pure functions of their inputs: no process group, no timing, except
+:func:`time_codec`, which times a codec's kernels on this machine (what
+``hopq bench model`` calibrates with, and ``codec="auto"`` measures at its
+start). The check against the emulated network lives in ``hopq bench model``.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
+import torch
+
+from hopq.codecs.base import HopContext, LocalStats, ReduceOp
+from hopq.codecs.registry import get_codec
 from hopq.comm import hierarchy
 from hopq.comm.topology import Phase, Schedule, get_schedule
 
@@ -62,6 +70,81 @@ class CodecCost:
     hop: float
     dec: float
     bits: float
+
+
+def best_seconds(
+    fn: Callable[..., Any],
+    reps: int = 3,
+    setup: Callable[[], Any] | None = None,
+    sync: Callable[[], Any] | None = None,
+) -> float:
+    """Best time of ``reps`` calls after an untimed one; with ``setup``, each call
+    is ``fn(setup())``, the setup untimed; ``sync`` (e.g. a CUDA synchronize)
+    runs before the clock starts and before it stops."""
+    times = []
+    for _ in range(reps + 1):
+        arg = setup() if setup is not None else None
+        if sync is not None:
+            sync()
+        t0 = time.perf_counter()
+        fn(arg) if setup is not None else fn()
+        if sync is not None:
+            sync()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:])
+
+
+def calibration_vector(coords: int) -> torch.Tensor:
+    """The vector codecs are timed on: Gaussian entries scaled over three
+    decades (as gradients spread), the same on every call."""
+    g = torch.Generator().manual_seed(0)
+    return (
+        torch.randn(coords, generator=g)
+        * torch.logspace(-3, 0, coords)[torch.randperm(coords, generator=g)]
+    )
+
+
+def time_codec(
+    codec_name: str, coords: int, device: str | torch.device = "cpu", bits: float = 0.0
+) -> CodecCost:
+    """Time a codec's kernels on ``coords`` coordinates with its own API, as
+    this thread runs them now (its torch threads, and whatever else shares the
+    cores), its tensors on ``device`` (on CUDA each timing synchronized):
+    seconds per coordinate of plan + prepare + finish, encode, the fused hop
+    and decode, with ``bits`` as the cost's bits per coordinate."""
+    dev = torch.device(device)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
+    x = calibration_vector(coords).to(dev)
+    codec = get_codec(codec_name)
+    n_chunks = 4
+    plan = codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
+    work = codec.prepare_all(plan, x)
+    codec.finish(plan, work.clone(), ReduceOp.SUM, 1)
+
+    def plan_prepare_finish() -> None:
+        p = codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
+        w = codec.prepare_all(p, x)
+        codec.finish(p, w, ReduceOp.SUM, 1)
+
+    t_plan = best_seconds(plan_prepare_finish, sync=sync)
+    c = max(range(n_chunks), key=plan.chunk_numel)
+    chunk = plan.chunk_view(work, c).clone()
+    ctx = HopContext(0, 0, c, 1, 1, 4, 0, 0, 1)
+    payload = codec.encode(plan, chunk, ctx)
+    out = torch.empty_like(chunk)
+
+    def fresh() -> Any:  # a plan may keep state across hops (gqsgd-exp counts them)
+        return codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
+
+    t_enc = best_seconds(lambda p: codec.encode(p, chunk, ctx), setup=fresh, sync=sync)
+    t_hop = best_seconds(
+        lambda p: codec.decode_accumulate_encode(p, payload, chunk.clone(), ctx),
+        setup=fresh,
+        sync=sync,
+    )
+    t_dec = best_seconds(lambda p: codec.decode(p, payload, ctx, out), setup=fresh, sync=sync)
+    m = chunk.numel()
+    return CodecCost(codec_name, t_plan / coords, t_enc / m, t_hop / m, t_dec / m, bits)
 
 
 @dataclass(frozen=True)

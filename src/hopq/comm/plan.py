@@ -943,11 +943,53 @@ def agree_auto(tensor: Any, group: Any, layout: Any) -> tuple[tuple[float, float
     return probe, from_claims(claims, spec)
 
 
-def plan_call(numel: int, n: int, probe: tuple[float, float], lay: Any = None) -> Plan:
+#: Coordinates ``codec="auto"`` times each candidate codec's kernels on.
+SPEED_PROBE_COORDS = 1 << 17
+
+
+def agree_speeds(
+    numel: int, n: int, probe: tuple[float, float], lay: Any, group: Any, device: Any
+) -> dict[str, tuple[float, ...]]:
+    """The kernel speeds of the codecs a plan of ``numel`` coordinates could
+    pick (those within the error budget with the default speeds), timed on
+    this rank as it runs now (:func:`hopq.comm.cost.time_codec`, on
+    :data:`SPEED_PROBE_COORDS` coordinates: every rank times at once, so
+    workers that share cores measure that), the slowest rank's: the ``speeds``
+    of :class:`PlanInputs`, the same on every rank. Empty when
+    :data:`AUTO_OVERRIDES` gives speeds."""
+    import torch
+    import torch.distributed as dist
+
+    from hopq.comm.cost import time_codec
+
+    if "speeds" in AUTO_OVERRIDES:
+        return {}
+    first = plan_call(numel, n, probe, lay)
+    names = list(dict.fromkeys(c.codec for c in first.candidates if not c.excluded))
+    rows = []
+    for name in names:
+        c = time_codec(name, SPEED_PROBE_COORDS, device)
+        rows.append([c.plan, c.enc, c.hop, c.dec])
+    t = torch.tensor(rows, dtype=torch.float64, device=device)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return {
+        name: (*(v * 1e9 for v in row), DEFAULT_SPEEDS[name][4])
+        for name, row in zip(names, t.cpu().tolist(), strict=True)
+    }
+
+
+def plan_call(
+    numel: int,
+    n: int,
+    probe: tuple[float, float],
+    lay: Any = None,
+    speeds: dict[str, tuple[float, ...]] | None = None,
+) -> Plan:
     """The plan of one call of ``numel`` coordinates on ``n`` ranks from the
-    agreed probe (and layout: the two-tier schedules are candidates too), with
-    :data:`AUTO_OVERRIDES`: a pure function of agreed values, so the same on
-    every rank."""
+    agreed probe (and layout: the two-tier schedules are candidates too; and
+    measured ``speeds``: :func:`agree_speeds`), with :data:`AUTO_OVERRIDES`: a
+    pure function of agreed values, so the same on every rank."""
     latency, gbit = probe
     fields: dict[str, Any] = {
         "nodes": n,
@@ -956,6 +998,8 @@ def plan_call(numel: int, n: int, probe: tuple[float, float], lay: Any = None) -
         "buckets": (max(numel, 1),),
         "schedules": ("ring", "butterfly"),
     }
+    if speeds:
+        fields["speeds"] = speeds
     if lay is not None and lay.nodes > 1 and lay.per_node > 1:
         fields.update(
             nodes=lay.nodes,
@@ -1000,9 +1044,11 @@ def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str, Any]:
                 _PROBES[key] = probe
                 if lay is not None:
                     _LAYOUTS[key] = lay
+                dev = _device(tensor, group)
+                _SPEEDS[key] = agree_speeds(numel, n, probe, lay, group, dev)
             latency, gbit = _PROBES[key]
             lay = _LAYOUTS.get(key) if layout is not None else None
-            p = plan_call(numel, n, _PROBES[key], lay)
+            p = plan_call(numel, n, _PROBES[key], lay, _SPEEDS.get(key))
             got = (p.codec, dict(p.codec_config), p.topology, lay if p.layout else None)
             (_log.info if first else _log.debug)(
                 "hopq codec='auto': %d ranks, probed %.3g Gbit/s and %.0f us per step; %s",
@@ -1020,6 +1066,8 @@ def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str, Any]:
     return name, topology, lay
 
 
+#: Per process group: the codec speeds that codec="auto" measured and agreed on.
+_SPEEDS: weakref.WeakKeyDictionary[Any, dict[str, tuple[float, ...]]] = weakref.WeakKeyDictionary()
 #: Per process group: the layout that codec="auto" agreed on.
 _LAYOUTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -1146,6 +1194,11 @@ class AutoPlanner:
         self.trials = 0
         #: The trial's plans: (label, median step span in seconds).
         self.trial_results: list[tuple[str, float]] = []
+        #: Seconds spent probing the link (and agreeing on the layout), and
+        #: timing the codecs' kernels.
+        self.probe_seconds = self.speed_seconds = 0.0
+        #: Measured steps: (agreed call seconds, the plans' predicted seconds).
+        self.predictions: list[tuple[float, float]] = []
         #: Replaced plans: (median measured step seconds, plans, probe, layout).
         self._tried: list[tuple[float, dict[int, Plan], Any, Any]] = []
         #: Whether a revert fixed the plan for good.
@@ -1165,6 +1218,7 @@ class AutoPlanner:
 
     def _reset(self) -> None:
         self._probe: tuple[float, float] | None = None
+        self._speeds: dict[str, tuple[float, ...]] = {}
         self._lay: Any = None
         self._plans: dict[int, Plan] = {}
         self._buckets: dict[Any, _Bucket] = {}
@@ -1200,11 +1254,16 @@ class AutoPlanner:
             n = dist.get_world_size(group)
             self._device = _device(tensor, group)
             if self._probe is None and n > 1:
+                t0 = time.perf_counter()
                 self._probe, self._lay = agree_auto(tensor, group, self.layout)
+                self.probe_seconds += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                self._speeds = agree_speeds(numel, n, self._probe, self._lay, group, self._device)
+                self.speed_seconds += time.perf_counter() - t0
             p = self._plans.get(numel)
             if p is None:
                 probe = self._probe if self._probe is not None else (1e-6, 1e3)
-                p = self._plans[numel] = plan_call(numel, n, probe, self._lay)
+                p = self._plans[numel] = plan_call(numel, n, probe, self._lay, self._speeds)
             codec, topology, lay = _built(p, self._lay)
             native = self.native and p.codec in NATIVE_LABELS and not p.layout and n > 1
             b = _Bucket(numel, codec, topology, lay, p, p.pick.sync_s, native)
@@ -1245,6 +1304,8 @@ class AutoPlanner:
             self._warm -= 1
             return
         self._recent.append(measured)
+        if predicted > 0:
+            self.predictions.append((measured, predicted))
         if span > 0:
             self._spans.append(span)
         if self._trial():
@@ -1388,6 +1449,37 @@ class AutoPlanner:
             f"(median span of a step, from its first bucket's call to its last one's end): "
             f"{spans}; kept {best[0]}"
         )
+
+    def prediction_error(self) -> float | None:
+        """The median of the measured steps' synchronization time over the
+        cost model's prediction, minus 1 (None before a measured step): the
+        plan's prediction error on this machine."""
+        if not self.predictions:
+            return None
+        return statistics.median(m / p for m, p in self.predictions) - 1
+
+    def report(self, wall_s: float | None = None) -> str:
+        """One line: the trial, the prediction's error and the probe's cost
+        (as a share of ``wall_s``, the training seconds, when given)."""
+        parts = []
+        if self.trial_results:
+            parts.append(self.trial_note())
+        err = self.prediction_error()
+        if err is not None:
+            m = statistics.median(m for m, _ in self.predictions)
+            p = statistics.median(p for _, p in self.predictions)
+            parts.append(
+                f"synchronization per step {m * 1e3:.4g} ms measured against {p * 1e3:.4g} ms "
+                f"predicted (median over {len(self.predictions)} steps, the model off by "
+                f"{err:+.0%})"
+            )
+        spent = self.probe_seconds + self.speed_seconds
+        share = f", {spent / wall_s:.1%} of the training time" if wall_s else ""
+        parts.append(
+            f"the probes took {spent:.2f} s (the link {self.probe_seconds:.2f} s, the codecs' "
+            f"kernels {self.speed_seconds:.2f} s{share})"
+        )
+        return "; ".join(parts)
 
     @staticmethod
     def _label(b: _Bucket) -> str:

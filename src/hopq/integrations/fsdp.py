@@ -171,7 +171,8 @@ class FSDPReduceScatter(_ReduceScatterBase):
             ``thresholds_every`` calls of a module, one byte per coordinate)
             and DynamiQ (its step sizes weigh the bit allocation, exchanged
             before every call); it needs :meth:`install`. One given to a codec
-            that reads none is ignored, with a UserWarning.
+            that reads none is ignored, with a UserWarning; with ``"auto"`` it
+            goes to the modules whose planned codec reads one.
         thresholds_every: Calls of a module between refreshes of GComp's
             thresholds; only with GComp and ``optimizer``.
         layout: The nodes the ranks run on, for two-tier reduce-scatters, as
@@ -232,16 +233,16 @@ class FSDPReduceScatter(_ReduceScatterBase):
         get_schedule(topology, 1)  # an unknown topology fails here, not mid-backward
         planner = None
         if isinstance(codec, str) and codec.strip().lower() == "auto":
-            if codec_config or optimizer is not None:
+            if codec_config:
                 raise ValueError(
-                    "FSDPReduceScatter(codec='auto') plans the codec itself: pass no codec "
-                    "options and no optimizer (hopq.comm.plan.AUTO_OVERRIDES changes what it "
-                    "assumes)"
+                    "FSDPReduceScatter(codec='auto') plans the codec's options itself: pass "
+                    "none (hopq.comm.plan.AUTO_OVERRIDES changes what it assumes)"
                 )
             planner = AutoPlanner(spec, "FSDPReduceScatter")
             codec = "fp32"  # a stand-in: every call runs its plan's codec
         c = get_codec(codec, **codec_config)
-        unused = reads_no_optimizer(c) if optimizer is not None else None
+        # with "auto", an optimizer goes to the modules whose planned codec reads one
+        unused = reads_no_optimizer(c) if optimizer is not None and planner is None else None
         if unused:  # accepted and ignored, as HookState does: said once
             warnings.warn(
                 f"FSDPReduceScatter(optimizer=...): {unused}; the optimizer is ignored",
@@ -249,7 +250,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 stacklevel=2,
             )
             optimizer = None
-        if optimizer is not None:
+        if optimizer is not None and planner is None:
             check_takes_optimizer(c, optimizer)
             if not hasattr(c, "set_thresholds") and not hasattr(c, "set_supergroup_weights"):
                 raise ValueError(
@@ -383,17 +384,22 @@ class FSDPReduceScatter(_ReduceScatterBase):
             why = missing_optimizer(shared.codec, shared.optimizer, "FSDPReduceScatter")
             if why:
                 warnings.warn(why, UserWarning, stacklevel=2)
-        gathered = 0
-        if shared.optimizer is not None:
-            exchange = (
-                self._set_thresholds
-                if hasattr(shared.codec, "set_thresholds")
-                else self._set_step_weights
-            )
-            gathered = exchange(output_tensor.numel(), group, input_tensor.device)
         codec, topology, layout = shared.codec, shared.topology, shared.layout
         if shared.auto is not None:  # codec="auto": this module's plan (docs/plan.md)
             codec, topology, layout = shared.auto.pick(input_tensor, group, self.key)
+        gathered = 0
+        # the optimizer's state goes to the codecs that read it (with "auto": a
+        # planned GComp or DynamiQ on a flat schedule; every rank plans alike)
+        if shared.optimizer is not None and layout is None:
+            exchange = (
+                self._set_thresholds
+                if hasattr(codec, "set_thresholds")
+                else self._set_step_weights
+                if hasattr(codec, "set_supergroup_weights")
+                else None
+            )
+            if exchange is not None:
+                gathered = exchange(codec, output_tensor.numel(), group, input_tensor.device)
         shard, info = reduce_scatter_with_stats(
             input_tensor, codec, topology, op, group, shared.seed,
             key=self.key, timeout=shared.timeout, shards="equal", layout=layout,
@@ -465,7 +471,11 @@ class FSDPReduceScatter(_ReduceScatterBase):
         )
 
     def _set_thresholds(
-        self, numel: int, group: torch.distributed.ProcessGroup, device: torch.device
+        self,
+        codec: Codec[Any],
+        numel: int,
+        group: torch.distributed.ProcessGroup,
+        device: torch.device,
     ) -> int:
         """Hand the codec this key's thresholds, exchanged anew every
         ``thresholds_every`` calls, and at the first call after the optimizer's
@@ -492,12 +502,14 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 full = (torch.cat(out).to(torch.int32) << 23).view(torch.float32)
                 sent = (group.size() - 1) * e.numel()
             # the codec keeps them for this key until the next exchange
-            shared.codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
+            codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
         shared.thresholds[self.key] = (calls + 1, had_state)
         return sent
 
     # -- DynamiQ's step-size weights -------------------------------------------------
-    def _local_weights(self, params: list[Any] | None, why: str) -> torch.Tensor | None:
+    def _local_weights(
+        self, codec: Codec[Any], params: list[Any] | None, why: str
+    ) -> torch.Tensor | None:
         """The weights of this rank's slice's super-groups (its shards of
         ``params`` in FSDP's order, each padded to FSDP's padded shard size; the
         padding in no mean), or None: no step sizes yet (before the optimizer's
@@ -525,16 +537,20 @@ class FSDPReduceScatter(_ReduceScatterBase):
             real[at : at + n] = 1.0
             at += fp.padded_sharded_param_size.numel()
             src += n
-        return shared.codec.supergroup_weights(padded, real)  # type: ignore[attr-defined]
+        return codec.supergroup_weights(padded, real)  # type: ignore[attr-defined]
 
     def _set_step_weights(
-        self, numel: int, group: torch.distributed.ProcessGroup, device: torch.device
+        self,
+        codec: Codec[Any],
+        numel: int,
+        group: torch.distributed.ProcessGroup,
+        device: torch.device,
     ) -> int:
         """Hand DynamiQ this call's super-group weights, every rank's slice's,
         all-gathered (each rank decides alike: the same optimizer steps); returns
         the bytes this rank sent for them."""
         params, why = self._params(numel)
-        local = self._local_weights(params, why)
+        local = self._local_weights(codec, params, why)
         have = torch.tensor([local is not None], dtype=torch.int32, device=device)
         torch.distributed.all_reduce(have, torch.distributed.ReduceOp.MIN, group=group)
         if not bool(have.item()) or local is None:
@@ -547,7 +563,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
         # in a reduce-scatter's accounting (bits over (n-1)/n of its coordinates):
         # 32 bits per super-group, 1/8 bit per coordinate, paid from its budget
         spent = 8 * sent / ((n - 1) * numel) if n > 1 else 0.0
-        self._shared.codec.set_supergroup_weights(torch.cat(out), self.key, spent)  # type: ignore[attr-defined]
+        codec.set_supergroup_weights(torch.cat(out), self.key, spent)  # type: ignore[attr-defined]
         return sent
 
     # -- statistics and state ----------------------------------------------------

@@ -405,7 +405,7 @@ def worker(rank: int, n: int, o: TrainOptions, contenders: list[str]) -> list[Co
         planner = lane.sync.state.auto if lane.sync.state is not None else None
         if planner is not None:  # the report names what codec="auto" picked
             lane.run.codec = f"{lane.name} ({planner.summary()})"
-            lane.run.plan_note = planner.trial_note()
+            lane.run.plan_note = planner.report(lane.clock)
     return [lane.run for lane in lanes]
 
 
