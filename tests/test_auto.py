@@ -33,6 +33,14 @@ def _keep_log() -> list[str]:
     return records
 
 
+def _default_speeds() -> None:
+    """Plan from the calibrated default speeds, not from timing this machine's
+    kernels (whose load would change the picks the tests assert)."""
+    from hopq.comm import plan as pm
+
+    pm.AUTO_OVERRIDES["speeds"] = dict(pm.DEFAULT_SPEEDS)
+
+
 def _forced_timings(drift_at: int) -> None:
     """Every call takes 10 ms, 30 ms from step ``drift_at`` on: the same on
     every rank and free of the machine's noise. No measured trial of the first
@@ -40,6 +48,7 @@ def _forced_timings(drift_at: int) -> None:
     from hopq.comm import plan as pm
 
     pm.AutoPlanner.TRIAL_WITHIN = 0.0
+    _default_speeds()
     real = pm.AutoPlanner.observe
 
     def observe(self: Any, key: Any, seconds: float) -> None:
@@ -91,7 +100,7 @@ def test_hook_auto_on_gloo_ranks() -> None:
     for r in res:
         last = r["metrics"][-1]
         plans = [k for k in last if k.startswith("hopq/plan/")]
-        assert plans and all("@" in k for k in plans)
+        assert plans and all("@" in k or "/torch:" in k for k in plans)
         assert last["hopq/replans"] == 1.0  # one re-plan for one forced drift
         assert r["replans"] == 1
         info = [m for m in r["log"] if m.startswith("INFO")]
@@ -111,6 +120,7 @@ def optimizer_worker(rank: int, n: int) -> dict[str, Any]:
     from hopq.comm import plan as pm
 
     pm.AUTO_OVERRIDES.update(inter_gbit=0.05, codecs=("dynamiq",))
+    _default_speeds()
     handed: list[int] = []
     real = DynamiQ.use_optimizer
 
@@ -188,21 +198,28 @@ def test_auto_undoes_a_replan_that_measures_slower() -> None:
     assert res[0]["final"] == res[1]["final"]
 
 
-def trial_worker(rank: int, n: int, native_period: float) -> dict[str, Any]:
-    """The first plan (DynamiQ on a slow link) against its challengers, with
-    forced timings: each bucket's call ends 10 ms after the last under DynamiQ,
-    ``native_period`` under torch's own all-reduce."""
+#: Forced seconds from one bucket's call to the next under each plan (rank 1's
+#: a little longer: the ranks decide on the slowest rank's).
+TRIAL_COSTS = {"dynamiq": 0.01, "torch:bf16": 0.02, "torch:ddp": 0.02}
+
+
+def trial_worker(rank: int, n: int, costs: dict[str, float]) -> dict[str, Any]:
+    """The first plan (DynamiQ on a slow link) against its challengers
+    (torch's bf16 and fp32 all-reduce), with forced timings: ``costs`` per
+    bucket call under each."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from hopq.comm import plan as pm
 
     records = _keep_log()
+    _default_speeds()
     now = [0.0]
     pm.AutoPlanner.clock = staticmethod(lambda: now[0])  # type: ignore[method-assign]
     real = pm.AutoPlanner.observe
 
     def observe(self: Any, key: Any, seconds: float) -> None:
-        now[0] += native_period if self.is_native(key) else 0.01
+        b = self._buckets[key]
+        now[0] += costs[self._label(b).split("@")[0].split("(")[0]] * (1 + 0.1 * rank)
         real(self, key, seconds)
 
     pm.AutoPlanner.observe = observe  # type: ignore[method-assign]
@@ -234,20 +251,65 @@ def trial_worker(rank: int, n: int, native_period: float) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("native_period", [0.005, 0.02])
-def test_auto_weighs_its_pick_against_torch_by_measurement(native_period: float) -> None:
-    a, b = run_workers(2, trial_worker, native_period, timeout=300)
+@pytest.mark.parametrize("fastest", ["dynamiq", "torch:bf16", "torch:ddp"])
+def test_auto_weighs_its_pick_against_torch_by_measurement(fastest: str) -> None:
+    costs = {**TRIAL_COSTS, fastest: 0.005}
+    a, b = run_workers(2, trial_worker, costs, timeout=300)
     for p, q in zip(a["params"], b["params"], strict=True):
         assert torch.equal(p, q)  # every rank ran the same plans
-    assert a["seen"] == b["seen"]
+    assert a["seen"] == b["seen"] and a["results"] == b["results"]
     assert a["seen"][3].startswith("dynamiq")  # the cost model's pick first
-    assert any(s == "torch:ddp" for s in a["seen"])  # torch's own all-reduce was tried
-    assert a["trials"] >= 1 and a["metrics"]["hopq/plan_trials"] == a["trials"]
-    assert len(a["log"]) == 1 and len(a["results"]) == a["trials"] + 1
-    faster = native_period < 0.01
-    # the plan of the shortest step stays: torch's when it measured faster
-    assert a["seen"][-1].startswith("torch:") == faster, a["seen"]
-    assert ("no re-plans" in a["log"][0]) == faster
+    assert {"torch:bf16", "torch:ddp"} <= set(a["seen"])  # both challengers ran
+    assert a["trials"] == 2 and a["metrics"]["hopq/plan_trials"] == 2
+    assert len(a["log"]) == 1 and [r[0] for r in a["results"]][1:] == ["torch:bf16", "torch:ddp"]
+    # the plan of the shortest step stays, pinned when it overrules the model
+    assert a["seen"][-1].startswith(fastest), a["seen"]
+    assert ("no re-plans" in a["log"][0]) == (fastest != "dynamiq")
+
+
+def native_worker(rank: int, n: int, codec: str) -> dict[str, Any]:
+    """An uncompressed plan runs as torch's own all-reduce: the same gradients
+    as DDP with torch's own hook of that dtype."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hopq.comm import plan as pm
+
+    _default_speeds()
+    pm.AUTO_OVERRIDES.update(codecs=(codec,))
+    hooks = {
+        "fp32": default_hooks.allreduce_hook,
+        "bf16": default_hooks.bf16_compress_hook,
+        "fp16": default_hooks.fp16_compress_hook,
+    }
+    grads = []
+    for auto in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 4))
+        ddp = DDP(model, bucket_cap_mb=0.02)
+        state = None
+        if auto:
+            state = hopq.HookState(codec="auto")
+            ddp.register_comm_hook(state, hopq.ddp_hook)
+        else:
+            ddp.register_comm_hook(None, hooks[codec])
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp.zero_grad()
+            (ddp(torch.randn(16, 64, generator=g)) - 1).square().mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if state is not None:
+            summary = state.auto.summary()  # type: ignore[union-attr]
+            state.close()
+    return {"grads": grads, "summary": summary}
+
+
+@pytest.mark.parametrize("codec", ["fp32", "fp16"])  # torch's bf16 hook needs NCCL
+def test_auto_uncompressed_plans_run_torchs_own_all_reduce(codec: str) -> None:
+    for r in run_workers(2, native_worker, codec, timeout=300):
+        assert r["summary"] == {"fp32": "torch:ddp", "fp16": "torch:fp16"}[codec]
+        for mine, torchs in zip(*r["grads"], strict=True):
+            assert torch.equal(mine, torchs)
 
 
 def mixed_worker(rank: int, n: int) -> dict[str, Any]:
@@ -304,6 +366,7 @@ def fsdp_optimizer_worker(rank: int, n: int) -> dict[str, Any]:
     from tests.workers_fsdp import build
 
     pm.AUTO_OVERRIDES.update(inter_gbit=0.05, codecs=("dynamiq",))
+    _default_speeds()
     weighed: list[Any] = []
     real = DynamiQ.set_supergroup_weights
 

@@ -26,6 +26,7 @@ What it reads, by default:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -947,15 +948,25 @@ def agree_auto(tensor: Any, group: Any, layout: Any) -> tuple[tuple[float, float
 SPEED_PROBE_COORDS = 1 << 17
 
 
+#: Codecs whose fastest candidate the default speeds put within this factor
+#: of the fastest are timed by :func:`agree_speeds`; the others are scaled.
+SPEED_WITHIN = 3.0
+
+
 def agree_speeds(
     numel: int, n: int, probe: tuple[float, float], lay: Any, group: Any, device: Any
 ) -> dict[str, tuple[float, ...]]:
     """The kernel speeds of the codecs a plan of ``numel`` coordinates could
-    pick (those within the error budget with the default speeds), timed on
-    this rank as it runs now (:func:`hopq.comm.cost.time_codec`, on
-    :data:`SPEED_PROBE_COORDS` coordinates: every rank times at once, so
-    workers that share cores measure that), the slowest rank's: the ``speeds``
-    of :class:`PlanInputs`, the same on every rank. Empty when
+    pick (those within the error budget with the default speeds), the slowest
+    rank's: the ``speeds`` of :class:`PlanInputs`, the same on every rank.
+
+    The codecs whose fastest candidate the default speeds predict within
+    :data:`SPEED_WITHIN` of the fastest are timed on this rank as it runs now
+    (:func:`hopq.comm.cost.time_codec`, on :data:`SPEED_PROBE_COORDS`
+    coordinates, on a GPU the bucket's size up to 16M): every rank times at
+    once, so workers that share cores measure that, and ``cores_per_node``
+    should stay None. The others keep their default speeds times the median
+    ratio of measured to default speed of the timed ones. Empty when
     :data:`AUTO_OVERRIDES` gives speeds."""
     import torch
     import torch.distributed as dist
@@ -965,18 +976,31 @@ def agree_speeds(
     if "speeds" in AUTO_OVERRIDES:
         return {}
     first = plan_call(numel, n, probe, lay)
-    names = list(dict.fromkeys(c.codec for c in first.candidates if not c.excluded))
+    ok = [c for c in first.candidates if not c.excluded]  # fastest first
+    names = list(dict.fromkeys(c.codec for c in ok))
+    timed = list(dict.fromkeys(c.codec for c in ok if c.time_s <= SPEED_WITHIN * ok[0].time_s))
+    # on a GPU a small call times the launch: a bucket's size, up to 16M
+    coords = SPEED_PROBE_COORDS
+    if torch.device(device).type == "cuda":
+        coords = max(coords, min(numel, 1 << 24))
     rows = []
-    for name in names:
-        c = time_codec(name, SPEED_PROBE_COORDS, device)
+    for name in timed:
+        c = time_codec(name, coords, device)
         rows.append([c.plan, c.enc, c.hop, c.dec])
     t = torch.tensor(rows, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return {
+    out = {
         name: (*(v * 1e9 for v in row), DEFAULT_SPEEDS[name][4])
-        for name, row in zip(names, t.cpu().tolist(), strict=True)
+        for name, row in zip(timed, t.cpu().tolist(), strict=True)
     }
+    ratios = [sum(out[k][:4]) / sum(DEFAULT_SPEEDS[k][:4]) for k in timed]
+    scale = statistics.median(ratios) if ratios else 1.0
+    for name in names:
+        if name not in out:
+            d = DEFAULT_SPEEDS[name]
+            out[name] = (*(v * scale for v in d[:4]), d[4])
+    return out
 
 
 def plan_call(
@@ -1104,14 +1128,18 @@ def _with_pick(p: Plan, c: Candidate, why: str) -> Plan:
     )
 
 
-def challenger(p: Plan, compressed: bool, codec: str | None = None) -> Plan:
+def challenger(p: Plan, compressed: bool, codec: str | None = None, flat: bool = False) -> Plan:
     """``p`` with its fastest candidate within the error budget of the kind
-    asked for (compressed or not; ``codec``: that codec only) as its pick;
-    ``p`` itself when its pick is of that kind already or none is."""
-    if (p.codec not in UNCOMPRESSED) == compressed and codec in (None, p.codec):
+    asked for (compressed or not; ``codec``: that codec only; ``flat``: no
+    two-tier schedule) as its pick; ``p`` itself when its pick is of that kind
+    already or none is."""
+    mine = (p.codec not in UNCOMPRESSED) == compressed and codec in (None, p.codec)
+    if mine and not (flat and p.layout):
         return p
     for c in p.candidates:  # fastest first
         if c.excluded or (c.codec not in UNCOMPRESSED) != compressed:
+            continue
+        if flat and c.schedule.startswith("hier:"):
             continue
         if codec is None or c.codec == codec:
             return _with_pick(p, c, f"a challenger of {p.pick.label} on {p.schedule}")
@@ -1197,10 +1225,11 @@ class AutoPlanner:
         #: Seconds spent probing the link (and agreeing on the layout), and
         #: timing the codecs' kernels.
         self.probe_seconds = self.speed_seconds = 0.0
-        #: Measured steps: (agreed call seconds, the plans' predicted seconds).
-        self.predictions: list[tuple[float, float]] = []
-        #: Replaced plans: (median measured step seconds, plans, probe, layout).
-        self._tried: list[tuple[float, dict[int, Plan], Any, Any]] = []
+        #: The last measured steps: (agreed call seconds, the plans' predicted seconds).
+        self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=1000)
+        #: Replaced plans: (median measured step seconds, plans, probe, layout,
+        #: speeds).
+        self._tried: list[tuple[float, dict[int, Plan], Any, Any, Any]] = []
         #: Whether a revert fixed the plan for good.
         self._pinned = False
         #: Whether the first plan's trial is over (or none was due).
@@ -1335,7 +1364,13 @@ class AutoPlanner:
             )
             if self._recent:
                 self._tried.append(
-                    (statistics.median(self._recent), self._plans, self._probe, self._lay)
+                    (
+                        statistics.median(self._recent),
+                        self._plans,
+                        self._probe,
+                        self._lay,
+                        self._speeds,
+                    )
                 )
             self._reset()
 
@@ -1350,12 +1385,7 @@ class AutoPlanner:
         compressed = any(p.codec not in UNCOMPRESSED for p in plans.values())
         alts = [{m: challenger(p, not compressed) for m, p in plans.items()}]
         if self.native:  # torch's own fp32 all-reduce (DDP's), flat
-            alts.append(
-                {
-                    m: p if p.codec == "fp32" and not p.layout else challenger(p, False, "fp32")
-                    for m, p in plans.items()
-                }
-            )
+            alts.append({m: challenger(p, False, "fp32", flat=True) for m, p in plans.items()})
 
         def predicted(ps: dict[int, Plan]) -> float:
             return sum(ps[b.numel].pick.sync_s for b in live)
@@ -1402,9 +1432,10 @@ class AutoPlanner:
             self.trial_note(),
             "" if best == 0 else " (the cost model's pick measured slower here: no re-plans)",
         )
-        if best != len(self._measured) - 1:
+        if best != len(self._measured) - 1:  # its codecs resume where they paused
             self._plans, self._buckets = plans, buckets
         self._pinned = best != 0
+        self._measured = []  # the other plans' codecs go
         self._restart()
         return True
 
@@ -1433,7 +1464,7 @@ class AutoPlanner:
             best[0] * 1e3,
         )
         self._reset()
-        _, self._plans, self._probe, self._lay = best
+        _, self._plans, self._probe, self._lay, self._speeds = best
         self._pinned = True
         return True
 
@@ -1464,6 +1495,12 @@ class AutoPlanner:
         parts = []
         if self.trial_results:
             parts.append(self.trial_note())
+        elif self.trials:
+            parts.append(
+                f"its trial had not ended ({self.trials} challenger(s) started, "
+                f"{self.WARMUP_STEPS + self.COMPARE_STEPS} steps each): the pick named is the "
+                "one running at the end"
+            )
         err = self.prediction_error()
         if err is not None:
             m = statistics.median(m for m, _ in self.predictions)

@@ -27,6 +27,7 @@ the thread shares the group.
 # with dist.GradBucket and Future[Tensor] as objects.
 import atexit
 import contextlib
+import datetime
 import logging
 import sys
 import threading
@@ -569,7 +570,7 @@ def _reduce(
         with state._lock:
             state.exact_seconds += time.perf_counter() - t0
     if state.auto is not None and state.auto.is_native(index):
-        info = torch_all_reduce(buf, codec.name, group)
+        info = torch_all_reduce(buf, codec.name, group, state.timeout)
     else:
         info = all_reduce(
             buf, codec, topology, "avg", group, state.seed, index,
@@ -605,19 +606,29 @@ def _reduce(
 _NATIVE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def torch_all_reduce(buf: torch.Tensor, codec: str, group: Any) -> RunStats:
+def torch_all_reduce(
+    buf: torch.Tensor, codec: str, group: Any, timeout: float | None = None
+) -> RunStats:
     """Average ``buf`` over ``group`` with torch's own all-reduce in the dtype
     of the uncompressed codec ``codec`` ("fp32": DDP's default; "fp16", "bf16":
     as ``fp16_compress_hook`` and ``bf16_compress_hook``, which sum in that
-    dtype), in place; this rank's stats (the bytes of a ring)."""
+    dtype), in place, waiting at most ``timeout`` seconds (None: the group's
+    own timeout); this rank's stats (the bytes of a ring; on CUDA the time
+    until the result is on the device)."""
     t0, c0 = time.perf_counter(), time.thread_time()
     n = dist.get_world_size(group)
     dtype = _NATIVE_DTYPES[codec]
     wire = buf if buf.dtype == dtype else buf.to(dtype)
     wire.div_(n)
-    dist.all_reduce(wire, group=group)
+    work = dist.all_reduce(wire, group=group, async_op=True)
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=timeout))
     if wire is not buf:
         buf.copy_(wire)
+    if buf.is_cuda:  # the clock stops when the result is there
+        torch.cuda.current_stream(buf.device).synchronize()
     seconds = time.perf_counter() - t0
     chunk = -(-buf.numel() // n)
     return RunStats(

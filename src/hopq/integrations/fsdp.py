@@ -131,7 +131,7 @@ class _Shared(CallRecords):
         self.optimizer, self.thresholds_every = optimizer, thresholds_every
         #: key -> (calls so far, whether the optimizer had state at the key's
         #: last exchange); the thresholds themselves live in the codec
-        self.thresholds: dict[int | None, tuple[int, bool]] = {}
+        self.thresholds: dict[int | None, tuple[int, bool, int]] = {}
         self.warned: set[int | None] = set()
         self.called = False
         #: The two-tier layout and intra-node codec (set by FSDPReduceScatter).
@@ -260,7 +260,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
                     "exchanged between them): pass no optimizer"
                 )
         if thresholds_every != THRESHOLDS_EVERY and (
-            optimizer is None or not hasattr(c, "set_thresholds")
+            optimizer is None or not (hasattr(c, "set_thresholds") or planner is not None)
         ):
             raise ValueError(
                 "thresholds_every sets how often GComp's thresholds are refreshed: "
@@ -398,6 +398,15 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 if hasattr(codec, "set_supergroup_weights")
                 else None
             )
+            if exchange is not None and shared.auto is not None:
+                try:  # the planned codec's rule for this optimizer (every rank alike)
+                    check_takes_optimizer(codec, shared.optimizer)
+                except ValueError as why:
+                    self._warn_once(
+                        f"FSDPReduceScatter(codec='auto') planned {codec.name!r} for module "
+                        f"{self.key}, which runs without the optimizer: {why}"
+                    )
+                    exchange = None
             if exchange is not None:
                 gathered = exchange(codec, output_tensor.numel(), group, input_tensor.device)
         shard, info = reduce_scatter_with_stats(
@@ -483,7 +492,9 @@ class FSDPReduceScatter(_ReduceScatterBase):
         thresholds tiny); returns the bytes this rank sent for them. Every rank
         decides alike: the same calls, the same optimizer steps."""
         shared = self._shared
-        calls, had_state = shared.thresholds.get(self.key, (0, False))
+        calls, had_state, owner = shared.thresholds.get(self.key, (0, False, 0))
+        if owner != id(codec):  # a codec that has none yet (codec="auto" planned a new one)
+            calls, had_state = 0, False
         params, why = self._params(numel)
         state = self._has_state(params)
         sent = 0
@@ -503,7 +514,7 @@ class FSDPReduceScatter(_ReduceScatterBase):
                 sent = (group.size() - 1) * e.numel()
             # the codec keeps them for this key until the next exchange
             codec.set_thresholds(full, self.key)  # type: ignore[attr-defined]
-        shared.thresholds[self.key] = (calls + 1, had_state)
+        shared.thresholds[self.key] = (calls + 1, had_state, id(codec))
         return sent
 
     # -- DynamiQ's step-size weights -------------------------------------------------
