@@ -105,13 +105,18 @@ def calibration_vector(coords: int) -> torch.Tensor:
 
 
 def time_codec(
-    codec_name: str, coords: int, device: str | torch.device = "cpu", bits: float = 0.0
+    codec_name: str,
+    coords: int,
+    device: str | torch.device = "cpu",
+    bits: float = 0.0,
+    reps: int = 3,
 ) -> CodecCost:
     """Time a codec's kernels on ``coords`` coordinates with its own API, as
     this thread runs them now (its torch threads, and whatever else shares the
     cores), its tensors on ``device`` (on CUDA each timing synchronized):
     seconds per coordinate of plan + prepare + finish, encode, the fused hop
-    and decode, with ``bits`` as the cost's bits per coordinate."""
+    and decode (each the best of ``reps`` calls after an untimed one), with
+    ``bits`` as the cost's bits per coordinate."""
     dev = torch.device(device)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else None
     x = calibration_vector(coords).to(dev)
@@ -126,7 +131,7 @@ def time_codec(
         w = codec.prepare_all(p, x)
         codec.finish(p, w, ReduceOp.SUM, 1)
 
-    t_plan = best_seconds(plan_prepare_finish, sync=sync)
+    t_plan = best_seconds(plan_prepare_finish, reps, sync=sync)
     c = max(range(n_chunks), key=plan.chunk_numel)
     chunk = plan.chunk_view(work, c).clone()
     ctx = HopContext(0, 0, c, 1, 1, 4, 0, 0, 1)
@@ -136,13 +141,14 @@ def time_codec(
     def fresh() -> Any:  # a plan may keep state across hops (gqsgd-exp counts them)
         return codec.plan(x, LocalStats(n_chunks, world_size=n_chunks))
 
-    t_enc = best_seconds(lambda p: codec.encode(p, chunk, ctx), setup=fresh, sync=sync)
+    t_enc = best_seconds(lambda p: codec.encode(p, chunk, ctx), reps, setup=fresh, sync=sync)
     t_hop = best_seconds(
         lambda p: codec.decode_accumulate_encode(p, payload, chunk.clone(), ctx),
+        reps,
         setup=fresh,
         sync=sync,
     )
-    t_dec = best_seconds(lambda p: codec.decode(p, payload, ctx, out), setup=fresh, sync=sync)
+    t_dec = best_seconds(lambda p: codec.decode(p, payload, ctx, out), reps, setup=fresh, sync=sync)
     m = chunk.numel()
     return CodecCost(codec_name, t_plan / coords, t_enc / m, t_hop / m, t_dec / m, bits)
 

@@ -944,8 +944,10 @@ def agree_auto(tensor: Any, group: Any, layout: Any) -> tuple[tuple[float, float
     return probe, from_claims(claims, spec)
 
 
-#: Coordinates ``codec="auto"`` times each candidate codec's kernels on.
+#: Coordinates ``codec="auto"`` times each candidate codec's kernels on, and
+#: the timed calls of each kernel (after an untimed one; the best counts).
 SPEED_PROBE_COORDS = 1 << 17
+SPEED_PROBE_REPS = 2
 
 
 #: Codecs whose fastest candidate the default speeds put within this factor
@@ -985,7 +987,7 @@ def agree_speeds(
         coords = max(coords, min(numel, 1 << 24))
     rows = []
     for name in timed:
-        c = time_codec(name, coords, device)
+        c = time_codec(name, coords, device, reps=SPEED_PROBE_REPS)
         rows.append([c.plan, c.enc, c.hop, c.dec])
     t = torch.tensor(rows, dtype=torch.float64, device=device)
     if dist.get_world_size(group) > 1:
