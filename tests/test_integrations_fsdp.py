@@ -153,6 +153,45 @@ def test_hf_trainer_fsdp_on_cpu_is_refused_naming_the_way(hf_fsdp):
         assert msg is not None and "fsdp_version" in msg and "HookState" in msg
 
 
+def test_hf_trainer_fsdp_checkpoint_resumes_the_codec_bit_exact(tmp_path):
+    """The Trainer's own checkpoint under FSDP2 (Accelerate's sharded model and
+    optimizer, ``pytorch_model_fsdp_0``/``optimizer_0``, beside hopq's
+    ``hopq_state_rank<r>.pt``): 4 steps uninterrupted; in the same processes 4
+    steps saving at step 2; in fresh processes a new Trainer with a fresh
+    FSDPReduceScatter ``train(resume_from_checkpoint=checkpoint-2)``. The resumed
+    codec starts from the saved round, budget shares and statistics, and the run
+    ends bit for bit where the uninterrupted one does: codec state, losses and
+    parameters (with hopq's state left out, the codec restarts at round 0 and the
+    parameters differ from step 3 on)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from tests.test_integrations import same
+
+    first = run_workers(2, wf.hf_fsdp_ckpt_job, STEPS, str(tmp_path), False, timeout=600)
+    second = run_workers(2, wf.hf_fsdp_ckpt_job, STEPS, str(tmp_path), True, timeout=600)
+    half = STEPS // 2
+    files = set(first[0]["files"])
+    assert {"hopq_state_rank0.pt", "hopq_state_rank1.pt"} <= files, files
+    assert {"pytorch_model_fsdp_0", "optimizer_0"} <= files, files  # the Trainer's own
+    for r in range(2):
+        s, v, z = first[r]["straight"], first[r]["saving"], second[r]["resumed"]
+        # saving does not change the run
+        assert same(v["end"], s["end"]) and v["losses"] == s["losses"]
+        # the codec's state at the resume is the one saved (one reduce-scatter a step)
+        assert v["at_save"]["round"] == half and v["at_save"]["shares"], v["at_save"]
+        assert same(z["at_start"], v["at_save"])
+        # and the resumed run ends where the uninterrupted one does, bit for bit
+        assert s["end"]["round"] == STEPS
+        assert same(z["end"], s["end"])
+        assert z["losses"] == s["losses"]  # the checkpoint's log history, then steps 3-4
+        assert s["params"].keys() == z["params"].keys()
+        for k, p in s["params"].items():
+            assert torch.equal(_bits(p), _bits(v["params"][k])), k
+            assert torch.equal(_bits(p), _bits(z["params"][k])), k
+    for k, p in second[0]["resumed"]["params"].items():  # every rank the same
+        assert torch.equal(_bits(p), _bits(second[1]["resumed"]["params"][k])), k
+
+
 # -- torchtitan -------------------------------------------------------------------
 def test_torchtitan_recipe_installs_on_its_fsdp2_model():
     """docs/integrations/fsdp.md's torchtitan recipe, as far as CPU allows: the

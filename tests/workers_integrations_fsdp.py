@@ -270,6 +270,62 @@ def hf_fsdp_job(rank: int, n: int, steps: int, tmp: str) -> dict[str, Any]:
     return out
 
 
+def hf_fsdp_ckpt_job(rank: int, n: int, steps: int, tmp: str, resume: bool) -> dict[str, Any]:
+    """The Trainer's FSDP2 path with DynamiQ attached, through the Trainer's own
+    checkpoint. The first job (``resume=False``) trains ``steps`` steps
+    uninterrupted (``"straight"``), then ``steps`` steps saving a checkpoint every
+    ``steps // 2`` (``"saving"``); the second job, in fresh processes, builds a new
+    Trainer with a fresh FSDPReduceScatter and ``train(resume_from_checkpoint=
+    checkpoint-<steps // 2>)`` (``"resumed"``)."""
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from hopq.integrations.transformers import attach
+
+    as_torchrun(rank, n)
+    half = steps // 2
+    g = torch.Generator().manual_seed(5)
+    xs = torch.randn(256, WIDTHS[0], generator=g)
+    ys = torch.randn(256, WIDTHS[-1], generator=g)
+    data = [{"x": x, "labels": y} for x, y in zip(xs, ys, strict=True)]
+
+    def run(name: str, save: bool, resume_from: str | None = None) -> dict[str, Any]:
+        res: dict[str, Any] = {}
+        targs = TrainingArguments(
+            output_dir=f"{tmp}/{name}", max_steps=steps, per_device_train_batch_size=8,
+            learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
+            report_to="none", use_cpu=True, disable_tqdm=True, fsdp=True,
+            fsdp_config={"fsdp_version": 2}, save_strategy="steps" if save else "no",
+            save_steps=half,
+        )  # fmt: skip
+        t = Trainer(model=Regressor(), args=targs, train_dataset=data)
+        t.accelerator.state.distributed_type = DistributedType.FSDP
+        t.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        t.is_fsdp_enabled = True
+        comm = attach(t, hopq.FSDPReduceScatter("dynamiq"))
+
+        class Probe(TrainerCallback):  # after HopqCallback, which attach puts first
+            def on_train_begin(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+                res["at_start"] = comm.codec.state_dict()
+
+            def on_step_end(self, args: Any, st: Any, control: Any, **kw: Any) -> None:
+                if st.global_step == half:
+                    res["at_save"] = comm.codec.state_dict()
+
+        t.add_callback(Probe())
+        t.train(resume_from_checkpoint=resume_from)
+        res["end"] = comm.codec.state_dict()
+        res["params"] = full(t.model_wrapped)
+        res["losses"] = [e["loss"] for e in t.state.log_history if "loss" in e]
+        return res
+
+    if resume:
+        return {"resumed": run("resumed", False, f"{tmp}/saving/checkpoint-{half}")}
+    out = {"straight": run("straight", False), "saving": run("saving", True)}
+    out["files"] = sorted(os.listdir(f"{tmp}/saving/checkpoint-{half}"))
+    return out
+
+
 # -- torchtitan -------------------------------------------------------------------
 def torchtitan_job(rank: int, n: int) -> dict[str, Any]:
     """The recipe's parts as far as CPU allows: torchtitan's llama3 debug model (two
