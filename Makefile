@@ -12,9 +12,14 @@ TSTAMP := $(TVENV)/.installed
 .PHONY: setup train test test-torch-only docs
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints-dev.txt
+$(STAMP): pyproject.toml constraints-dev.txt Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q -c constraints-dev.txt -e ".[dev,bench,cpu,triton,integrations,docs]"
+	# torchtitan for the FSDP recipe's tests: its model, sharding, optimizer and
+	# checkpoint wrappers, without its data packages (datasets pins huggingface_hub
+	# below what transformers here uses; the tests load no data)
+	$(BIN)/pip install -q -c constraints-dev.txt --no-deps torchtitan==0.3.0 \
+		spmd-types==0.2.3 tyro==1.0.17 docstring-parser typeguard
 	touch $@
 
 $(TSTAMP): pyproject.toml constraints-dev.txt

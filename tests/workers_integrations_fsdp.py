@@ -358,3 +358,128 @@ def torchtitan_job(rank: int, n: int) -> dict[str, Any]:
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
     fsdp = sum(isinstance(m, FSDPModule) for m in model.modules())
     return {"installed": installed, "fsdp_modules": fsdp, "loss": loss.item()}
+
+
+class CausalSDPA(torch.nn.Module):
+    """A stand-in for torchtitan's inner attention on CPU: causal
+    scaled_dot_product_attention on its (batch, length, heads, head dim) layout
+    (FlexAttention has no backward on CPU, and varlen attention is CUDA only)."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attention_masks: Any = None,
+        scale: float | None = None, enable_gqa: bool = False, **_: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, scale=scale, enable_gqa=enable_gqa,
+        )  # fmt: skip
+        return out.transpose(1, 2)
+
+
+class TitanTrainState:
+    """What the recipe's ``HopqTrainer`` checkpoints: torchtitan's train state
+    (``Trainer.state_dict``: the step) with hopq's packed state beside it, a DCP
+    Stateful as torchtitan's CheckpointManager saves it under ``train_state``."""
+
+    def __init__(self, comm: Any) -> None:
+        self.step, self.comm = 0, comm
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.comm is None:  # as torchtitan's own Trainer.state_dict
+            return {"step": self.step}
+        return {"step": self.step, "hopq": self.comm.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        if self.comm is not None:
+            self.comm.load_state_dict(state["hopq"])
+
+
+def torchtitan_train_job(
+    rank: int, n: int, steps: int, save_at: int, tmp: str, resume: bool
+) -> dict[str, Any]:
+    """torchtitan's llama3 debug model (two layers, CausalSDPA for its attention),
+    sharded by its own apply_fsdp_to_decoder, trained with AdamW: natively, with
+    hopq's DynamiQ reduce-scatter uninterrupted, and with it saved at ``save_at``
+    through torch.distributed.checkpoint as torchtitan saves (model, optimizer and
+    the train state carrying hopq's); or, with ``resume``, resumed from that
+    checkpoint in fresh processes and trained to ``steps``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.models.llama3 import llama3_configs
+
+    mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("fsdp",))
+    ckpt = f"{tmp}/step-{save_at}"
+
+    def build() -> Any:
+        cfg = llama3_configs["debugmodel"](attn_backend="flex")
+        cfg.layers = cfg.layers[:2]
+        with torch.device("meta"):
+            model = cfg.build()
+        for layer in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+            layer.attention.inner_attention = CausalSDPA()
+        f32 = torch.float32
+        apply_fsdp_to_decoder(model, mesh, param_dtype=f32, reduce_dtype=f32, pp_enabled=False)
+        model.to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.init_weights(buffer_device=torch.device("cpu"))
+        return model
+
+    def run(
+        codec: str | None, first: int, last: int, save: bool, resume: bool, carry_hopq: bool = True
+    ) -> dict[str, Any]:
+        model = build()
+        kw = {"lr": 1e-3, "weight_decay": 0.1}
+        adamw = ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kw)
+        cfg = OptimizersContainer.Config(param_groups=[adamw], implementation="for-loop")
+        opt = OptimizersContainer(cfg, model_parts=[model])
+        comm = hopq.FSDPReduceScatter(codec) if codec else None
+        installed = comm.install(model) if comm else 0
+        if comm is None:  # torchtitan's divide factor makes FSDP ask for PREMUL_SUM,
+            # which Gloo lacks: natively, sums with FSDP's own division
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_force_sum_reduction_for_comms(True)
+        train_state = TitanTrainState(comm if carry_hopq else None)
+        # what torchtitan's CheckpointManager hands to DCP
+        states = {"model": ModelWrapper(model), "optimizer": opt, "train_state": train_state}
+        if resume:
+            dcp.load(states, checkpoint_id=ckpt)
+        losses, bits = [], []
+        for step in range(first, last):
+            g = torch.Generator().manual_seed(100 * rank + step)
+            tokens = torch.randint(0, 2048, (2, 33), generator=g)
+            inp, target = tokens[:, :-1], tokens[:, 1:]
+            positions = torch.arange(32).expand(2, 32)
+            logits = model(inp, positions=positions, attention_masks=None)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if comm is not None:
+                bits.append(comm.step_metrics()["hopq/bits_per_coordinate"])
+            train_state.step = step + 1
+            if save and step + 1 == save_at:
+                dcp.save(states, checkpoint_id=ckpt)
+        return {
+            "losses": losses, "bits": bits, "installed": installed, "params": full(model),
+            "codec": comm.codec.state_dict() if comm else None, "step": train_state.step,
+        }  # fmt: skip
+
+    if resume:  # fresh processes: from the checkpoint the first job saved
+        return {
+            "resumed": run("dynamiq", save_at, steps, save=False, resume=True),
+            # torchtitan's own train state alone: hopq's codec starts afresh
+            "without_hopq_state": run(
+                "dynamiq", save_at, steps, save=False, resume=True, carry_hopq=False
+            ),
+        }
+    return {
+        "native": run(None, 0, steps, save=False, resume=False),
+        "uninterrupted": run("dynamiq", 0, steps, save=True, resume=False),
+    }
