@@ -21,9 +21,11 @@ connections, can then tell the ranks that never exchange with the victim.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import enum
 import os
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ MISMATCHES = (
     "seed",
     "key",
     "call number",
+    "refused call",
 )
 DEATHS = (
     "never calls",
@@ -58,7 +61,12 @@ DEATHS = (
     "dies in the statistics exchange",
     "dies after its first send",
     "dies mid-step",
+    "raises an exception",
 )
+#: The calls' timeout where the victim raises an exception (a user's bug) between
+#: two calls: long enough that a survivor's error within it comes from being told,
+#: not from the deadline.
+USER_BUG_TIMEOUT_S = 60.0
 #: Seconds beyond the calls' timeout within which every survivor must have raised.
 MARGIN_S = 15.0
 
@@ -163,6 +171,9 @@ def _variant(kind: str, rank: int, codec: str, topo: str, n: int, d: int) -> dic
         call["seed"] = 2 if odd else 1
     elif kind == "key":
         call["key"] = 1 if odd else 0
+    elif kind == "refused call":  # rank 0's call is refused before anything is sent
+        if odd:
+            call["tensor"] = _input(rank, d).to(torch.int32)
     elif kind == "call number":
         if odd:  # rank 0 is one call ahead, as after a call its peers never made
             from hopq.comm.collectives import _transport
@@ -180,6 +191,8 @@ def _outcome(e: BaseException | None) -> str:
         return "MismatchError"
     if isinstance(e, TransportError):
         return "TransportError"
+    if isinstance(e, TypeError | ValueError):
+        return f"refused ({type(e).__name__})"
     return f"{type(e).__name__}: {e}"
 
 
@@ -223,6 +236,8 @@ def death_worker(
     from hopq.comm import engine, transport
 
     x = _input(rank, d)
+    if kind == "raises an exception":  # a first call together, as in a training loop
+        hopq.all_reduce(x.clone(), codec=codec, topology=topo, seed=1, timeout=timeout)
     # every rank has joined the group before the victim acts: a victim that dies
     # while a peer is still in init_process_group fails that peer's init (Gloo's
     # "remote worker crashing"), not hopq's call, and the run measures nothing
@@ -255,6 +270,16 @@ def death_worker(
                     _die()
 
             engine._Hops.build_and_post = build_then_die  # type: ignore[method-assign]
+        if kind == "raises an exception":
+            time.sleep(0.5)  # the peers are in their next call
+            # what the interpreter does with an uncaught exception: the hook prints
+            # it, the exit handlers run (hopq's among them), the exit status is 1
+            try:
+                raise RuntimeError("user bug")
+            except RuntimeError:
+                sys.excepthook(*sys.exc_info())
+            atexit._run_exitfuncs()
+            os._exit(1)
         if kind == "dies mid-step":
             # it received a partial sum, and dies before passing it on
             engine._Hops.process_payload = lambda *a, **k: _die()  # type: ignore[method-assign]
@@ -292,11 +317,17 @@ def run_mismatches(o: FaultOptions, n: int) -> list[list[tuple[Any, ...]]]:
     return [out.result for out in outs]
 
 
+def death_timeout(o: FaultOptions, kind: str) -> float:
+    """The calls' timeout of a death run."""
+    return max(o.timeout, USER_BUG_TIMEOUT_S) if kind == "raises an exception" else o.timeout
+
+
 def run_death(o: FaultOptions, kind: str, n: int, topo: str, codec: str) -> DeathResult:
     victim = n - 1
+    timeout = death_timeout(o, kind)
     outs = spawn(
-        n, death_worker, kind, victim, codec, topo, o.size, o.timeout,
-        timeout=o.timeout + MARGIN_S + 30, clean_exit=False, pg_timeout=o.timeout + MARGIN_S,
+        n, death_worker, kind, victim, codec, topo, o.size, timeout,
+        timeout=timeout + MARGIN_S + 30, clean_exit=False, pg_timeout=timeout + MARGIN_S,
     )  # fmt: skip
     return DeathResult(kind, n, topo, codec, outs, victim)
 
@@ -314,13 +345,11 @@ def survivor_outcomes(r: DeathResult, timeout: float) -> Counter[str]:
         elif out.result is None:
             c["no result"] += 1
         else:
-            what, seconds, _ = out.result
+            what, seconds, message = out.result
             if what == "TransportError":
-                c[
-                    "TransportError in time"
-                    if seconds <= timeout + MARGIN_S
-                    else "TransportError late"
-                ] += 1
+                when = "in time" if seconds <= timeout + MARGIN_S else "late"
+                named = f" naming rank {r.victim}" if f"rank {r.victim}" in message else ""
+                c[f"TransportError{named} {when}"] += 1
             else:
                 c[what] += 1
     return c
@@ -372,7 +401,7 @@ def run(o: FaultOptions) -> str:
             for topo in o.topologies:
                 codec = "dynamiq" if kind == "dies in the statistics exchange" else "bf16"
                 r = run_death(o, kind, n, topo, codec)
-                outcome = survivor_outcomes(r, o.timeout)
+                outcome = survivor_outcomes(r, death_timeout(o, kind))
                 worst = max(
                     (out.result[1] for out in r.outcomes if out.rank != r.victim and out.result),
                     default=float("nan"),
@@ -393,7 +422,11 @@ def run(o: FaultOptions) -> str:
             f"### A rank dies or never calls (hopq timeout {o.timeout:g} s)",
             "",
             "The last rank is the victim; outcomes are counted over the other ranks, 'in "
-            f"time' meaning within the timeout plus {MARGIN_S:g} s.",
+            f"time' meaning within the timeout plus {MARGIN_S:g} s. A victim that raises "
+            "an exception (a user's bug) does so between two calls and ends as the "
+            "interpreter ends it (its exit handlers run); its peers' calls have a "
+            f"{USER_BUG_TIMEOUT_S:g} s timeout, so that their error comes from being "
+            "told, not from the deadline.",
             "",
             markdown_table(
                 ["fault", "n", "topology", "codec", "survivors", "slowest survivor (s)"], drows
