@@ -78,6 +78,37 @@ def test_accelerate_save_state_carries_the_codec_state(tmp_path):
     assert_resumed(straight, resumed)
 
 
+def test_fabric_save_and_load_carry_the_codec_state(tmp_path):
+    """docs/integrations/frameworks.md's Fabric recipe: ``fabric.save(path, {"model",
+    "optimizer", "hopq": strategy.hook_state})``, then in fresh processes a new
+    Fabric, model and HookState ``fabric.load(path, {...same...})``. 4 steps
+    uninterrupted; 2 steps and save; load and 2 more: the codec starts from the
+    saved round, budget shares and statistics and ends, with the parameters, bit
+    for bit where the uninterrupted run does. Loaded without ``"hopq"``, the codec
+    restarts at round 0 and the run ends elsewhere."""
+    pytest.importorskip("lightning")
+    first = run_workers(2, ws.fabric_ckpt, str(tmp_path), False, timeout=600)
+    second = run_workers(2, ws.fabric_ckpt, str(tmp_path), True, timeout=600)
+    saved = torch.load(tmp_path / "fabric.ckpt", weights_only=True)
+    assert sorted(saved) == ["hopq", "model", "optimizer"]
+    assert saved["hopq"]["codec_name"] == "dynamiq" and saved["hopq"]["seed"] == 5
+    for r in range(2):
+        s, v = first[r]["straight"], first[r]["saving"]
+        z, o = second[r]["resumed"], second[r]["no_hopq"]
+        assert s["end"]["round"] == 4 and v["end"]["round"] == 2  # one bucket a step
+        assert v["end"]["shares"] and v["end"]["step_stats"]
+        # the codec's state at the resume is the one saved, tensors bit for bit
+        assert z["remainder"] == [] and z["at_start"]["round"] == 2
+        assert same(z["at_start"], v["end"])
+        # and the resumed run ends where the uninterrupted one does, bit for bit
+        assert same(z["end"], s["end"])
+        assert torch.equal(z["params"].view(torch.int32), s["params"].view(torch.int32))
+        # without hopq's entry: the codec restarts, and the run ends elsewhere
+        assert o["remainder"] == ["hopq"] and o["at_start"]["round"] == 0
+        assert o["end"]["round"] == 2 and not torch.equal(o["params"], s["params"])
+    assert torch.equal(second[0]["resumed"]["params"], second[1]["resumed"]["params"])
+
+
 def test_fsdp_state_survives_dcp(tmp_path):
     from hopq.integrations import fsdp
 

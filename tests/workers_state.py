@@ -198,6 +198,55 @@ def accelerate_ckpt(rank: int, n: int, tmp: str, resume: bool) -> dict[str, Any]
     return out
 
 
+# -- Lightning Fabric ----------------------------------------------------------------
+def fabric_ckpt(rank: int, n: int, tmp: str, resume: bool, steps: int = 4) -> dict[str, Any]:
+    """Fabric with ``HopqDDPStrategy`` (DynamiQ), the state in what ``fabric.save``
+    and ``fabric.load`` get, as docs/integrations/frameworks.md says. The first
+    job (``resume=False``) trains ``steps`` steps uninterrupted (``"straight"``),
+    then, with a new Fabric, model and HookState, ``steps // 2`` steps and
+    ``fabric.save`` (``"saving"``). The second job, in fresh processes, builds a
+    new Fabric, model and HookState, ``fabric.load``s the checkpoint and trains
+    the other half: with ``"hopq"`` in the loaded dict (``"resumed"``) and
+    without it (``"no_hopq"``)."""
+    from lightning.fabric import Fabric
+
+    from hopq.integrations.fabric import HopqDDPStrategy
+
+    wi.as_torchrun(rank, n)
+    half, path = steps // 2, f"{tmp}/fabric.ckpt"
+
+    def run(first: int, last: int, save: bool = False, load: str | None = None) -> dict:
+        res: dict[str, Any] = {}
+        state = hopq.HookState(codec="dynamiq", seed=5)
+        fabric = Fabric(accelerator="cpu", devices=n, strategy=HopqDDPStrategy(state))
+        fabric.launch()
+        torch.manual_seed(0)
+        model = wi.Backward()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = fabric.setup(model, opt)
+        objects: dict[str, Any] = {"model": model, "optimizer": opt}
+        if load is not None:
+            if load == "with":
+                objects["hopq"] = state
+            res["remainder"] = sorted(fabric.load(path, objects))
+            res["at_start"] = state.codec.state_dict()
+        for k in range(first, last):
+            g = torch.Generator().manual_seed(100 * rank + k)
+            x, y = torch.randn(16, 16, generator=g), torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            fabric.backward(torch.nn.functional.mse_loss(model(x), y))
+            opt.step()
+        if save:
+            fabric.save(path, {"model": model, "optimizer": opt, "hopq": state})
+        res["end"] = state.codec.state_dict()
+        res["params"] = flat(model)
+        return res
+
+    if resume:
+        return {"resumed": run(half, steps, load="with"), "no_hopq": run(half, steps, load="no")}
+    return {"straight": run(0, steps), "saving": run(0, half, save=True)}
+
+
 # -- FSDP through torch.distributed.checkpoint ---------------------------------------
 def fsdp_dcp(rank: int, n: int, path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
