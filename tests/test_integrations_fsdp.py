@@ -135,6 +135,48 @@ def test_accelerate_register_fsdp(accelerate_fsdp):
     _close_to_native(accelerate_fsdp, "hopq", 0.1)
 
 
+def test_accelerate_fsdp_save_state_resumes_the_codec_bit_exact(tmp_path):
+    """Accelerate's FSDP2 path (its state set to FSDP by hand, as on GPUs) through
+    ``save_state``/``load_state``: Accelerate's sharded model and optimizer
+    (``pytorch_model_fsdp_0``/``optimizer_0``, through DCP) beside hopq's
+    ``custom_checkpoint_0.pkl``, which ``register_fsdp`` registered. 4 steps
+    uninterrupted; 2 steps and ``save_state``; in fresh processes a new
+    Accelerator, model and FSDPReduceScatter, ``register_fsdp``, ``load_state``
+    and 2 more: the codec starts from the saved round, budget shares and
+    statistics and ends, with the losses and parameters, bit for bit where the
+    uninterrupted run does. Without hopq's entry (an unregistered reduce-scatter:
+    Accelerate refuses the checkpoint for its extra custom object, and a copy
+    without it loads the model and optimizer alone) the codec restarts at round 0
+    and the parameters differ after the first resumed step."""
+    pytest.importorskip("accelerate")
+    first = run_workers(2, wf.accelerate_fsdp_ckpt_job, STEPS, str(tmp_path), False, timeout=600)
+    second = run_workers(2, wf.accelerate_fsdp_ckpt_job, STEPS, str(tmp_path), True, timeout=600)
+    half = STEPS // 2
+    files = set(first[0]["saving"]["files"])
+    assert {"custom_checkpoint_0.pkl", "pytorch_model_fsdp_0", "optimizer_0"} <= files, files
+    for r in range(2):
+        s, v = first[r]["straight"], first[r]["saving"]
+        z, o = second[r]["resumed"], second[r]["no_hopq"]
+        assert s["end"]["round"] == STEPS and v["end"]["round"] == half  # one a step
+        assert v["end"]["shares"] and v["end"]["step_stats"], v["end"]
+        assert v["train"] == s["train"][:half]
+        # the codec's state at the resume is the one saved, tensors bit for bit
+        _same_state(z["at_start"], v["end"])
+        # and the resumed run ends where the uninterrupted one does, bit for bit
+        _same_state(z["end"], s["end"])
+        assert z["train"] == s["train"][half:]
+        assert s["params"].keys() == z["params"].keys()
+        for k, p in s["params"].items():
+            assert torch.equal(_bits(p), _bits(z["params"][k])), k
+        # without hopq's entry: the model and optimizer resume (the first loss
+        # agrees), the codec restarts at round 0, and the run ends elsewhere
+        assert "does not match the number of registered objects" in o["mismatch"]
+        assert o["at_start"]["round"] == 0 and o["end"]["round"] == half
+        assert o["train"][0] == s["train"][half] and o["train"][1:] != s["train"][half + 1 :]
+        assert not any(torch.equal(p, o["params"][k]) for k, p in s["params"].items())
+    _same_on_every_rank([second[0], second[1]], "resumed")
+
+
 def test_accelerate_fsdp_on_cpu_and_ddp_hooks_are_refused_by_name(accelerate_fsdp):
     for r in range(2):
         assert accelerate_fsdp[r]["cpu_type"] == "DistributedType.MULTI_CPU"

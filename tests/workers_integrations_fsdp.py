@@ -208,6 +208,94 @@ def accelerate_fsdp_job(rank: int, n: int, steps: int) -> dict[str, Any]:
     return out
 
 
+def accelerate_fsdp_ckpt_job(
+    rank: int, n: int, steps: int, tmp: str, resume: bool
+) -> dict[str, Any]:
+    """Accelerate's FSDP2 path (its state set to FSDP by hand, as in
+    :func:`accelerate_fsdp_job`) through ``save_state``/``load_state``. The first
+    job (``resume=False``) trains ``steps`` steps uninterrupted (``"straight"``),
+    then, with a new Accelerator, model and FSDPReduceScatter, ``steps // 2``
+    steps and ``save_state`` (``"saving"``). The second job, in fresh processes,
+    builds a new Accelerator, model and FSDPReduceScatter, ``register_fsdp``,
+    ``load_state`` and trains the other half (``"resumed"``); then once more
+    with the reduce-scatter installed but not registered, loading a copy of the
+    checkpoint without hopq's ``custom_checkpoint_0.pkl`` (``"no_hopq"``), after
+    trying the checkpoint itself (``"mismatch"``: Accelerate's message)."""
+    import shutil
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from hopq.integrations.accelerate import register_fsdp
+
+    as_torchrun(rank, n)
+    half, ckpt = steps // 2, f"{tmp}/acc"
+
+    def run(first: int, last: int, save: bool = False, load: str | None = None) -> dict:
+        res: dict[str, Any] = {}
+        plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        acc = Accelerator(cpu=True, fsdp_plugin=plugin)
+
+        def as_fsdp() -> None:  # what the state says on GPUs (on CPU it goes back)
+            acc.state.distributed_type = DistributedType.FSDP
+            acc.state.fsdp_plugin = plugin
+
+        as_fsdp()
+        model = net()
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        comm = hopq.FSDPReduceScatter("dynamiq", seed=5)
+        if load == "without":
+            comm.install(model)  # not registered: save_state/load_state leave it out
+            as_fsdp()
+            try:
+                acc.load_state(ckpt)
+                res["mismatch"] = None
+            except RuntimeError as e:
+                res["mismatch"] = str(e)
+            if rank == 0:
+                shutil.copytree(ckpt, f"{tmp}/acc_model_only")
+                os.remove(f"{tmp}/acc_model_only/custom_checkpoint_0.pkl")
+            acc.wait_for_everyone()
+            as_fsdp()
+            acc.load_state(f"{tmp}/acc_model_only")
+        else:
+            register_fsdp(acc, model, comm)
+            if load == "with":
+                as_fsdp()
+                acc.load_state(ckpt)
+        res["at_start"] = comm.codec.state_dict()
+        res["train"] = _train_from(model, opt, rank, first, last, acc.backward)
+        if save:
+            as_fsdp()
+            acc.save_state(ckpt)
+            res["files"] = sorted(os.listdir(ckpt))
+        res["end"] = comm.codec.state_dict()
+        res["params"] = full(model)
+        return res
+
+    if resume:
+        return {
+            "resumed": run(half, steps, load="with"),
+            "no_hopq": run(half, steps, load="without"),
+        }
+    return {"straight": run(0, steps), "saving": run(0, half, save=True)}
+
+
+def _train_from(model: Any, opt: Any, rank: int, first: int, last: int, backward: Any) -> list:
+    """Steps ``first`` to ``last - 1``, each on its own batch (seeded by rank and
+    step, so that a resumed run sees the batches an uninterrupted one does)."""
+    losses = []
+    for k in range(first, last):
+        g = torch.Generator().manual_seed(100 * rank + k)
+        x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, WIDTHS[-1], generator=g)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        backward(loss)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 # -- HF Trainer -----------------------------------------------------------------
 class Regressor(torch.nn.Module):
     """The network as a Trainer model: a dict with the loss."""
