@@ -43,12 +43,18 @@ def test_every_mismatch_raises_on_every_rank_and_the_group_recovers(n):
                 )
                 assert what == want_what, (codec, topo, kind, what)
                 kinds_seen.add(kind)
+            elif kind == "oversize message":  # its receiver raises, the others are told
+                assert what in ("PayloadError", "TransportError"), (codec, topo, what)
+                kinds_seen.add(kind)
             else:
                 assert what == "MismatchError", (codec, topo, kind, what)
                 kinds_seen.add(kind)
     assert kinds_seen == set(faults.MISMATCHES)  # every kind applied to some codec
     refused = [w for rows in per_rank for _, _, k, w, _ in rows if k == "refused call"]
     assert refused.count("refused (TypeError)") == len(refused) // n  # rank 0's, once a case
+    longer = [w for rows in per_rank for _, _, k, w, _ in rows if k == "oversize message"]
+    # its receivers raise PayloadError, unless a peer's notice reached them first
+    assert longer.count("PayloadError") >= len(longer) // (2 * n)
     # every codec with options or adaptive state got those mismatches too
     configs = {(c, t) for rows in per_rank for c, t, k, *_ in rows if k == "config"}
     assert {c for c, _ in configs} >= {"dynamiq", "mxfp8", "thc", "omnireduce"}

@@ -3,6 +3,7 @@ aborts its receiver (docs/reliability/index.md): real Gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -78,30 +79,16 @@ def oversize_peer(rank: int, n: int) -> dict[str, Any]:
     """Rank 1 sends every hop message 4 KiB longer than the plan says (as a peer
     that is not hopq, or whose plan differs, could): rank 0 raises PayloadError
     naming rank 1 instead of aborting, and the group stays usable."""
-    from hopq.comm import framing
+    from hopq.bench.faults import longer_messages
 
     out: dict[str, Any] = {}
-    real_pack = framing.pack
-
-    def longer(
-        header: torch.Tensor, body: torch.Tensor | None, bound: int, pad: bool = False
-    ) -> list[torch.Tensor]:
-        words = header.clone().view(torch.int64)
-        if int(words[2]) >= 0 and body is not None and body.numel():  # a hop, not the agreement
-            words[-1] += 4096
-            body = torch.cat([body, torch.zeros(4096, dtype=torch.uint8)])
-            bound += 4096
-        return real_pack(words.view(torch.uint8), body, bound, pad)
-
     x = torch.full((2048,), float(rank + 1))
-    if rank == 1:
-        framing.pack = longer  # type: ignore[assignment]
     try:
-        hopq.all_reduce(x, codec="bf16", timeout=20.0)
+        with longer_messages(4096) if rank == 1 else contextlib.nullcontext():
+            hopq.all_reduce(x, codec="bf16", timeout=20.0)
         out["first"] = "returned"
     except hopq.HopqError as e:
         out["first"] = f"{type(e).__name__}: {e}"
-    framing.pack = real_pack  # type: ignore[assignment]
     y = torch.full((2048,), float(rank + 1))
     hopq.all_reduce(y, codec="bf16", timeout=20.0)
     out["after"] = y[0].item()

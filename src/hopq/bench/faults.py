@@ -22,12 +22,14 @@ connections, can then tell the ranks that never exchange with the victim.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import enum
 import os
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +38,7 @@ import torch
 from hopq.cluster.launch import RankOutcome, spawn
 from hopq.codecs.registry import codec_choices, codec_info, get_codec, resolve_codecs
 from hopq.comm.topology import TOPOLOGIES
-from hopq.errors import MismatchError, TransportError
+from hopq.errors import MismatchError, PayloadError, TransportError
 from hopq.options import field_types, option
 from hopq.reporting import machine, markdown_table
 
@@ -53,7 +55,10 @@ MISMATCHES = (
     "key",
     "call number",
     "refused call",
+    "oversize message",
 )
+#: Bytes by which rank 0's messages overrun their bound in "oversize message".
+OVERSIZE_B = 4096
 DEATHS = (
     "never calls",
     "dies before calling",
@@ -174,6 +179,8 @@ def _variant(kind: str, rank: int, codec: str, topo: str, n: int, d: int) -> dic
     elif kind == "refused call":  # rank 0's call is refused before anything is sent
         if odd:
             call["tensor"] = _input(rank, d).to(torch.int32)
+    elif kind == "oversize message":  # rank 0's hop messages overrun (longer_messages)
+        pass
     elif kind == "call number":
         if odd:  # rank 0 is one call ahead, as after a call its peers never made
             from hopq.comm.collectives import _transport
@@ -184,11 +191,39 @@ def _variant(kind: str, rank: int, codec: str, topo: str, n: int, d: int) -> dic
     return call
 
 
+@contextlib.contextmanager
+def longer_messages(extra: int = OVERSIZE_B) -> Iterator[None]:
+    """While active, every hop message this process sends is ``extra`` bytes longer
+    than its plan's bound says (its header tells the true length), as a peer that is
+    not hopq, or whose plan differs, could send."""
+    from hopq.comm import framing
+
+    real_pack = framing.pack
+
+    def longer(
+        header: torch.Tensor, body: torch.Tensor | None, bound: int, pad: bool = False
+    ) -> list[torch.Tensor]:
+        words = header.clone().view(torch.int64)
+        if int(words[2]) >= 0 and body is not None and body.numel():  # a hop, not the agreement
+            words[-1] += extra
+            body = torch.cat([body, torch.zeros(extra, dtype=torch.uint8)])
+            bound += extra
+        return real_pack(words.view(torch.uint8), body, bound, pad)
+
+    framing.pack = longer  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        framing.pack = real_pack  # type: ignore[assignment]
+
+
 def _outcome(e: BaseException | None) -> str:
     if e is None:
         return "returned"
     if isinstance(e, MismatchError):
         return "MismatchError"
+    if isinstance(e, PayloadError):
+        return "PayloadError"
     if isinstance(e, TransportError):
         return "TransportError"
     if isinstance(e, TypeError | ValueError):
@@ -213,8 +248,10 @@ def mismatch_worker(
                     continue
                 t0 = time.perf_counter()
                 err: BaseException | None = None
+                odd = kind == "oversize message" and rank == 0
                 try:
-                    hopq.all_reduce(**call, timeout=60.0)
+                    with longer_messages() if odd else contextlib.nullcontext():
+                        hopq.all_reduce(**call, timeout=60.0)
                 except Exception as e:  # noqa: BLE001 - classified below
                     err = e
                 rows.append((codec, topo, kind, _outcome(err), time.perf_counter() - t0))
