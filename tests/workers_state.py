@@ -199,8 +199,10 @@ def accelerate_ckpt(rank: int, n: int, tmp: str, resume: bool) -> dict[str, Any]
 
 
 # -- Lightning Fabric ----------------------------------------------------------------
-def fabric_ckpt(rank: int, n: int, tmp: str, resume: bool, steps: int = 4) -> dict[str, Any]:
-    """Fabric with ``HopqDDPStrategy`` (DynamiQ), the state in what ``fabric.save``
+def fabric_ckpt(
+    rank: int, n: int, tmp: str, resume: bool, codec: str = "dynamiq", steps: int = 4
+) -> dict[str, Any]:
+    """Fabric with ``HopqDDPStrategy`` (``codec``), the state in what ``fabric.save``
     and ``fabric.load`` get, as docs/integrations/frameworks.md says. The first
     job (``resume=False``) trains ``steps`` steps uninterrupted (``"straight"``),
     then, with a new Fabric, model and HookState, ``steps // 2`` steps and
@@ -217,7 +219,7 @@ def fabric_ckpt(rank: int, n: int, tmp: str, resume: bool, steps: int = 4) -> di
 
     def run(first: int, last: int, save: bool = False, load: str | None = None) -> dict:
         res: dict[str, Any] = {}
-        state = hopq.HookState(codec="dynamiq", seed=5)
+        state = hopq.HookState(codec=codec, seed=5)
         fabric = Fabric(accelerator="cpu", devices=n, strategy=HopqDDPStrategy(state))
         fabric.launch()
         torch.manual_seed(0)

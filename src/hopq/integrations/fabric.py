@@ -11,6 +11,15 @@ option. :class:`HopqDDPStrategy` registers the hook on the module
     model, opt = fabric.setup(model, opt)
     ...
     fabric.log_dict(fabric.strategy.hook_state.step_metrics())
+
+Checkpoints: put the state in what ``fabric.save`` and ``fabric.load`` get::
+
+    fabric.save(path, {"model": model, "optimizer": opt, "hopq": strategy.hook_state})
+    fabric.load(path, {"model": model, "optimizer": opt, "hopq": strategy.hook_state})
+
+Fabric writes rank 0's dictionary; the strategy adds every rank's rank-local
+counters (MX's saturation counts, THC's overflow tally) to the state it saves,
+and each rank loads its own.
 """
 
 from __future__ import annotations
@@ -18,10 +27,12 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch.distributed as dist
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
+from hopq.integrations.records import merge_local
 
 try:
     from lightning.fabric.strategies import DDPStrategy
@@ -72,6 +83,26 @@ class HopqDDPStrategy(DDPStrategy):
         # fabric.setup(model, optimizer): the codecs that read the optimizer get it
         adopt_optimizer(self.hook_state, [optimizer], "HopqDDPStrategy")
         return super().setup_optimizer(optimizer)
+
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any = None,
+        filter: Any = None,  # noqa: A002 - Fabric's name
+    ) -> None:
+        """Save as ``DDPStrategy`` does, with the hook state in ``state`` (``"hopq":
+        strategy.hook_state``) saved with every rank's rank-local counters
+        gathered: Fabric calls this on every rank and writes rank 0's dictionary."""
+        if any(v is self.hook_state for v in state.values()):
+            mine = self.hook_state.state_dict()
+            group = self.hook_state.process_group
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+                every: list[Any] = [None] * dist.get_world_size(group)
+                dist.all_gather_object(every, mine, group=group)
+                mine = merge_local(every)
+            state = {k: mine if v is self.hook_state else v for k, v in state.items()}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the strategy
         d = self.__dict__.copy()
