@@ -78,6 +78,24 @@ def test_accelerate_save_state_carries_the_codec_state(tmp_path):
     assert_resumed(straight, resumed)
 
 
+def test_accelerate_save_state_carries_every_ranks_own_counters(tmp_path):
+    """Accelerate writes rank 0's file for all ranks: MX's per-rank counters of
+    every rank travel in it, and each rank resumes with its own (without the
+    gather, rank 1's would restart at 0)."""
+    pytest.importorskip("accelerate")
+    args = (ws.accelerate_ckpt, str(tmp_path))
+    straight = run_workers(2, *args, False, "mxfp8", timeout=600)
+    resumed = run_workers(2, *args, True, "mxfp8", timeout=600)
+    saved = torch.load(tmp_path / "acc" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert sorted(saved["codec_local"]) == ["0", "1"]
+    assert all(r["at_save"]["encoded"] > 0 for r in straight)
+    for r in range(2):
+        s, z = straight[r], resumed[r]
+        assert same(z["at_start"], s["at_save"])  # this rank's own counters
+        assert same(z["end"], s["end"])
+        assert torch.equal(z["params"].view(torch.int32), s["params"].view(torch.int32))
+
+
 @pytest.mark.parametrize("codec", ["dynamiq", "mxfp8"])
 def test_fabric_save_and_load_carry_the_codec_state(tmp_path, codec):
     """docs/integrations/frameworks.md's Fabric recipe: ``fabric.save(path, {"model",

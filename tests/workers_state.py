@@ -169,7 +169,9 @@ def hf_ckpt(rank: int, n: int, tmp: str, resume: bool) -> dict[str, Any]:
 
 
 # -- Accelerate ----------------------------------------------------------------------
-def accelerate_ckpt(rank: int, n: int, tmp: str, resume: bool) -> dict[str, Any]:
+def accelerate_ckpt(
+    rank: int, n: int, tmp: str, resume: bool, codec: str = "dynamiq"
+) -> dict[str, Any]:
     """6 steps, ``save_state`` after 3; the resumed job ``load_state``s it. The
     script registers nothing for checkpointing itself: register_hook does."""
     from accelerate import Accelerator
@@ -183,8 +185,8 @@ def accelerate_ckpt(rank: int, n: int, tmp: str, resume: bool) -> dict[str, Any]
     model = wi.Backward()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = acc.prepare(model, opt)
-    state = register_hook(acc, model, hopq.HookState(codec="dynamiq", seed=5))
-    out["registered"] = sum(o is state for o in acc._custom_objects)
+    state = register_hook(acc, model, hopq.HookState(codec=codec, seed=5))
+    out["registered"] = sum(getattr(o, "obj", None) is state for o in acc._custom_objects)
     if resume:
         acc.load_state(f"{tmp}/acc")
         out["at_start"] = state.codec.state_dict()

@@ -210,11 +210,11 @@ def longer_messages(extra: int = OVERSIZE_B) -> Iterator[None]:
             bound += extra
         return real_pack(words.view(torch.uint8), body, bound, pad)
 
-    framing.pack = longer  # type: ignore[assignment]
+    framing.pack = longer
     try:
         yield
     finally:
-        framing.pack = real_pack  # type: ignore[assignment]
+        framing.pack = real_pack
 
 
 def _outcome(e: BaseException | None) -> str:

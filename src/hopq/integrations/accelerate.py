@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
 from hopq.integrations.fsdp import FSDPReduceScatter
+from hopq.integrations.records import Gathered
 
 try:
     from accelerate.utils import DDPCommunicationHookType
@@ -112,7 +113,7 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
         model.register_comm_hook(state, ddp_hook)
         # the optimizer prepare() wrapped, for the codecs that read it
         adopt_optimizer(state, getattr(accelerator, "_optimizers", []), "register_hook")
-        _checkpointed(accelerator, state)
+        _checkpointed(accelerator, state, state.process_group)
         return state
     if accelerator.num_processes > 1:
         raise TypeError(
@@ -120,14 +121,18 @@ def register_hook(accelerator: Any, model: Any, state: HookState | str = "dynami
             f"{type(model).__name__} (distributed type {accelerator.distributed_type}). "
             "Pass the prepared model; FSDP and DeepSpeed do not use DDP hooks"
         )
-    _checkpointed(accelerator, state)
+    _checkpointed(accelerator, state, state.process_group)
     return state
 
 
-def _checkpointed(accelerator: Any, state: HookState) -> None:
-    """``save_state`` / ``load_state`` carry ``state`` (registered once)."""
-    if not any(o is state for o in getattr(accelerator, "_custom_objects", [])):
-        accelerator.register_for_checkpointing(state)
+def _checkpointed(accelerator: Any, obj: Any, group: Any = None) -> None:
+    """``save_state`` / ``load_state`` carry ``obj`` (a HookState or an
+    FSDPReduceScatter, registered once). Accelerate calls ``state_dict`` on every
+    rank and writes rank 0's: the registered view gathers every rank's rank-local
+    counters (MX's, THC's), and each rank loads its own."""
+    registered = getattr(accelerator, "_custom_objects", [])
+    if not any(o is obj or getattr(o, "obj", None) is obj for o in registered):
+        accelerator.register_for_checkpointing(Gathered(obj, group))
 
 
 #: Why FSDP1 cannot carry hopq, and what does.
@@ -198,6 +203,5 @@ def register_fsdp(
             "hopq.integrations.accelerate.register_hook there"
         )
     comm.install(model)
-    if not any(o is comm for o in getattr(accelerator, "_custom_objects", [])):
-        accelerator.register_for_checkpointing(comm)
+    _checkpointed(accelerator, comm)
     return comm

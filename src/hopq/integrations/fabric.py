@@ -27,12 +27,11 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch.distributed as dist
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
-from hopq.integrations.records import merge_local
+from hopq.integrations.records import gathered_state
 
 try:
     from lightning.fabric.strategies import DDPStrategy
@@ -95,12 +94,7 @@ class HopqDDPStrategy(DDPStrategy):
         strategy.hook_state``) saved with every rank's rank-local counters
         gathered: Fabric calls this on every rank and writes rank 0's dictionary."""
         if any(v is self.hook_state for v in state.values()):
-            mine = self.hook_state.state_dict()
-            group = self.hook_state.process_group
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-                every: list[Any] = [None] * dist.get_world_size(group)
-                dist.all_gather_object(every, mine, group=group)
-                mine = merge_local(every)
+            mine = gathered_state(self.hook_state, self.hook_state.process_group)
             state = {k: mine if v is self.hook_state else v for k, v in state.items()}
         super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 

@@ -33,12 +33,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
 from hopq.integrations.fsdp import FSDPReduceScatter
-from hopq.integrations.records import merge_local
+from hopq.integrations.records import gathered_state
 
 try:
     from lightning.pytorch import Callback
@@ -122,13 +121,9 @@ class HopqDDPStrategy(DDPStrategy):
         """Add the hook state (every rank's rank-local counters gathered: Lightning
         calls this on every rank and writes rank 0's dictionary) to ``checkpoint``,
         then save it as ``DDPStrategy`` does."""
-        mine = self.hook_state.state_dict()
-        group = self.hook_state.process_group
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            every: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(every, mine, group=group)
-            mine = merge_local(every)
-        checkpoint[self.checkpoint_key] = mine
+        checkpoint[self.checkpoint_key] = gathered_state(
+            self.hook_state, self.hook_state.process_group
+        )
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -279,12 +274,7 @@ class HopqFSDP(Callback):
         """``comm``'s state (every rank's rank-local counters gathered: Lightning
         calls this on every rank and writes rank 0's checkpoint), saved by
         Lightning under the callback's entry and restored by ``fit(ckpt_path=...)``."""
-        mine = self.comm.state_dict()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            every: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
-            mine = merge_local(every)
-        return mine
+        return gathered_state(self.comm)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``comm``'s state from a checkpoint this callback saved."""

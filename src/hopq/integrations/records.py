@@ -320,6 +320,35 @@ def unpack_codec_state(codec: Any, state: dict[str, Any], rank: int, owner: str)
     return int(state["seed"])
 
 
+def gathered_state(obj: Any, group: Any = None) -> dict[str, Any]:
+    """``obj.state_dict()`` (a HookState's or FSDPReduceScatter's) with every
+    rank's rank-local counters gathered in, for the frameworks that call it on
+    every rank and write rank 0's: a collective on ``group``."""
+    import torch.distributed as dist
+
+    mine: dict[str, Any] = obj.state_dict()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        mine = merge_local(every)
+    return mine
+
+
+class Gathered:
+    """A checkpointable view of a HookState or FSDPReduceScatter whose
+    ``state_dict`` gathers every rank's rank-local counters
+    (:func:`gathered_state`); loading restores the object, each rank its own."""
+
+    def __init__(self, obj: Any, group: Any = None) -> None:
+        self.obj, self.group = obj, group
+
+    def state_dict(self) -> dict[str, Any]:
+        return gathered_state(self.obj, self.group)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+
 def merge_local(states: list[dict[str, Any]]) -> dict[str, Any]:
     """One state from every rank's :func:`pack_codec_state` (gathered where a
     framework saves one file for all ranks): rank 0's, with every rank's
