@@ -34,11 +34,13 @@ def _keep_log() -> list[str]:
 
 
 def _default_speeds() -> None:
-    """Plan from the calibrated default speeds, not from timing this machine's
-    kernels (whose load would change the picks the tests assert)."""
+    """Plan from the calibrated default speeds and a fixed link latency, not
+    from timing this machine's kernels and link (whose load would change the
+    picks the tests assert: small buckets are latency-bound)."""
     from hopq.comm import plan as pm
 
     pm.AUTO_OVERRIDES["speeds"] = dict(pm.DEFAULT_SPEEDS)
+    pm.AUTO_OVERRIDES["inter_latency_us"] = 100.0
 
 
 def _forced_timings(drift_at: int) -> None:
