@@ -155,17 +155,7 @@ def lightning_fsdp_job(rank: int, n: int, steps: int, tmp: str) -> dict[str, Any
 
 
 def _train(model: Any, opt: Any, rank: int, steps: int, backward: Any, comm: Any) -> dict:
-    g = torch.Generator().manual_seed(100 + rank)
-    losses, metrics = [], []
-    for _ in range(steps):
-        x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, WIDTHS[-1], generator=g)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if comm is not None:
-            metrics.append(comm.step_metrics())
+    losses, metrics = _train_from(model, opt, rank, 0, steps, backward, comm)
     return {"losses": losses, "steps": metrics, "params": full(model)}
 
 
@@ -264,7 +254,7 @@ def accelerate_fsdp_ckpt_job(
                 as_fsdp()
                 acc.load_state(ckpt)
         res["at_start"] = comm.codec.state_dict()
-        res["train"] = _train_from(model, opt, rank, first, last, acc.backward)
+        res["train"], _ = _train_from(model, opt, rank, first, last, acc.backward)
         if save:
             as_fsdp()
             acc.save_state(ckpt)
@@ -281,10 +271,13 @@ def accelerate_fsdp_ckpt_job(
     return {"straight": run(0, steps), "saving": run(0, half, save=True)}
 
 
-def _train_from(model: Any, opt: Any, rank: int, first: int, last: int, backward: Any) -> list:
+def _train_from(
+    model: Any, opt: Any, rank: int, first: int, last: int, backward: Any, comm: Any = None
+) -> tuple[list[float], list[dict[str, float]]]:
     """Steps ``first`` to ``last - 1``, each on its own batch (seeded by rank and
-    step, so that a resumed run sees the batches an uninterrupted one does)."""
-    losses = []
+    step, so that a resumed run sees the batches an uninterrupted one does): the
+    losses, and with ``comm`` its step metrics after each step."""
+    losses, metrics = [], []
     for k in range(first, last):
         g = torch.Generator().manual_seed(100 * rank + k)
         x, y = torch.randn(8, WIDTHS[0], generator=g), torch.randn(8, WIDTHS[-1], generator=g)
@@ -293,7 +286,9 @@ def _train_from(model: Any, opt: Any, rank: int, first: int, last: int, backward
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+        if comm is not None:
+            metrics.append(comm.step_metrics())
+    return losses, metrics
 
 
 # -- HF Trainer -----------------------------------------------------------------
@@ -508,7 +503,7 @@ def torchtitan_train_job(
         cfg.layers = cfg.layers[:2]
         with torch.device("meta"):
             model = cfg.build()
-        for layer in model.layers.values() if hasattr(model.layers, "values") else model.layers:
+        for layer in model.layers.values():
             layer.attention.inner_attention = CausalSDPA()
         f32 = torch.float32
         apply_fsdp_to_decoder(model, mesh, param_dtype=f32, reduce_dtype=f32, pp_enabled=False)
