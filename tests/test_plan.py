@@ -323,3 +323,37 @@ def test_default_budget_is_dynamiqs_error_at_the_same_chain() -> None:
     assert status(loose, "mxfp4", "hier:ring") == "" and loose.codec == "mxfp4"
     with pytest.raises(ValueError, match="max_vnmse_ratio"):
         PlanInputs(max_vnmse_ratio=0)
+
+
+def test_long_chains_of_lossy_codecs_are_named_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A schedule that recompresses a lossy codec's contributions far more often
+    than a ring of 8 does is said once (codec, schedule, world size); short
+    chains, 16-bit formats and lossless codecs stay silent."""
+    import warnings
+
+    import torch
+
+    from hopq.comm import engine
+    from hopq.comm.plan import long_chain_note
+
+    assert long_chain_note("dynamiq", "ring", 8, 8) is None
+    assert long_chain_note("dynamiq", "ring", 16, 16) is None  # 1.6x a chain of 8
+    note = long_chain_note("dynamiq", "ring", 128, 128)
+    assert note is not None and "128 times" in note and "butterfly" in note
+    for quiet in ("bf16", "fp16", "fp32", "gcomp", "thc", "omnireduce"):
+        assert long_chain_note(quiet, "ring", 128, 128) is None, quiet
+
+    monkeypatch.setattr(engine, "_LONG_CHAINS", set())
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4096, generator=g) for _ in range(16)]
+
+    def said(topology: str) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            hopq.simulate(xs, "mxfp4", topology, seed=0)
+        return [str(w.message) for w in caught if "recompresses" in str(w.message)]
+
+    first = said("ring")
+    assert len(first) == 1 and "mxfp4 on a ring of 16 ranks" in first[0]
+    assert said("ring") == []  # once
+    assert said("butterfly") == []  # a chain of 5

@@ -915,6 +915,7 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
         if transport.calls == calls:  # refused before it was numbered
             refuse(transport, call.timeout, f"all_reduce({call.codec.name})")
         raise
+    _note_long_chain(r)
     agreed = _agreement(r)
     try:
         stats, plan, gplan = _plan(r, agreed)
@@ -1239,6 +1240,26 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement) -> _Hops:
             f"parts {sorted(st.outgoing)}"
         )
     return st
+
+
+def _note_long_chain(r: _Resolved) -> None:
+    """Say once per codec, schedule and world size when the schedule's chain of
+    recompressions makes a lossy codec's error grow far beyond a short chain's
+    (:func:`hopq.comm.plan.long_chain_note`): a flat ring over a large cluster
+    would otherwise degrade the gradient without a word."""
+    chain = r.info.hops_per_chunk
+    key = (r.codec.name, r.schedule.topology, r.transport.world_size)
+    if chain <= 8 or key in _LONG_CHAINS:
+        return
+    _LONG_CHAINS.add(key)
+    from hopq.comm.plan import long_chain_note  # plan -> cost -> hierarchy -> engine
+
+    note = long_chain_note(r.codec.name, r.schedule.topology, r.transport.world_size, chain)
+    if note is not None:
+        warnings.warn(note, RuntimeWarning, stacklevel=4)
+
+
+_LONG_CHAINS: set[tuple[str, str, int]] = set()
 
 
 #: Seconds a failed rank waits, at most, for the messages its peers still send in
