@@ -42,4 +42,4 @@ test: setup test-torch-only docs
 	$(BIN)/ruff check src tests examples tools
 	$(BIN)/ruff format --check src tests examples tools
 	$(BIN)/mypy src
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=25
