@@ -385,3 +385,63 @@ def test_exchange_tails_reach_one_peer_each_and_room_is_left_for_them():
             Deadline(1),
             Where("test", 2, -1000),
         )
+
+
+def _naive_encoder_depths(s):  # the definition, one chunk at a time
+    out = []
+    for c in range(s.n_chunks):
+        depth = dict.fromkeys(range(s.world_size), 0)
+        for step in s.steps:
+            for t in step:
+                if t.phase is Phase.REDUCE and c in t.chunks:
+                    depth[t.dst] = max(depth[t.dst], depth[t.src] + 1)
+        out.append(depth)
+    return out
+
+
+def _naive_reduce_depths(s):
+    out = []
+    for c in range(s.n_chunks):
+        depth = dict.fromkeys(range(s.world_size), 0)
+        for step in s.steps:
+            before = dict(depth)
+            incoming: dict[int, list[int]] = {}
+            for t in step:
+                if t.phase is Phase.REDUCE and c in t.chunks:
+                    incoming.setdefault(t.dst, []).append(before[t.src])
+            for dst, ds in incoming.items():
+                for d in sorted(ds, reverse=True):
+                    depth[dst] = max(depth[dst], d) + 1
+        out.append(depth[s.owner[c]])
+    return out
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_what_a_schedule_keeps_equals_its_definition(topology):
+    """The per-rank transfers and the chains a schedule computes once and keeps
+    equal their definitions over its steps, for every topology, on the schedule
+    and on a reduce-scatter's layout of it; a kept result is not changed by a
+    caller changing the copy it was given."""
+    for n in (1, 2, 3, 5, 8, 13):
+        base = get_schedule(topology, n)
+        layouts = [shard_layout(base, equal_shards(10 * n + 3, n)).reduce_scatter]
+        for s in (base, *layouts):
+            assert s.encoder_depths() == _naive_encoder_depths(s)
+            assert s.reduce_depths() == _naive_reduce_depths(s)
+            assert s.compression_chains() == [
+                d[s.owner[c]] + 1 for c, d in enumerate(_naive_encoder_depths(s))
+            ]
+            for r in range(n):
+                assert s.owned_chunks(r) == [c for c, o in enumerate(s.owner) if o == r]
+                for i, step in enumerate(s.steps):
+                    assert s.sends(r, i) == [t for t in step if t.src == r]
+                    assert s.recvs(r, i) == [t for t in step if t.dst == r]
+            assert s.reduce_steps() == [
+                i for i, st in enumerate(s.steps) if any(t.phase is Phase.REDUCE for t in st)
+            ]
+            s.reduce_depths().append(-1)
+            s.compression_chains().clear()
+            s.sends(0, 0).append(None)
+            assert s.reduce_depths() == _naive_reduce_depths(s)
+            assert s.sends(0, 0) == [t for t in s.steps[0] if t.src == 0] if s.steps else True
+        assert hash(base) == hash(get_schedule(topology, n))

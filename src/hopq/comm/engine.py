@@ -1206,11 +1206,11 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement) -> _Hops:
     st.op = r.call.op
     st.fast, st.ident = agreed.skipped, agreed.ident
     # a reduce-scatter skips the gather steps, but for the deliveries to rank shards
-    active = [
-        i
-        for i, step in enumerate(schedule.steps)
-        if r.gather or r.bounds is not None or any(t.phase is Phase.REDUCE for t in step)
-    ]
+    active = (
+        list(range(len(schedule.steps)))
+        if r.gather or r.bounds is not None
+        else schedule.reduce_steps()
+    )
     probes = 0
     if st.fast:  # one receive per peer posted ANY_FIRST large
         srcs = {t.src for i in active for t in schedule.recvs(transport.rank, i)}

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
+from typing import Any
 
 
 class Phase(str, Enum):
@@ -36,6 +37,13 @@ class Transfer:
 
 @dataclass(frozen=True)
 class Schedule:
+    """A schedule: its steps, each a tuple of concurrent transfers, and each
+    chunk's sink. What the engine asks of it on every call (a rank's sends and
+    receives per step, the chains of compressions) is computed once per
+    schedule and kept (:func:`get_schedule` keeps the schedules): a ring of n
+    ranks has 2(n - 1) steps of n transfers, and scanning them on every call
+    cost a rank 0.1 s per call at n = 64."""
+
     topology: str
     world_size: int
     n_chunks: int
@@ -43,29 +51,72 @@ class Schedule:
     #: owner[c]: the sink of chunk c, the rank that holds its final sum first.
     owner: tuple[int, ...]
 
+    def __hash__(self) -> int:  # kept: the engine's caches are keyed by schedules
+        return self._memo(
+            "hash",
+            lambda: hash((self.topology, self.world_size, self.n_chunks, self.steps, self.owner)),
+        )
+
+    def _memo(self, key: Any, make: Callable[[], Any]) -> Any:
+        # derived data in the instance's own dict (not a field: equality, repr
+        # and dataclasses.replace ignore it); a frozen dataclass still has one
+        memo = self.__dict__.setdefault("_memo_", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
+    def _by_rank(self, rank: int, sends: bool) -> dict[int, list[Transfer]]:
+        def make() -> dict[int, list[Transfer]]:
+            out: dict[int, list[Transfer]] = {}
+            for i, step in enumerate(self.steps):
+                mine = [t for t in step if (t.src if sends else t.dst) == rank]
+                if mine:
+                    out[i] = mine
+            return out
+
+        return self._memo(("sends" if sends else "recvs", rank), make)
+
     def sends(self, rank: int, step: int) -> list[Transfer]:
-        return [t for t in self.steps[step] if t.src == rank]
+        return list(self._by_rank(rank, True).get(step, ()))
 
     def recvs(self, rank: int, step: int) -> list[Transfer]:
-        return [t for t in self.steps[step] if t.dst == rank]
+        return list(self._by_rank(rank, False).get(step, ()))
 
     def owned_chunks(self, rank: int) -> list[int]:
-        return [c for c, o in enumerate(self.owner) if o == rank]
+        return list(
+            self._memo(("owned", rank), lambda: [c for c, o in enumerate(self.owner) if o == rank])
+        )
+
+    def reduce_steps(self) -> list[int]:
+        """The steps that move partial sums (any REDUCE transfer)."""
+        return list(
+            self._memo(
+                "reduce_steps",
+                lambda: [
+                    i
+                    for i, step in enumerate(self.steps)
+                    if any(t.phase is Phase.REDUCE for t in step)
+                ],
+            )
+        )
 
     def encoder_depths(self) -> list[dict[int, int]]:
         """Per chunk: rank -> the longest chain of compressions below that rank's
         encoding of the chunk (0 for a leaf; each rank encodes each chunk once).
         Encoders of equal depth sit in disjoint subtrees: what they encode does
-        not depend on each other's rounding."""
-        out = []
-        for c in range(self.n_chunks):
-            depth = dict.fromkeys(range(self.world_size), 0)
-            for step in self.steps:
+        not depend on each other's rounding. Computed once; do not modify."""
+
+        def make() -> list[dict[int, int]]:
+            depth = [[0] * self.world_size for _ in range(self.n_chunks)]
+            for step in self.steps:  # in order, as the transfers of a step run
                 for t in step:
-                    if t.phase is Phase.REDUCE and c in t.chunks:
-                        depth[t.dst] = max(depth[t.dst], depth[t.src] + 1)
-            out.append(depth)
-        return out
+                    if t.phase is Phase.REDUCE:
+                        for c in t.chunks:
+                            d = depth[c]
+                            d[t.dst] = max(d[t.dst], d[t.src] + 1)
+            return [dict(enumerate(d)) for d in depth]
+
+        return self._memo("encoder_depths", make)
 
     def reduce_depths(self) -> list[int]:
         """Per chunk: the most pairwise combinations in a row that any partial sum
@@ -73,25 +124,31 @@ class Schedule:
         sum after each being one deeper than both its previous sum and that child
         (children of one step taken deepest first: the worst order). A codec whose
         combination can double a magnitude (gqsgd-exp) scales its leaves by it."""
-        out = []
-        for c in range(self.n_chunks):
-            depth = dict.fromkeys(range(self.world_size), 0)
+
+        def make() -> list[int]:
+            depth = [[0] * self.world_size for _ in range(self.n_chunks)]
             for step in self.steps:
-                before = dict(depth)
-                incoming: dict[int, list[int]] = {}
-                for t in step:
-                    if t.phase is Phase.REDUCE and c in t.chunks:
-                        incoming.setdefault(t.dst, []).append(before[t.src])
-                for dst, ds in incoming.items():
+                incoming: dict[tuple[int, int], list[int]] = {}
+                for t in step:  # every read before any write: the depths before the step
+                    if t.phase is Phase.REDUCE:
+                        for c in t.chunks:
+                            incoming.setdefault((c, t.dst), []).append(depth[c][t.src])
+                for (c, dst), ds in incoming.items():
                     for d in sorted(ds, reverse=True):
-                        depth[dst] = max(depth[dst], d) + 1
-            out.append(depth[self.owner[c]])
-        return out
+                        depth[c][dst] = max(depth[c][dst], d) + 1
+            return [depth[c][self.owner[c]] for c in range(self.n_chunks)]
+
+        return list(self._memo("reduce_depths", make))
 
     def compression_chains(self) -> list[int]:
         """Per chunk: the longest chain of compressions any contribution goes
         through (each REDUCE hop recompresses; the sink compresses once more)."""
-        return [d[self.owner[c]] + 1 for c, d in enumerate(self.encoder_depths())]
+        return list(
+            self._memo(
+                "chains",
+                lambda: [d[self.owner[c]] + 1 for c, d in enumerate(self.encoder_depths())],
+            )
+        )
 
 
 def ring(n: int) -> Schedule:
@@ -291,6 +348,7 @@ class ShardLayout:
     deliveries: tuple[Transfer, ...]
 
 
+@lru_cache(maxsize=256)
 def shard_layout(schedule: Schedule, shards: tuple[int, ...]) -> ShardLayout:
     """Chunk boundaries and the reduce-scatter schedule that give rank r the
     final sums of ``shards[r]:shards[r + 1]`` (see :class:`ShardLayout`)."""
