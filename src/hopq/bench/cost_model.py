@@ -25,7 +25,7 @@ whole result back after: 2 d b/8 more on the critical path, one more encode and
 two more decodes of d); and a step in which a rank sends to and receives from
 the same peer (a ring of 2, every butterfly exchange) takes ``duplex`` times a
 one-way transfer, a factor measured on the network at hand (1 on a full-duplex
-link; on the emulated network with Gloo it was measured near 2).
+link, as the emulated network measures: 1.00-1.06).
 """
 
 from __future__ import annotations
