@@ -272,6 +272,39 @@ def test_the_timeline_gives_each_buckets_median_span():
     assert timeline_line([ddp]) == ""
 
 
+def test_the_backward_pass_under_each_hook_is_set_against_torchs():
+    """The report says when each hook's last bucket was ready (the backward pass's
+    end, which a hook's CPU work delays on filled cores) against torch's hook's
+    and the compute probe; without a torch contender or a hook, nothing."""
+    from hopq.train.records import CodecRun, StepRecord
+    from hopq.train.report import backward_line
+
+    def run(name, last, probe=float("nan")):
+        steps = [
+            StepRecord(
+                i,
+                1.0,
+                1.0,
+                0.6,
+                0.0,
+                0.0,
+                1.0,
+                16.0,
+                bucket_ready_s=[0.1, last + i * 1e-3],
+                bucket_done_s=[0.2, last + 0.3],
+                probe_s=probe,
+            )  # fmt: skip
+            for i in range(4)
+        ]
+        return CodecRun(name, 10, steps, [(0.0, 1.0)])
+
+    line = backward_line([run("torch:fp16", 0.580, 0.575), run("dynamiq", 0.610)])
+    assert "torch:fp16 582 ms" in line and "dynamiq 612 ms (+30)" in line
+    assert "the compute probe: 575 ms" in line
+    assert backward_line([run("bf16", 0.6), run("dynamiq", 0.61)]) == ""  # no torch hook
+    assert backward_line([run("torch:fp16", 0.58)]) == ""
+
+
 def test_compute_drift_between_contenders_is_flagged():
     from hopq.train.report import compute_drift
 

@@ -376,6 +376,34 @@ def bucket_times(run: CodecRun) -> list[tuple[float, float]]:
     ]
 
 
+def backward_line(runs: list[CodecRun]) -> str:
+    """What each hook's work costs the backward pass that it overlaps, as a line
+    of the report: when the last bucket's gradients are ready (its hook called,
+    the end of the backward pass; median on rank 0), against the same of the
+    first of torch's hooks in the run and the compute probe (forward and
+    backward without communication, the slowest rank). On cores that the
+    workers fill, a hook's CPU work lengthens the backward pass."""
+    ends = {r.codec: t[-1][0] for r in runs if (t := bucket_times(r))}
+    base = next((c for c in ends if c.startswith("torch:")), None)
+    if base is None or len(ends) < 2:
+        return ""
+    probes = [p for r in runs for p in compute_probes(r)]
+    probe = quantile(probes, 0.5) if probes else float("nan")
+    parts = [
+        f"{c} {t * 1e3:.0f} ms ({(t - ends[base]) * 1e3:+.0f})"
+        if c != base
+        else f"{c} {t * 1e3:.0f} ms"
+        for c, t in ends.items()
+    ]
+    tail = "" if probe != probe else f"; the compute probe: {probe * 1e3:.0f} ms"
+    return (
+        "The backward pass under each hook, to its last bucket's gradients (median ms after "
+        f"the step's start on rank 0; in brackets, against {base}'s){tail}: "
+        + ", ".join(parts)
+        + "."
+    )
+
+
 def timeline_line(runs: list[CodecRun]) -> str:
     """The buckets' synchronization in the step, as a line of the report."""
     parts = []
@@ -586,6 +614,7 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
                 else []
             ),
             *([line] if (line := timeline_line(runs)) else []),
+            *([line] if (line := backward_line(runs)) else []),
             *([line] if (line := error_line(runs, o.vnmse_every)) else []),
             "",
             table,
