@@ -427,3 +427,18 @@ def test_contenders_draw_the_same_dropout_masks():
     assert [s.loss for s in ddp.steps] == [s.loss for s in fp32.steps]
     assert ddp.evals[-1][1] == fp32.evals[-1][1]
     assert len({s.loss for s in ddp.steps}) == 3  # it trains
+
+
+def test_a_two_tier_calls_bytes_on_the_link_are_its_nodes():
+    """The exposure floor's bytes: a flat call's are the rank's own; a two-tier
+    call's are what its node's workers send between nodes together (they share
+    the node's link), not the float32 tier inside the node."""
+    from hopq.comm.engine import RunStats
+    from hopq.train.contenders import _link_bytes
+
+    inter = RunStats(0, 2, 100, payload_bytes=1000.0)
+    intra = RunStats(0, 4, 100, payload_bytes=50000.0)
+    two = RunStats(0, 8, 100, payload_bytes=51000.0, tiers={"intra": intra, "inter": inter})
+    assert _link_bytes(two) == inter.bytes_sent * 4
+    flat = RunStats(0, 8, 100, payload_bytes=3000.0)
+    assert _link_bytes(flat) == flat.bytes_sent

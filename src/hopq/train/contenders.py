@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from hopq.codecs.base import optimizer_unused
 from hopq.codecs.registry import codec_choices, codec_info, get_codec, resolve_codecs
+from hopq.comm.engine import RunStats
 from hopq.integrations.ddp import HookState, ddp_hook
 
 TORCH_CONTENDERS: dict[str, str] = {
@@ -217,6 +218,16 @@ class BucketClock:
         return tuple(ready[i] - t0 for i in order), tuple(done[i] - t0 for i in order)
 
 
+def _link_bytes(call: RunStats) -> float:
+    """Bytes a call put on the link between machines: this rank's; for a
+    two-tier call its node's, the inter-node bytes of each of the node's
+    workers (they share the node's link; the tier inside the node stays off
+    it)."""
+    if "inter" in call.tiers and "intra" in call.tiers:
+        return float(call.tiers["inter"].bytes_sent * call.tiers["intra"].world_size)
+    return float(call.bytes_sent)
+
+
 class StepSync(NamedTuple):
     """One step's synchronization on this rank (NaN: not known for torch's
     contenders)."""
@@ -233,8 +244,9 @@ class StepSync(NamedTuple):
     exact_s: float
     #: hopq's hook: CPU seconds of its thread.
     cpu_s: float
-    #: hopq's hook: bytes sent for the step's last bucket (the call after the
-    #: backward pass's end).
+    #: hopq's hook: bytes the step's last bucket (the call after the backward
+    #: pass's end) put on the link: this rank's, or a two-tier call's node's
+    #: (:func:`_link_bytes`).
     last_bytes: float
     #: Seconds after the step's start when each bucket's hook was called and when
     #: its future completed, in bucket order (empty for DDP's own all-reduce).
@@ -338,7 +350,7 @@ class Sync:
                 update_vnmse,
                 exact_s,
                 sum(c.cpu_seconds for c in calls),
-                calls[-1].bytes_sent if calls else nan,
+                _link_bytes(calls[-1]) if calls else nan,
                 *times,
                 bits=bits,
             )

@@ -40,8 +40,9 @@ class StepRecord:
     #: hopq's Python and its socket calls; waiting not counted); NaN for torch's
     #: contenders.
     cpu_s: float = float("nan")
-    #: hopq's hook: bytes this rank sent for the step's last bucket; NaN for
-    #: torch's contenders (the report takes the bucket's share of ``bytes``).
+    #: hopq's hook: bytes the step's last bucket put on the link (this rank's;
+    #: a two-tier call's: its node's between nodes); NaN for torch's
+    #: contenders (the report takes the bucket's share of ``bytes``).
     last_bytes: float = float("nan")
     #: Seconds after the step's start (this rank's) when DDP called each bucket's
     #: hook, its gradients ready, and when the hook's future completed, in bucket
