@@ -96,6 +96,21 @@ def test_accelerate_save_state_carries_every_ranks_own_counters(tmp_path):
         assert torch.equal(z["params"].view(torch.int32), s["params"].view(torch.int32))
 
 
+def test_fabric_save_gathers_every_ranks_counters_from_a_state_dict_too(tmp_path):
+    """A user who saves ``strategy.hook_state.state_dict()`` instead of the
+    object gets every rank's own counters in the one file Fabric writes, as
+    with the object (MXFP8's saturation counters are each rank's)."""
+    pytest.importorskip("lightning")
+    first = run_workers(
+        2, ws.fabric_ckpt, str(tmp_path), False, "mxfp8", 4, True, timeout=600
+    )  # fmt: skip
+    saved = torch.load(tmp_path / "fabric.ckpt", weights_only=True)
+    local = saved["hopq"]["codec_local"]
+    assert sorted(local) == ["0", "1"]
+    for r in range(2):  # each rank's entry is the one that rank held
+        assert local[str(r)] == first[r]["saving"]["own_local"][str(r)]
+
+
 @pytest.mark.parametrize("codec", ["dynamiq", "mxfp8"])
 def test_fabric_save_and_load_carry_the_codec_state(tmp_path, codec):
     """docs/integrations/frameworks.md's Fabric recipe: ``fabric.save(path, {"model",

@@ -202,7 +202,13 @@ def accelerate_ckpt(
 
 # -- Lightning Fabric ----------------------------------------------------------------
 def fabric_ckpt(
-    rank: int, n: int, tmp: str, resume: bool, codec: str = "dynamiq", steps: int = 4
+    rank: int,
+    n: int,
+    tmp: str,
+    resume: bool,
+    codec: str = "dynamiq",
+    steps: int = 4,
+    as_dict: bool = False,
 ) -> dict[str, Any]:
     """Fabric with ``HopqDDPStrategy`` (``codec``), the state in what ``fabric.save``
     and ``fabric.load`` get, as docs/integrations/frameworks.md says. The first
@@ -211,7 +217,8 @@ def fabric_ckpt(
     ``fabric.save`` (``"saving"``). The second job, in fresh processes, builds a
     new Fabric, model and HookState, ``fabric.load``s the checkpoint and trains
     the other half: with ``"hopq"`` in the loaded dict (``"resumed"``) and
-    without it (``"no_hopq"``)."""
+    without it (``"no_hopq"``). ``as_dict``: the first job saves the hook
+    state's ``state_dict()`` instead of the object."""
     from lightning.fabric import Fabric
 
     from hopq.integrations.fabric import HopqDDPStrategy
@@ -241,7 +248,9 @@ def fabric_ckpt(
             fabric.backward(torch.nn.functional.mse_loss(model(x), y))
             opt.step()
         if save:
-            fabric.save(path, {"model": model, "optimizer": opt, "hopq": state})
+            hopq_entry = state.state_dict() if as_dict else state
+            fabric.save(path, {"model": model, "optimizer": opt, "hopq": hopq_entry})
+            res["own_local"] = state.state_dict().get("codec_local")
         res["end"] = state.codec.state_dict()
         res["params"] = flat(model)
         return res

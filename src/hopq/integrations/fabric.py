@@ -31,7 +31,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from hopq.integrations.ddp import HookState, adopt_optimizer, check_same_group, ddp_hook
-from hopq.integrations.records import gathered_state
+from hopq.integrations.records import gather_packed, gathered_state, is_packed_state
 
 try:
     from lightning.fabric.strategies import DDPStrategy
@@ -91,12 +91,18 @@ class HopqDDPStrategy(DDPStrategy):
         filter: Any = None,  # noqa: A002 - Fabric's name
     ) -> None:
         """Save as ``DDPStrategy`` does, with the hook state in ``state`` (``"hopq":
-        strategy.hook_state``) saved with every rank's rank-local counters
-        gathered: Fabric calls this on every rank and writes rank 0's dictionary."""
-        if any(v is self.hook_state for v in state.values()):
-            mine = gathered_state(self.hook_state, self.hook_state.process_group)
-            state = {k: mine if v is self.hook_state else v for k, v in state.items()}
-        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        strategy.hook_state``, or its ``state_dict()``) saved with every rank's
+        rank-local counters gathered: Fabric calls this on every rank and writes
+        rank 0's dictionary."""
+        group, out = self.hook_state.process_group, {}
+        for k, v in state.items():  # every rank passes the same keys: it gathers alike
+            if v is self.hook_state:
+                out[k] = gathered_state(v, group)
+            elif is_packed_state(v):  # a state_dict() holds this rank's counters only
+                out[k] = gather_packed(v, group)
+            else:
+                out[k] = v
+        super().save_checkpoint(path, out, storage_options=storage_options, filter=filter)
 
     def __getstate__(self) -> dict[str, Any]:  # the spawn launcher pickles the strategy
         d = self.__dict__.copy()

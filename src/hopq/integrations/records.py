@@ -324,14 +324,25 @@ def gathered_state(obj: Any, group: Any = None) -> dict[str, Any]:
     """``obj.state_dict()`` (a HookState's or FSDPReduceScatter's) with every
     rank's rank-local counters gathered in, for the frameworks that call it on
     every rank and write rank 0's: a collective on ``group``."""
+    return gather_packed(obj.state_dict(), group)
+
+
+def gather_packed(mine: dict[str, Any], group: Any = None) -> dict[str, Any]:
+    """This rank's :func:`pack_codec_state` output with every rank's rank-local
+    counters gathered in (a collective on ``group``; itself without a group)."""
     import torch.distributed as dist
 
-    mine: dict[str, Any] = obj.state_dict()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         every: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, mine, group=group)
         mine = merge_local(every)
     return mine
+
+
+def is_packed_state(v: Any) -> bool:
+    """Whether ``v`` is a :func:`pack_codec_state` output (a HookState's or
+    FSDPReduceScatter's ``state_dict()``)."""
+    return isinstance(v, dict) and {"codec_name", "seed", "codec"} <= set(v)
 
 
 class Gathered:
