@@ -94,7 +94,8 @@ class HopqDDPStrategy(DDPStrategy):
         strategy.hook_state``, or its ``state_dict()``) saved with every rank's
         rank-local counters gathered: Fabric calls this on every rank and writes
         rank 0's dictionary."""
-        group, out = self.hook_state.process_group, {}
+        group = self.hook_state.process_group
+        out: dict[str, Any] = {}
         for k, v in state.items():  # every rank passes the same keys: it gathers alike
             if v is self.hook_state:
                 out[k] = gathered_state(v, group)
