@@ -357,3 +357,9 @@ def test_long_chains_of_lossy_codecs_are_named_once(monkeypatch: pytest.MonkeyPa
     assert len(first) == 1 and "mxfp4 on a ring of 16 ranks" in first[0]
     assert said("ring") == []  # once
     assert said("butterfly") == []  # a chain of 5
+    # made an error, it refuses the call before it is numbered: every rank ends at once
+    monkeypatch.setattr(engine, "_LONG_CHAINS", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="recompresses"):
+            hopq.simulate(xs, "mxfp4", "ring", seed=0)

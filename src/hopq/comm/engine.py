@@ -915,7 +915,6 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
         if transport.calls == calls:  # refused before it was numbered
             refuse(transport, call.timeout, f"all_reduce({call.codec.name})")
         raise
-    _note_long_chain(r)
     agreed = _agreement(r)
     try:
         stats, plan, gplan = _plan(r, agreed)
@@ -1005,6 +1004,7 @@ def _resolve(call: Call, x: torch.Tensor, transport: Transport) -> _Resolved:
         in_place = True  # our own copy
     for c in {id(codec): codec, id(gcodec): gcodec}.values():
         c.warm_up(x.device)  # compiling does not count against the timeout
+    _note_long_chain(codec.name, schedule)  # before the number: a warning made an error refuses
     deadline = Deadline(transport.call_timeout(call.timeout))
     number = transport.next_call(deadline)
     u = (
@@ -1242,21 +1242,21 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement) -> _Hops:
     return st
 
 
-def _note_long_chain(r: _Resolved) -> None:
+def _note_long_chain(codec: str, schedule: Schedule) -> None:
     """Say once per codec, schedule and world size when the schedule's chain of
     recompressions makes a lossy codec's error grow far beyond a short chain's
     (:func:`hopq.comm.plan.long_chain_note`): a flat ring over a large cluster
     would otherwise degrade the gradient without a word."""
-    chain = r.info.hops_per_chunk
-    key = (r.codec.name, r.schedule.topology, r.transport.world_size)
-    if chain <= 8 or key in _LONG_CHAINS:
+    key = (codec, schedule.topology, schedule.world_size)
+    if schedule.world_size <= 8 or key in _LONG_CHAINS:
         return
     _LONG_CHAINS.add(key)
     from hopq.comm.plan import long_chain_note  # plan -> cost -> hierarchy -> engine
 
-    note = long_chain_note(r.codec.name, r.schedule.topology, r.transport.world_size, chain)
+    chain = max(schedule.compression_chains())
+    note = long_chain_note(codec, schedule.topology, schedule.world_size, chain)
     if note is not None:
-        warnings.warn(note, RuntimeWarning, stacklevel=4)
+        warnings.warn(note, RuntimeWarning, stacklevel=5)
 
 
 _LONG_CHAINS: set[tuple[str, str, int]] = set()

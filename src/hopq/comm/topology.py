@@ -42,7 +42,7 @@ class Schedule:
     receives per step, the chains of compressions) is computed once per
     schedule and kept (:func:`get_schedule` keeps the schedules): a ring of n
     ranks has 2(n - 1) steps of n transfers, and scanning them on every call
-    cost a rank 0.1 s per call at n = 64."""
+    would cost a rank about 0.1 s per call at n = 64."""
 
     topology: str
     world_size: int
