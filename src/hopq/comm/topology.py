@@ -397,9 +397,7 @@ def shard_layout(schedule: Schedule, shards: tuple[int, ...]) -> ShardLayout:
     deliveries = tuple(
         Transfer(src, dst, tuple(cs), Phase.GATHER) for (src, dst), cs in sorted(pairs.items())
     )
-    reduce_steps = tuple(
-        step for step in schedule.steps if any(t.phase is Phase.REDUCE for t in step)
-    )
+    reduce_steps = tuple(schedule.steps[i] for i in schedule.reduce_steps())
     rs = Schedule(
         schedule.topology,
         n,
