@@ -415,3 +415,87 @@ def test_train_takes_auto_as_a_contender() -> None:
     with pytest.raises(TypeError, match="plans the codec"):
         hopq.HookState(codec="auto", budget=4)
     assert hopq.HookState(codec="auto").auto is not None
+
+
+def measured_worker(rank: int, n: int) -> dict[str, Any]:
+    """Each call's time differs per rank: rank 0 waits 20 ms more on even
+    buckets (it started them first), rank 1 on odd ones."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from hopq.comm import plan as pm
+
+    pm.AutoPlanner.TRIAL_WITHIN = 0.0
+    _default_speeds()
+    real = pm.AutoPlanner.observe
+
+    def observe(self: Any, key: Any, seconds: float) -> None:
+        wait = 0.02 if int(key) % 2 == rank else 0.0
+        real(self, key, 0.01 * (1 + int(key)) + wait)
+
+    pm.AutoPlanner.observe = observe  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    # over DDP's 1 MiB first bucket: several buckets
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 1024), torch.nn.Tanh(), torch.nn.Linear(1024, 512),
+        torch.nn.Tanh(), torch.nn.Linear(512, 4),
+    )  # fmt: skip
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    state = hopq.HookState(codec="auto")
+    ddp.register_comm_hook(state, hopq.ddp_hook)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(5):
+        ddp.zero_grad()
+        (ddp(torch.randn(16, 64, generator=g)) - 1).square().mean().backward()
+    auto = state.auto
+    keys = len(auto._buckets)  # type: ignore[union-attr]
+    state.close()
+    assert auto is not None
+    return {"keys": keys, "predictions": list(auto.predictions), "slowest": list(auto.slowest)}
+
+
+def test_auto_measures_each_call_on_the_rank_that_started_it_last() -> None:
+    """The synchronization a plan is judged by: per call, the shortest time over
+    the ranks (the others also waited for the last one to start it)."""
+    for r in run_workers(2, measured_worker, timeout=300):
+        k = r["keys"]
+        assert k >= 2 and r["predictions"]
+        quickest = sum(0.01 * (1 + key) for key in range(k))
+        for measured, predicted in r["predictions"]:
+            assert measured == pytest.approx(quickest) and predicted > 0
+        waits = max(len(range(0, k, 2)), len(range(1, k, 2))) * 0.02
+        assert r["slowest"][-1] == pytest.approx(quickest + waits)
+
+
+def probe_worker(rank: int, n: int) -> dict[str, Any]:
+    from hopq.comm import plan as pm
+
+    out = {}
+    for name, per_float in (("fast", 1e-9), ("slow", 1e-7)):
+        sizes: list[int] = []
+
+        def timed(tensor: Any, group: Any, reps: int, per: float = per_float) -> float:
+            sizes.append(tensor.numel())
+            return 1e-3 + tensor.numel() * per * (1 + 0.1 * rank)
+
+        pm._timed = timed  # type: ignore[assignment]
+        out[name] = (pm.probe_link(), sizes)
+    return out
+
+
+def test_the_link_probe_grows_its_size_on_a_fast_link() -> None:
+    """A small all-reduce on a fast link is mostly fixed costs: the probe times
+    4x larger ones while they take under PROBE_GROW_S, and reads the rate off
+    the last two, the slowest rank's timings."""
+    from hopq.comm import plan as pm
+
+    a, b = run_workers(2, probe_worker, timeout=120)
+    assert a == b  # agreed
+    (lat, gbit), sizes = a["fast"]
+    assert sizes == [1, pm.PROBE_NUMEL, 4 * pm.PROBE_NUMEL, 16 * pm.PROBE_NUMEL]
+    assert 16 * pm.PROBE_NUMEL == pm.PROBE_MAX_NUMEL
+    # rank 1's 1.1e-9 s per float; a rank of 2 sends 4 bytes per float
+    assert gbit == pytest.approx(4 * 8 / 1.1e-9 / 1e9)
+    assert lat == pytest.approx((1e-3 + 1.1e-9) / 2)
+    (lat, gbit), sizes = a["slow"]
+    assert sizes == [1, pm.PROBE_NUMEL]  # 26 ms: no growth
+    assert gbit == pytest.approx(4 * 8 / 1.1e-7 / 1e9)

@@ -885,6 +885,12 @@ _log = logging.getLogger("hopq")
 
 #: The probe: all-reduces of 1 float (latency) and of this many (the rate).
 PROBE_NUMEL = 1 << 18
+#: On a fast link the rate is timed again on 4x larger all-reduces while the
+#: last one took under this many seconds, up to :data:`PROBE_MAX_NUMEL`
+#: floats: a small all-reduce there is mostly fixed costs, and reads the link
+#: slower than the buckets see it.
+PROBE_GROW_S = 0.02
+PROBE_MAX_NUMEL = 1 << 22
 
 
 def _timed(tensor: Any, group: Any, reps: int) -> float:
@@ -903,22 +909,40 @@ def _timed(tensor: Any, group: Any, reps: int) -> float:
     return statistics.median(times[1:])
 
 
+def _agreed_max(values: list[float], group: Any, device: Any) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [float(v) for v in t.cpu()]
+
+
 def probe_link(group: Any = None, device: Any = "cpu") -> tuple[float, float]:
     """Time a few small all-reduces on ``group`` (every rank must call it):
     (latency per ring step in seconds, link rate in Gbit/s), the slowest rank's
-    timings, so every rank returns the same numbers."""
+    timings, so every rank returns the same numbers.
+
+    The rate is the slope between the two largest all-reduces timed: one of
+    :data:`PROBE_NUMEL` floats against one float on a slow link; on a fast one
+    (under :data:`PROBE_GROW_S`) sizes grow 4x, each agreed before the next."""
     import torch
     import torch.distributed as dist
 
     n = dist.get_world_size(group)
     small = _timed(torch.zeros(1, device=device), group, 5)
-    big = _timed(torch.zeros(PROBE_NUMEL, device=device), group, 3)
-    agreed = torch.tensor([small, big], dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    small, big = (float(v) for v in agreed.cpu())
+    numel = PROBE_NUMEL
+    big = _timed(torch.zeros(numel, device=device), group, 3)
+    small, big = _agreed_max([small, big], group, device)
+    prev_numel, prev = 1, small
+    while big < PROBE_GROW_S and numel * 4 <= PROBE_MAX_NUMEL:
+        t = _agreed_max([_timed(torch.zeros(numel * 4, device=device), group, 3)], group, device)[0]
+        if t <= big:  # no slower: noise, keep what was timed
+            break
+        prev_numel, prev, numel, big = numel, big, numel * 4, t
     steps = 2 * max(1, n - 1)
-    wire = 2 * (n - 1) / n * PROBE_NUMEL * 4 if n > 1 else PROBE_NUMEL * 4
-    rate = wire * 8 / max(big - small, 1e-9) / 1e9
+    per = 2 * (n - 1) / n * 4 if n > 1 else 4.0  # bytes a rank sends per float
+    rate = per * (numel - prev_numel) * 8 / max(big - prev, 1e-9) / 1e9
     return small / steps, rate
 
 
@@ -1152,6 +1176,10 @@ class _Bucket:
     native: bool = False
 
 
+#: The size (floats) of the all-reduces that time torch's own 16-bit
+#: all-reduce against its fp32 one (at most; a smaller bucket's own size).
+NATIVE_PROBE_NUMEL = 1 << 20
+
 #: What an uncompressed flat pick runs as in the DDP hook: torch's own
 #: all-reduce of the bucket in that dtype (DDP's default, ``fp16_compress_hook``,
 #: ``bf16_compress_hook``).
@@ -1198,10 +1226,14 @@ class AutoPlanner:
 
     Every rank sees the same calls in the same order (DDP's buckets, FSDP's
     modules), so a key seen again starts a new step; at each step's end the
-    ranks agree on the step's slowest call time and its slowest span (from its
-    first call to the end of its last: the backward pass that the plan's codec
-    work shares the cores with, and the synchronization it leaves exposed),
-    one all-reduce of two floats per step.
+    ranks agree, in one all-reduce of a few floats, on the step's slowest span
+    (from its first call to the end of its last: the backward pass that the
+    plan's codec work shares the cores with, and the synchronization it leaves
+    exposed) and on its synchronization time: the sum over its calls of each
+    call's shortest time over the ranks. That is the time of the rank that
+    started the call last; the others also waited for it, which is the
+    compute's imbalance, not the link's or the codec's, and not what the cost
+    model predicts.
 
     **The measured trial.** The cost model does not see everything (workers
     that share cores with their compute, a backend faster than hopq's
@@ -1268,8 +1300,13 @@ class AutoPlanner:
         #: Seconds spent probing the link (and agreeing on the layout), and
         #: timing the codecs' kernels.
         self.probe_seconds = self.speed_seconds = 0.0
-        #: The last measured steps: (agreed call seconds, the plans' predicted seconds).
+        #: The last measured steps: (the step's synchronization seconds: the sum
+        #: over its calls of each call's shortest time over the ranks, that of
+        #: the rank that started it last; the plans' predicted seconds).
         self.predictions: collections.deque[tuple[float, float]] = collections.deque(maxlen=1000)
+        #: The last steps' call seconds of the slowest rank (its calls' times
+        #: summed, waits for later ranks included).
+        self.slowest: collections.deque[float] = collections.deque(maxlen=1000)
         #: Replaced plans: (median measured step seconds, plans, probe, layout,
         #: speeds).
         self._tried: list[tuple[float, dict[int, Plan], Any, Any, Any]] = []
@@ -1290,6 +1327,8 @@ class AutoPlanner:
 
     def _reset(self) -> None:
         self._probe: tuple[float, float] | None = None
+        #: A 16-bit dtype's measured all-reduce time over fp32's, per codec name.
+        self._native_ratio: dict[str, float] = {}
         self._speeds: dict[str, tuple[float, ...]] = {}
         self._lay: Any = None
         self._plans: dict[int, Plan] = {}
@@ -1338,12 +1377,38 @@ class AutoPlanner:
                 p = self._plans[numel] = plan_call(numel, n, probe, self._lay, self._speeds)
             codec, topology, lay = _built(p, self._lay)
             native = self.native and p.codec in NATIVE_LABELS and not p.layout and n > 1
-            b = _Bucket(numel, codec, topology, lay, p, p.pick.sync_s, native)
+            predicted = p.pick.sync_s
+            if native and p.codec != "fp32":
+                predicted = self._native_time(p, group)
+            b = _Bucket(numel, codec, topology, lay, p, predicted, native)
             self._buckets[key] = b
             # new buckets (DDP rebuilds its buckets after the first step): recalibrate
             self._scale, self._warm, self._drifted = None, self.WARMUP_STEPS, 0
             self._spans, self._recent = [], []
         return b.codec, b.topology, b.layout
+
+    def _native_time(self, p: Plan, group: Any) -> float:
+        """The predicted seconds of torch's own all-reduce of the plan's bucket
+        in its 16-bit dtype: the model's fp32 ring time of that size times the
+        measured ratio of the two dtypes' all-reduces (a backend may sum 16-bit
+        values far slower than its wire moves them: Gloo converts each one).
+        The ratio is timed once per dtype and probe, agreed (every rank plans
+        alike, so every rank comes here at the same call)."""
+        import torch
+
+        ratio = self._native_ratio.get(p.codec)
+        if ratio is None:
+            t0 = time.perf_counter()
+            dtype = torch.float16 if p.codec == "fp16" else torch.bfloat16
+            numel = max(1, min(p.inputs.bucket_sizes()[0], NATIVE_PROBE_NUMEL))
+            dev = self._device
+            t32 = _timed(torch.zeros(numel, device=dev), group, 2)
+            t16 = _timed(torch.zeros(numel, dtype=dtype, device=dev), group, 2)
+            t32, t16 = _agreed_max([t32, t16], group, dev)
+            ratio = self._native_ratio[p.codec] = t16 / t32 if t32 > 0 else 0.5
+            self.probe_seconds += time.perf_counter() - t0
+        fp32 = [c for c in p.candidates if c.codec == "fp32" and c.schedule == "ring"]
+        return fp32[0].sync_s * ratio if fp32 else p.pick.sync_s
 
     def is_native(self, key: Any) -> bool:
         """Whether the call ``key`` (just picked) runs as torch's own all-reduce."""
@@ -1364,10 +1429,21 @@ class AutoPlanner:
         if not times:
             return
         self._seen = set(times)
-        t = torch.tensor([sum(times.values()), span], dtype=torch.float64, device=self._device)
+        # one MAX all-reduce: the slowest rank's total and span, and each call's
+        # shortest time (negated; every rank made the same calls in the same order)
+        t = torch.tensor(
+            [sum(times.values()), span, *(-v for v in times.values())],
+            dtype=torch.float64,
+            device=self._device,
+        )
         if dist.get_world_size(group) > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's
-        measured, span = (float(v) for v in t.cpu())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        got = t.cpu().tolist()
+        slowest, span = got[0], got[1]
+        # a call's shortest time is the rank that started it last: the others'
+        # extra is waiting for it (the compute's imbalance), not synchronizing
+        measured = -sum(got[2:])
+        self.slowest.append(slowest)
         predicted = sum(self._buckets[k].predicted for k in times if k in self._buckets)
         if not self._logged:
             self._logged = True
@@ -1548,10 +1624,12 @@ class AutoPlanner:
         if err is not None:
             m = statistics.median(m for m, _ in self.predictions)
             p = statistics.median(p for _, p in self.predictions)
+            slow = statistics.median(self.slowest) if self.slowest else m
             parts.append(
-                f"synchronization per step {m * 1e3:.4g} ms measured against {p * 1e3:.4g} ms "
-                f"predicted (median over {len(self.predictions)} steps, the model off by "
-                f"{err:+.0%})"
+                f"synchronization per step {m * 1e3:.4g} ms measured (each call's rank that "
+                f"started it last) against {p * 1e3:.4g} ms predicted (median over "
+                f"{len(self.predictions)} steps, the model off by {err:+.0%}; the slowest "
+                f"rank's calls, waits for later ranks included, {slow * 1e3:.4g} ms)"
             )
         spent = self.probe_seconds + self.speed_seconds
         share = f", {spent / wall_s:.1%} of the training time" if wall_s else ""
