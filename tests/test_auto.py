@@ -473,9 +473,12 @@ def probe_worker(rank: int, n: int) -> dict[str, Any]:
     for name, per_float in (("fast", 1e-9), ("slow", 1e-7)):
         sizes: list[int] = []
 
-        def timed(tensor: Any, group: Any, reps: int, per: float = per_float) -> float:
+        def timed(
+            tensor: Any, group: Any, reps: int, per: float = per_float, sizes: list[int] = sizes
+        ) -> float:
             sizes.append(tensor.numel())
-            return 1e-3 + tensor.numel() * per * (1 + 0.1 * rank)
+            fixed = 1e-3 if tensor.numel() == 1 else 2e-3  # megabytes cost more than a float
+            return fixed + tensor.numel() * per * (1 + 0.1 * rank)
 
         pm._timed = timed  # type: ignore[assignment]
         out[name] = (pm.probe_link(), sizes)
@@ -491,11 +494,13 @@ def test_the_link_probe_grows_its_size_on_a_fast_link() -> None:
     a, b = run_workers(2, probe_worker, timeout=120)
     assert a == b  # agreed
     (lat, gbit), sizes = a["fast"]
-    assert sizes == [1, pm.PROBE_NUMEL, 4 * pm.PROBE_NUMEL, 16 * pm.PROBE_NUMEL]
-    assert 16 * pm.PROBE_NUMEL == pm.PROBE_MAX_NUMEL
+    assert sizes == [1] + [pm.PROBE_NUMEL * 4**k for k in range(4)]
+    assert 64 * pm.PROBE_NUMEL == pm.PROBE_MAX_NUMEL
     # rank 1's 1.1e-9 s per float; a rank of 2 sends 4 bytes per float
     assert gbit == pytest.approx(4 * 8 / 1.1e-9 / 1e9)
-    assert lat == pytest.approx((1e-3 + 1.1e-9) / 2)
+    assert lat == pytest.approx(2e-3 / 2)  # the line's intercept
     (lat, gbit), sizes = a["slow"]
-    assert sizes == [1, pm.PROBE_NUMEL]  # 26 ms: no growth
-    assert gbit == pytest.approx(4 * 8 / 1.1e-7 / 1e9)
+    assert lat == pytest.approx((1e-3 + 1.1e-7) / 2)  # one float's all-reduce
+    assert sizes == [1, pm.PROBE_NUMEL]  # 28 ms: no growth
+    slope = (1e-3 + (pm.PROBE_NUMEL - 1) * 1.1e-7) / (pm.PROBE_NUMEL - 1)  # against one float
+    assert gbit == pytest.approx(4 * 8 / slope / 1e9)
