@@ -1619,7 +1619,7 @@ class AutoPlanner:
     def report(self, wall_s: float | None = None) -> str:
         """One line: the trial, the prediction's error and the probe's cost
         (as a share of ``wall_s``, the training seconds, when given)."""
-        parts = []
+        parts = [f"the plan at the end: {self.plan_line()}"]
         if self.trial_results:
             parts.append(self.trial_note())
         elif self.trials:
@@ -1653,18 +1653,24 @@ class AutoPlanner:
             return NATIVE_LABELS[b.plan.codec]
         return f"{b.plan.pick.label}@{b.plan.schedule}"
 
-    def describe(self, measured: float | None = None) -> str:
-        """One line: the probe and each bucket's pick."""
+    def plan_line(self) -> str:
+        """The probe and each bucket's pick with its predicted time."""
         if self._probe is None:
             head = "1 rank" if self._buckets else "nothing planned yet"
         else:
             head = f"probed {self._probe[1]:.3g} Gbit/s and {self._probe[0] * 1e6:.0f} us per step"
+        for name, ratio in self._native_ratio.items():
+            head += f", torch's {name} all-reduce {ratio:.2f}x of its fp32 one's time"
         parts = [
             f"{k}: {b.numel:,} coords -> {self._label(b)} ({b.predicted * 1e3:.3g} ms predicted)"
             for k, b in self._buckets.items()
         ]
+        return "; ".join([head, *parts])
+
+    def describe(self, measured: float | None = None) -> str:
+        """One line: the probe and each bucket's pick."""
         tail = "" if measured is None else f"; the first step took {measured * 1e3:.3g} ms"
-        return f"hopq codec='auto' ({self.owner}): {head}; " + "; ".join(parts) + tail
+        return f"hopq codec='auto' ({self.owner}): {self.plan_line()}{tail}"
 
     def metrics(self, prefix: str = "hopq/") -> dict[str, float]:
         """``{prefix}plan/<key>/<codec>@<schedule>`` (or ``torch:ddp``, ...):
