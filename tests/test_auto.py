@@ -90,6 +90,8 @@ def ddp_worker(rank: int, n: int, steps: int, drift_at: int) -> dict[str, Any]:
         "replans": state.auto.replans,
         "summary": state.auto.summary(),
         "log": [m for m in records if "codec='auto'" in m],
+        "report": state.auto.report(),
+        "judged": state.auto._judged(),
     }
 
 
@@ -108,6 +110,10 @@ def test_hook_auto_on_gloo_ranks() -> None:
         info = [m for m in r["log"] if m.startswith("INFO")]
         assert sum("re-planning" in m for m in info) == 1
         assert "probed" in info[0]  # the plan, in one line, at the first step's end
+        assert "re-planned 1 time(s) on drift, 0 undone" in r["report"]
+        assert r["report"].startswith("the plan at the end: probed")
+        # the prediction is judged on the plan at the end: the steps after the drift
+        assert r["judged"] and all(m == pytest.approx(r["judged"][0][0]) for m, _ in r["judged"])
     assert a["metrics"][-1].keys() == b["metrics"][-1].keys()
 
 

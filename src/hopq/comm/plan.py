@@ -1356,6 +1356,8 @@ class AutoPlanner:
         self._recent: list[float] = []
         self._spans: list[float] = []
         self._compared = False
+        #: This plan's measured steps: (synchronization seconds, predicted).
+        self._since: list[tuple[float, float]] = []
 
     def pick(self, tensor: Any, group: Any, key: Any) -> tuple[Any, str, Any]:
         """(codec instance, topology, layout) of this call; every rank calls it
@@ -1462,6 +1464,7 @@ class AutoPlanner:
         self._recent.append(measured)
         if predicted > 0:
             self.predictions.append((measured, predicted))
+            self._since.append((measured, predicted))
         if span > 0:
             self._spans.append(span)
         if self._trial():
@@ -1608,13 +1611,20 @@ class AutoPlanner:
             f"{spans}; kept {best[0]}"
         )
 
+    def _judged(self) -> list[tuple[float, float]]:
+        """The steps the prediction is judged on: those of the plan running now
+        since it started (or came back), else every measured step."""
+        return self._since or list(self.predictions)
+
     def prediction_error(self) -> float | None:
         """The median of the measured steps' synchronization time over the
-        cost model's prediction, minus 1 (None before a measured step): the
-        plan's prediction error on this machine."""
-        if not self.predictions:
+        cost model's prediction, minus 1 (None before a measured step), over
+        the steps of the plan running now: its prediction error on this
+        machine."""
+        steps = self._judged()
+        if not steps:
             return None
-        return statistics.median(m / p for m, p in self.predictions) - 1
+        return statistics.median(m / p for m, p in steps) - 1
 
     def report(self, wall_s: float | None = None) -> str:
         """One line: the trial, the prediction's error and the probe's cost
@@ -1628,16 +1638,22 @@ class AutoPlanner:
                 f"{self.WARMUP_STEPS + self.COMPARE_STEPS} steps each): the pick named is the "
                 "one running at the end"
             )
+        if self.replans:
+            parts.append(
+                f"re-planned {self.replans} time(s) on drift, {self.reverts} undone by measurement"
+            )
         err = self.prediction_error()
         if err is not None:
-            m = statistics.median(m for m, _ in self.predictions)
-            p = statistics.median(p for _, p in self.predictions)
-            slow = statistics.median(self.slowest) if self.slowest else m
+            steps = self._judged()
+            m = statistics.median(m for m, _ in steps)
+            p = statistics.median(p for _, p in steps)
+            slow = statistics.median(list(self.slowest)[-len(steps) :]) if self.slowest else m
             parts.append(
                 f"synchronization per step {m * 1e3:.4g} ms measured (each call's rank that "
-                f"started it last) against {p * 1e3:.4g} ms predicted (median over "
-                f"{len(self.predictions)} steps, the model off by {err:+.0%}; the slowest "
-                f"rank's calls, waits for later ranks included, {slow * 1e3:.4g} ms)"
+                f"started it last) against {p * 1e3:.4g} ms predicted (median over the last "
+                f"{len(steps)} steps, those of the plan at the end; the model off by "
+                f"{err:+.0%}; the slowest rank's calls, waits for later ranks included, "
+                f"{slow * 1e3:.4g} ms)"
             )
         spent = self.probe_seconds + self.speed_seconds
         share = f", {spent / wall_s:.1%} of the training time" if wall_s else ""
