@@ -1328,6 +1328,9 @@ class AutoPlanner:
         self._first = self._last = 0.0
         self._seen: set[Any] = set()
         self._device: Any = None
+        #: The previous plan's measured steps (see ``_restart``).
+        self._before: list[tuple[float, float]] = []
+        self._since: list[tuple[float, float]] = []
         self._reset()
 
     #: The clock of step spans (tests replace it).
@@ -1356,8 +1359,11 @@ class AutoPlanner:
         self._recent: list[float] = []
         self._spans: list[float] = []
         self._compared = False
-        #: This plan's measured steps: (synchronization seconds, predicted).
-        self._since: list[tuple[float, float]] = []
+        #: This plan's measured steps: (synchronization seconds, predicted),
+        #: and the previous plan's when this one has none yet.
+        if self._since:
+            self._before = self._since
+        self._since = []
 
     def pick(self, tensor: Any, group: Any, key: Any) -> tuple[Any, str, Any]:
         """(codec instance, topology, layout) of this call; every rank calls it
@@ -1613,8 +1619,8 @@ class AutoPlanner:
 
     def _judged(self) -> list[tuple[float, float]]:
         """The steps the prediction is judged on: those of the plan running now
-        since it started (or came back), else every measured step."""
-        return self._since or list(self.predictions)
+        since it started (or came back), else those of the plan before it."""
+        return self._since or self._before
 
     def prediction_error(self) -> float | None:
         """The median of the measured steps' synchronization time over the
@@ -1650,8 +1656,10 @@ class AutoPlanner:
             slow = statistics.median(list(self.slowest)[-len(steps) :]) if self.slowest else m
             parts.append(
                 f"synchronization per step {m * 1e3:.4g} ms measured (each call's rank that "
-                f"started it last) against {p * 1e3:.4g} ms predicted (median over the last "
-                f"{len(steps)} steps, those of the plan at the end; the model off by "
+                f"started it last) against {p * 1e3:.4g} ms predicted (median over "
+                f"{len(steps)} steps, those of the "
+                f"{'plan at the end' if self._since else 'plan before the last change'}; "
+                "the model off by "
                 f"{err:+.0%}; the slowest rank's calls, waits for later ranks included, "
                 f"{slow * 1e3:.4g} ms)"
             )
