@@ -940,7 +940,7 @@ def probe_link(group: Any = None, device: Any = "cpu") -> tuple[float, float]:
     small, big = _agreed_max([small, big], group, device)
     prev_numel, prev = 1, small
     while big < PROBE_GROW_S and numel * 4 <= PROBE_MAX_NUMEL:
-        t = _agreed_max([_timed(torch.zeros(numel * 4, device=device), group, 3)], group, device)[0]
+        t = _agreed_max([_timed(torch.zeros(numel * 4, device=device), group, 2)], group, device)[0]
         if t <= big:  # no slower: noise, keep what was timed
             break
         prev_numel, prev, numel, big = numel, big, numel * 4, t
