@@ -893,21 +893,25 @@ PROBE_GROW_S = 0.02
 PROBE_MAX_NUMEL = 1 << 24
 
 
-def _timed(tensor: Any, group: Any, reps: int) -> float:
+def _once(tensor: Any, group: Any) -> float:
+    """Seconds of one all-reduce of ``tensor`` (on CUDA, synchronized)."""
     import torch
     import torch.distributed as dist
 
-    times = []
-    for _ in range(reps + 1):
-        if tensor.is_cuda:
-            torch.cuda.synchronize(tensor.device)
-        t0 = time.perf_counter()
-        dist.all_reduce(tensor, group=group)
-        if tensor.is_cuda:
-            torch.cuda.synchronize(tensor.device)
-        times.append(time.perf_counter() - t0)
-    # the best: what the link and the backend can do (the noise of processes
-    # that share cores only adds)
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    t0 = time.perf_counter()
+    dist.all_reduce(tensor, group=group)
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+    return time.perf_counter() - t0
+
+
+def _timed(tensor: Any, group: Any, reps: int) -> float:
+    """The best of ``reps`` all-reduces of ``tensor`` after an untimed one:
+    what the link and the backend can do (the noise of processes that share
+    cores only adds)."""
+    times = [_once(tensor, group) for _ in range(reps + 1)]
     return min(times[1:])
 
 
@@ -1187,6 +1191,8 @@ class _Bucket:
 #: The size (floats) of the all-reduces that time torch's own 16-bit
 #: all-reduce against its fp32 one (at most; a smaller bucket's own size).
 NATIVE_PROBE_NUMEL = 1 << 20
+#: Timed calls of each dtype, alternated.
+NATIVE_PROBE_REPS = 3
 
 #: What an uncompressed flat pick runs as in the DDP hook: torch's own
 #: all-reduce of the bucket in that dtype (DDP's default, ``fp16_compress_hook``,
@@ -1418,9 +1424,16 @@ class AutoPlanner:
             dtype = torch.float16 if p.codec == "fp16" else torch.bfloat16
             numel = max(1, min(p.inputs.bucket_sizes()[0], NATIVE_PROBE_NUMEL))
             dev = self._device
-            t32 = _timed(torch.zeros(numel, device=dev), group, 2)
-            t16 = _timed(torch.zeros(numel, dtype=dtype, device=dev), group, 2)
-            t32, t16 = _agreed_max([t32, t16], group, dev)
+            # alternated after one untimed call each, so that a change in the
+            # machine's load (the backward pass) hits both alike
+            pair = [torch.zeros(numel, device=dev), torch.zeros(numel, dtype=dtype, device=dev)]
+            times: list[list[float]] = [[], []]
+            for rep in range(NATIVE_PROBE_REPS + 1):
+                for x, got in zip(pair, times, strict=True):
+                    t = _once(x, group)
+                    if rep:
+                        got.append(t)
+            t32, t16 = _agreed_max([min(times[0]), min(times[1])], group, dev)
             ratio = self._native_ratio[p.codec] = t16 / t32 if t32 > 0 else 0.5
             self.probe_seconds += time.perf_counter() - t0
         fp32 = [c for c in p.candidates if c.codec == "fp32" and c.schedule == "ring"]
