@@ -1459,9 +1459,10 @@ class AutoPlanner:
             return
         self._seen = set(times)
         # one MAX all-reduce: the slowest rank's total and span, and each call's
-        # shortest time (negated; every rank made the same calls in the same order)
+        # shortest time (negated; every rank made the same calls, in an order
+        # of their keys that does not depend on which call ended first)
         t = torch.tensor(
-            [sum(times.values()), span, *(-v for v in times.values())],
+            [sum(times.values()), span, *(-times[k] for k in sorted(times, key=repr))],
             dtype=torch.float64,
             device=self._device,
         )
