@@ -113,7 +113,7 @@ def test_hook_auto_on_gloo_ranks() -> None:
         assert "re-planned 1 time(s) on drift, 0 undone" in r["report"]
         assert r["report"].startswith("the plan at the end: probed")
         # the prediction is judged on the plan at the end: the steps after the drift
-        assert r["judged"] and all(m == pytest.approx(r["judged"][0][0]) for m, _ in r["judged"])
+        assert r["judged"] and all(m == pytest.approx(r["judged"][0][0]) for m, *_ in r["judged"])
     assert a["metrics"][-1].keys() == b["metrics"][-1].keys()
 
 

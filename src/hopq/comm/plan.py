@@ -1335,8 +1335,8 @@ class AutoPlanner:
         self._seen: set[Any] = set()
         self._device: Any = None
         #: The previous plan's measured steps (see ``_restart``).
-        self._before: list[tuple[float, float]] = []
-        self._since: list[tuple[float, float]] = []
+        self._before: list[tuple[float, float, float]] = []
+        self._since: list[tuple[float, float, float]] = []
         self._reset()
 
     #: The clock of step spans (tests replace it).
@@ -1365,8 +1365,8 @@ class AutoPlanner:
         self._recent: list[float] = []
         self._spans: list[float] = []
         self._compared = False
-        #: This plan's measured steps: (synchronization seconds, predicted),
-        #: and the previous plan's when this one has none yet.
+        #: This plan's measured steps: (synchronization seconds, predicted, the
+        #: slowest rank's calls), and the previous plan's when this one has none.
         if self._since:
             self._before = self._since
         self._since = []
@@ -1418,6 +1418,9 @@ class AutoPlanner:
         alike, so every rank comes here at the same call)."""
         import torch
 
+        fp32 = [c for c in p.candidates if c.codec == "fp32" and c.schedule == "ring"]
+        if not fp32:  # nothing to scale (the codecs were narrowed): the model's own
+            return p.pick.sync_s
         ratio = self._native_ratio.get(p.codec)
         if ratio is None:
             t0 = time.perf_counter()
@@ -1434,10 +1437,9 @@ class AutoPlanner:
                     if rep:
                         got.append(t)
             t32, t16 = _agreed_max([min(times[0]), min(times[1])], group, dev)
-            ratio = self._native_ratio[p.codec] = t16 / t32 if t32 > 0 else 0.5
+            ratio = self._native_ratio[p.codec] = t16 / max(t32, 1e-9)
             self.probe_seconds += time.perf_counter() - t0
-        fp32 = [c for c in p.candidates if c.codec == "fp32" and c.schedule == "ring"]
-        return fp32[0].sync_s * ratio if fp32 else p.pick.sync_s
+        return fp32[0].sync_s * ratio
 
     def is_native(self, key: Any) -> bool:
         """Whether the call ``key`` (just picked) runs as torch's own all-reduce."""
@@ -1484,7 +1486,7 @@ class AutoPlanner:
         self._recent.append(measured)
         if predicted > 0:
             self.predictions.append((measured, predicted))
-            self._since.append((measured, predicted))
+            self._since.append((measured, predicted, slowest))
         if span > 0:
             self._spans.append(span)
         if self._trial():
@@ -1631,7 +1633,7 @@ class AutoPlanner:
             f"{spans}; kept {best[0]}"
         )
 
-    def _judged(self) -> list[tuple[float, float]]:
+    def _judged(self) -> list[tuple[float, float, float]]:
         """The steps the prediction is judged on: those of the plan running now
         since it started (or came back), else those of the plan before it."""
         return self._since or self._before
@@ -1644,7 +1646,7 @@ class AutoPlanner:
         steps = self._judged()
         if not steps:
             return None
-        return statistics.median(m / p for m, p in steps) - 1
+        return statistics.median(m / p for m, p, _ in steps) - 1
 
     def report(self, wall_s: float | None = None) -> str:
         """One line: the trial, the prediction's error and the probe's cost
@@ -1665,9 +1667,7 @@ class AutoPlanner:
         err = self.prediction_error()
         if err is not None:
             steps = self._judged()
-            m = statistics.median(m for m, _ in steps)
-            p = statistics.median(p for _, p in steps)
-            slow = statistics.median(list(self.slowest)[-len(steps) :]) if self.slowest else m
+            m, p, slow = (statistics.median(v) for v in zip(*steps, strict=True))
             parts.append(
                 f"synchronization per step {m * 1e3:.4g} ms measured (each call's rank that "
                 f"started it last) against {p * 1e3:.4g} ms predicted (median over "
