@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import threading
 from functools import lru_cache
 from typing import Any
@@ -65,6 +66,12 @@ CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 #: (64 rows of 1024 columns) makes tiles of 64 rows x 64 columns. Not yet
 #: measured against other settings on a GPU.
 TILE = 4096
+#: Columns of a strided tile at least (a block's rows stay in one tile where
+#: TILE allows): 32 float32 columns are a 128-byte line, their codes a sector.
+MIN_COLUMNS = 32
+#: Encoding divides by a scale's reciprocal with one correction (the correctly
+#: rounded quotient) in tiles whose entries keep it exact, tl.div_rn elsewhere.
+FAST_DIVISION = True
 #: Warps per program for a full tile (smaller tiles: fewer, at least one).
 #: Both are read at every call, so a GPU run may sweep them (the same bits).
 WARPS = 4
@@ -188,14 +195,50 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _quant(x, a, EL: tl.constexpr, Q: tl.constexpr):
+    def _div_by(a, b, rb):
+        """a / b correctly rounded, given rb = 1 / b correctly rounded: one
+        Markstein correction (the residual a - b q is exact in one fused
+        multiply-add, and q + r rb rounds to the quotient), as DynamiQ's
+        kernels divide. Exact where a is zero or at least 2**-100, and b, rb
+        and the quotient are normal (:func:`_fast_tile`)."""
+        q = a * rb
+        e = tl.fma(-q, b, a)
+        return tl.fma(e, rb, q)
+
+    @triton.jit
+    def _fast_tile(s, a, RUNS: tl.constexpr):
+        """Whether every entry of the tile s (scales a, broadcast) divides
+        exactly by the reciprocal (_div_by): each finite entry zero or at least
+        2**-100 and 2**-90 of its scale, every scale below 2**120 (NaN and
+        infinite entries become zeros before the division)."""
+        ai = _abs_bits(s)
+        ax = ai.to(tl.float32, bitcast=True)
+        odd = (ai != 0) & ((ai < 0x0D800000) | (ax < a * 8.077935669463161e-28))
+        odd = (odd | (a.to(tl.int32, bitcast=True) >= 0x7B800000)).to(tl.int32)
+        # rows first (axis 1, as the scales' maxima), then what is left
+        if RUNS:  # [SP, RT]
+            n_odd = tl.max(tl.max(odd, axis=1), axis=0)
+        else:  # [SP, RT, CT]
+            n_odd = tl.max(tl.max(tl.max(odd, axis=1), axis=1), axis=0)
+        return n_odd == 0
+
+    @triton.jit
+    def _quant(x, a, ra, EL: tl.constexpr, Q: tl.constexpr, FAST: tl.constexpr):
         """The reference's _quantize of entries x under (broadcast) scales a, as
-        code bytes (int32 0..255)."""
+        code bytes (int32 0..255). FAST: ra holds the scales' reciprocals (0
+        for a zero scale) and every entry is in _div_by's range."""
         xa = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         finite = xa < 0x7F800000
         xs = tl.where(finite, x, 0.0)  # non-finite entries get their own code below
         pos = a > 0.0
-        v = tl.where(pos, tl.div_rn(xs, tl.where(pos, a, 1.0)) * Q, 0.0)
+        if FAST:
+            # |xs| / a, then xs's sign (a > 0): a zero's sign survives, as in x / a
+            xb = xs.to(tl.int32, bitcast=True)
+            qa = _div_by((xb & 0x7FFFFFFF).to(tl.float32, bitcast=True), a, ra)
+            qs = (qa.to(tl.int32, bitcast=True) | (xb & -0x80000000)).to(tl.float32, bitcast=True)
+            v = tl.where(pos, qs * Q, 0.0)
+        else:
+            v = tl.where(pos, tl.div_rn(xs, tl.where(pos, a, 1.0)) * Q, 0.0)
         if EL == _INT8:
             v = tl.minimum(tl.maximum(v, -128.0), 128.0)
             r = (v + _MAGIC) - _MAGIC  # torch.round: to nearest, ties to even
@@ -248,28 +291,31 @@ if triton is not None:
 
     @triton.jit
     def _stage1(
-        i, j, c, km, f, inb, local, outf, n, seg0, cols, sb,
+        i, j, c, km, kms, f, cin, local, outf, n, seg0, cols,
         MODE: tl.constexpr, EL: tl.constexpr, S: tl.constexpr, BLOCK: tl.constexpr,
         RT: tl.constexpr, RUNS: tl.constexpr, PARTIAL: tl.constexpr, STORE: tl.constexpr,
     ):  # fmt: skip
         """Row tile i: ENCODE loads the local entries; the decoding modes decode
-        the codes and store them (DECODE) or add them to the local entries and
-        store the sums (DECODE_ACC; DAR where ``STORE``). Returns (the entries
-        to encode, offsets, mask)."""
+        the codes (at ``cin``) and store them (DECODE) or add them to the local entries and
+        store the sums (DECODE_ACC; DAR where ``STORE``). Loads take the mask
+        km, stores kms (which also holds the payload's validity: the loads do
+        not wait for it). Returns (the entries to encode, offsets, the store
+        mask)."""
         offs, m = _tile(i, j, c, n, seg0, cols, S, BLOCK, RT, RUNS, PARTIAL)
+        ms = m & kms
         m = m & km
         if MODE == _ENCODE:
             s = tl.load(local + offs, mask=m, other=0.0)
         else:
-            b = tl.load(inb + sb + offs, mask=m, other=0).to(tl.int32)
+            b = tl.load(cin + offs, mask=m, other=0).to(tl.int32)
             s = _dequant(b, f, EL)
             if MODE == _DECODE:
-                tl.store(outf + offs, s, mask=m)
+                tl.store(outf + offs, s, mask=ms)
             else:
                 s = _acc(tl.load(local + offs, mask=m, other=0.0), s)
                 if STORE:
-                    tl.store(local + offs, s, mask=m)
-        return s, offs, m
+                    tl.store(local + offs, s, mask=ms)
+        return s, offs, ms
 
     @triton.jit
     def _body(
@@ -277,6 +323,7 @@ if triton is not None:
         MODE: tl.constexpr, EL: tl.constexpr, Q: tl.constexpr, SBYTES: tl.constexpr,
         S: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, RT: tl.constexpr,
         CT: tl.constexpr, RUNS: tl.constexpr, PARTIAL: tl.constexpr, CHECK: tl.constexpr,
+        A4: tl.constexpr, FASTDIV: tl.constexpr,
     ):  # fmt: skip
         """One stage over SP runs (RUNS: the contiguous layout, one scale per run
         of BLOCK entries) or SP segments x CT columns of the strided layout
@@ -285,6 +332,13 @@ if triton is not None:
         the payload's scales (the codes follow them); ``bad``: the number of
         invalid scales in the payload (then nothing is written)."""
         NIT: tl.constexpr = (BLOCK + RT - 1) // RT
+        # the codes, after the scales; A4: both start on 4 bytes (the host checked),
+        # so that a thread's neighbouring codes load and store as one word
+        cin = inb + sb
+        cout = outb + sb
+        if A4:
+            cin = tl.multiple_of(cin, 4)
+            cout = tl.multiple_of(cout, 4)
         if RUNS:
             if PARTIAL:
                 j = seg0 + tl.arange(0, SP)  # SP == 1
@@ -306,11 +360,14 @@ if triton is not None:
                 c = (pid % NCT) * CT + c0
                 kok = (c < S)[None, :] & ((j + 1) * (S * BLOCK) <= n)[:, None]  # full ones
             k = (j * S)[:, None] + c[None, :]  # [SP, CT]
+        kst = kok
         if CHECK:
             # invalid scales anywhere: write nothing (the count broadcast first: the
-            # interpreter refuses a mask made with a scalar boolean)
-            kok = kok & ((bad + tl.zeros_like(k)) == 0)
+            # interpreter refuses a mask made with a scalar boolean); the loads go
+            # ahead without waiting for the count
+            kst = kok & ((bad + tl.zeros_like(k)) == 0)
         km = tl.expand_dims(kok, 1)
+        kms = tl.expand_dims(kst, 1)
         f = 0.0
         if MODE != _ENCODE:
             a_in = _scale_bits(inb, k, kok, SBYTES).to(tl.float32, bitcast=True)
@@ -320,13 +377,18 @@ if triton is not None:
             # the fused hop encodes the sums from registers: the local chunk is
             # read, not written (the engine never reads it after the hop)
             s, offs, m = _stage1(
-                0, j, c, km, f, inb, local, outf, n, seg0, cols, sb,
+                0, j, c, km, kms, f, cin, local, outf, n, seg0, cols,
                 MODE, EL, S, BLOCK, RT, RUNS, PARTIAL, MODE != _DAR,
             )  # fmt: skip
             if ENC:
-                a = _put_scale(outb, k, kok, tl.max(_abs_bits(s), axis=1), SBYTES)
+                a = _put_scale(outb, k, kst, tl.max(_abs_bits(s), axis=1), SBYTES)
                 a = tl.expand_dims(a, 1)
-                tl.store(outb + sb + offs, _quant(s, a, EL, Q).to(tl.uint8), mask=m)
+                if FASTDIV and _fast_tile(s, a, RUNS):
+                    ra = tl.where(a > 0.0, tl.div_rn(1.0, a), 0.0)
+                    code = _quant(s, a, ra, EL, Q, True)
+                else:
+                    code = _quant(s, a, a, EL, Q, False)
+                tl.store(cout + offs, code.to(tl.uint8), mask=m)
         else:  # blocks longer than a tile: maxima first, then the codes
             if RUNS:  # noqa: SIM108 (a constexpr branch)
                 mi = tl.zeros([SP], tl.int32)
@@ -334,26 +396,27 @@ if triton is not None:
                 mi = tl.zeros([SP, CT], tl.int32)
             for i in range(NIT):
                 s, offs, m = _stage1(
-                    i, j, c, km, f, inb, local, outf, n, seg0, cols, sb,
+                    i, j, c, km, kms, f, cin, local, outf, n, seg0, cols,
                     MODE, EL, S, BLOCK, RT, RUNS, PARTIAL, True,
                 )  # fmt: skip
                 if ENC:
                     mi = tl.maximum(mi, tl.max(_abs_bits(s), axis=1))
             if ENC:
-                a = tl.expand_dims(_put_scale(outb, k, kok, mi, SBYTES), 1)
+                a = tl.expand_dims(_put_scale(outb, k, kst, mi, SBYTES), 1)
                 tl.debug_barrier()  # the accumulated entries (DAR) are stored
                 for i in range(NIT):
                     offs, m = _tile(i, j, c, n, seg0, cols, S, BLOCK, RT, RUNS, PARTIAL)
-                    m = m & km
-                    s = tl.load(local + offs, mask=m, other=0.0)
-                    tl.store(outb + sb + offs, _quant(s, a, EL, Q).to(tl.uint8), mask=m)
+                    s = tl.load(local + offs, mask=m & km, other=0.0)
+                    code = _quant(s, a, a, EL, Q, False)
+                    tl.store(cout + offs, code.to(tl.uint8), mask=m & kms)
 
     @_stable_jit(["n", "full", "last_cols", "sb", "nfp", "nparts"], ["inb", "outb"])
     def _hop_kernel(
         inb, local, outf, outb, counts, n, full, last_cols, sb, nfp, nparts,
         MODE: tl.constexpr, EL: tl.constexpr, Q: tl.constexpr, SBYTES: tl.constexpr,
         S: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, RT: tl.constexpr,
-        CT: tl.constexpr, RUNS: tl.constexpr, CHECK: tl.constexpr,
+        CT: tl.constexpr, RUNS: tl.constexpr, CHECK: tl.constexpr, A4: tl.constexpr,
+        FASTDIV: tl.constexpr,
     ):  # fmt: skip
         """A part in one launch: programs below ``nfp`` take SP full segments (or
         runs) each, the others the part's shorter last one (segment ``full``, of
@@ -375,12 +438,12 @@ if triton is not None:
         if pid < nfp:
             _body(
                 pid, inb, local, outf, outb, n, full, S, sb, bad,
-                MODE, EL, Q, SBYTES, S, BLOCK, SP, RT, CT, RUNS, False, CHECK,
+                MODE, EL, Q, SBYTES, S, BLOCK, SP, RT, CT, RUNS, False, CHECK, A4, FASTDIV,
             )  # fmt: skip
         else:
             _body(
                 pid - nfp, inb, local, outf, outb, n, full, last_cols, sb, bad,
-                MODE, EL, Q, SBYTES, S, BLOCK, 1, RT, CTP, RUNS, True, CHECK,
+                MODE, EL, Q, SBYTES, S, BLOCK, 1, RT, CTP, RUNS, True, CHECK, A4, FASTDIV,
             )  # fmt: skip
 
     @_stable_jit(["ns"], ["inb"])
@@ -402,6 +465,13 @@ _LAUNCH = {} if interpreting() else {"enable_fp_fusion": False}
 _INTERPRETER_LOCK = threading.Lock() if interpreting() else contextlib.nullcontext()
 
 
+def _codes_aligned(sb: int, *payloads: torch.Tensor) -> bool:
+    """Whether every payload's codes (after ``sb`` bytes of scales) start on 4
+    bytes: then the kernels may move a thread's neighbouring codes as one word
+    (compiled once for each answer)."""
+    return all((t.data_ptr() + sb) % 4 == 0 for t in payloads)
+
+
 def _pow2(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
 
@@ -417,8 +487,8 @@ def geometry(columns: int, block: int, tile: int, warps: int) -> tuple[int, int,
         rt = min(rows, tile)
         sp, ct = max(1, tile // rt), 1
     else:
-        # a row's columns first (contiguous), at least 64 of them (256 bytes)
-        ct = min(_pow2(columns), max(64, tile // rows))
+        # a row's columns first (contiguous), at least MIN_COLUMNS of them
+        ct = min(_pow2(columns), max(MIN_COLUMNS, tile // rows))
         rt = min(rows, max(1, tile // ct))
         sp = max(1, tile // (rt * ct))
     return sp, rt, ct, max(1, min(warps, sp * rt * ct * warps // tile))
@@ -486,7 +556,8 @@ def run(
         _hop_kernel[(grid,)](
             inb, loc, outf, outb, counts, n, full, last_cols, sb, nfp, nparts,
             MODE=int(mode), EL=CODES[element], Q=float(q), SBYTES=scale_bytes, S=S,
-            BLOCK=block, SP=sp, RT=rt, CT=ct, RUNS=S == 1, CHECK=check, **_LAUNCH,
+            BLOCK=block, SP=sp, RT=rt, CT=ct, RUNS=S == 1, CHECK=check,
+            A4=_codes_aligned(sb, inb, outb), FASTDIV=FAST_DIVISION, **_LAUNCH,
             **({} if interpreting() else {"num_warps": warps}),
         )  # fmt: skip
     return int(counts[nparts].item()) if check else 0
@@ -521,7 +592,7 @@ def compile_all(arch: int = 90) -> list[str]:
     runs, strided segments and the short last segment; one pass and two) for a
     CUDA target (sm_<arch>) without a GPU (Triton's front end and the ptxas in
     its wheel) and check that divisions are the correctly rounded ones and no
-    multiply-add was fused. Needs TRITON_INTERPRET unset when this module is
+    multiply-add was fused but those written (tl.fma). Needs TRITON_INTERPRET unset when this module is
     imported. Returns one line per variant."""
     if triton is None or interpreting():
         raise RuntimeError("compile_all needs triton and TRITON_INTERPRET=0 at import")
@@ -536,9 +607,11 @@ def compile_all(arch: int = 90) -> list[str]:
         src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
         opts = {"enable_fp_fusion": False, "num_warps": warps}
         ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
-        if "div.full" in ptx or "div.approx" in ptx or "fma.rn.f32" in ptx:
+        # every float operation rounds on its own (.rn: ptxas may not contract
+        # it); the fused multiply-adds are the ones written (_div_by)
+        if "div.full" in ptx or "div.approx" in ptx or re.search(r"\b(mul|add|sub)\.f32", ptx):
             raise AssertionError(
-                f"{fn.__name__} {const}: approximate division or fused multiply-add"
+                f"{fn.__name__} {const}: approximate division or contractible arithmetic"
             )
         out.append(f"{fn.__name__} {const}: ok")
 
@@ -546,7 +619,7 @@ def compile_all(arch: int = 90) -> list[str]:
     sig = {
         "inb": "*u8", "local": "*fp32", "outf": "*fp32", "outb": "*u8", "counts": "*i32",
         **dict.fromkeys(("n", "full", "last_cols", "sb", "nfp", "nparts"), "i32"),
-        **dict.fromkeys((*names, "CHECK"), "constexpr"),
+        **dict.fromkeys((*names, "CHECK", "A4", "FASTDIV"), "constexpr"),
     }  # fmt: skip
     qs = (127.0, 448.0, 57344.0)
     # (columns, block): the paper's strided geometry, contiguous runs of 64, and
@@ -564,7 +637,11 @@ def compile_all(arch: int = 90) -> list[str]:
                             strict=True),
                         CHECK=mode != Mode.ENCODE,
                     )  # fmt: skip
-                    build(_hop_kernel, sig, const, warps)
+                    build(_hop_kernel, sig, {**const, "A4": True, "FASTDIV": True}, warps)
+                    if (s, block, el, sbytes) == (*shapes[0], 0, 2):
+                        # codes not on 4 bytes; every division a full one
+                        build(_hop_kernel, sig, {**const, "A4": False, "FASTDIV": True}, warps)
+                        build(_hop_kernel, sig, {**const, "A4": True, "FASTDIV": False}, warps)
     for sbytes in (2, 4):
         build(
             _check_kernel,
