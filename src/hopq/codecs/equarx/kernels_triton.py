@@ -59,19 +59,18 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 #: (as :data:`hopq.codecs.equarx.kernels_cpu.CODES`).
 CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
-#: Entries per program. 4096 on 4 warps is 32 entries per thread: eight 16-byte
-#: loads of the local chunk in flight per thread (16 KB per program), and
-#: (ptxas, sm_90) 80 registers for the int8 and E4M3 hops, 128 for E5M2, 46-72
-#: for the decoding kernels: four to ten programs per SM. The paper's geometry
-#: (64 rows of 1024 columns) makes tiles of 64 rows x 64 columns. Not yet
-#: measured against other settings on a GPU.
-TILE = 4096
+#: Entries per program. 2048 on 4 warps is 16 entries per thread, four of
+#: neighbouring columns in each row a thread holds (one 16-byte load of the
+#: local chunk, one word of codes); the paper's geometry (64 rows of 1024
+#: columns) makes tiles of 64 rows x 32 columns. ptxas (Triton 3.6, sm_90)
+#: gives the int8 and E4M3 hops 63 registers, E5M2's 80, the decoding kernels
+#: 32: eight programs per SM. On an H200 this setting encoded at 71-76% of
+#: copy against 54-62% for 4096 entries (on 4 or 8 warps), the fused hop
+#: within noise of them.
+TILE = 2048
 #: Columns of a strided tile at least (a block's rows stay in one tile where
 #: TILE allows): 32 float32 columns are a 128-byte line, their codes a sector.
 MIN_COLUMNS = 32
-#: Encoding divides by a scale's reciprocal with one correction (the correctly
-#: rounded quotient) in tiles whose entries keep it exact, tl.div_rn elsewhere.
-FAST_DIVISION = True
 #: Warps per program for a full tile (smaller tiles: fewer, at least one).
 #: Both are read at every call, so a GPU run may sweep them (the same bits).
 WARPS = 4
@@ -195,50 +194,14 @@ if triton is not None:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _div_by(a, b, rb):
-        """a / b correctly rounded, given rb = 1 / b correctly rounded: one
-        Markstein correction (the residual a - b q is exact in one fused
-        multiply-add, and q + r rb rounds to the quotient), as DynamiQ's
-        kernels divide. Exact where a is zero or at least 2**-100, and b, rb
-        and the quotient are normal (:func:`_fast_tile`)."""
-        q = a * rb
-        e = tl.fma(-q, b, a)
-        return tl.fma(e, rb, q)
-
-    @triton.jit
-    def _fast_tile(s, a, RUNS: tl.constexpr):
-        """Whether every entry of the tile s (scales a, broadcast) divides
-        exactly by the reciprocal (_div_by): each finite entry zero or at least
-        2**-100 and 2**-90 of its scale, every scale below 2**120 (NaN and
-        infinite entries become zeros before the division)."""
-        ai = _abs_bits(s)
-        ax = ai.to(tl.float32, bitcast=True)
-        odd = (ai != 0) & ((ai < 0x0D800000) | (ax < a * 8.077935669463161e-28))
-        odd = (odd | (a.to(tl.int32, bitcast=True) >= 0x7B800000)).to(tl.int32)
-        # rows first (axis 1, as the scales' maxima), then what is left
-        if RUNS:  # [SP, RT]
-            n_odd = tl.max(tl.max(odd, axis=1), axis=0)
-        else:  # [SP, RT, CT]
-            n_odd = tl.max(tl.max(tl.max(odd, axis=1), axis=1), axis=0)
-        return n_odd == 0
-
-    @triton.jit
-    def _quant(x, a, ra, EL: tl.constexpr, Q: tl.constexpr, FAST: tl.constexpr):
+    def _quant(x, a, EL: tl.constexpr, Q: tl.constexpr):
         """The reference's _quantize of entries x under (broadcast) scales a, as
-        code bytes (int32 0..255). FAST: ra holds the scales' reciprocals (0
-        for a zero scale) and every entry is in _div_by's range."""
+        code bytes (int32 0..255)."""
         xa = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         finite = xa < 0x7F800000
         xs = tl.where(finite, x, 0.0)  # non-finite entries get their own code below
         pos = a > 0.0
-        if FAST:
-            # |xs| / a, then xs's sign (a > 0): a zero's sign survives, as in x / a
-            xb = xs.to(tl.int32, bitcast=True)
-            qa = _div_by((xb & 0x7FFFFFFF).to(tl.float32, bitcast=True), a, ra)
-            qs = (qa.to(tl.int32, bitcast=True) | (xb & -0x80000000)).to(tl.float32, bitcast=True)
-            v = tl.where(pos, qs * Q, 0.0)
-        else:
-            v = tl.where(pos, tl.div_rn(xs, tl.where(pos, a, 1.0)) * Q, 0.0)
+        v = tl.where(pos, tl.div_rn(xs, tl.where(pos, a, 1.0)) * Q, 0.0)
         if EL == _INT8:
             v = tl.minimum(tl.maximum(v, -128.0), 128.0)
             r = (v + _MAGIC) - _MAGIC  # torch.round: to nearest, ties to even
@@ -323,7 +286,7 @@ if triton is not None:
         MODE: tl.constexpr, EL: tl.constexpr, Q: tl.constexpr, SBYTES: tl.constexpr,
         S: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, RT: tl.constexpr,
         CT: tl.constexpr, RUNS: tl.constexpr, PARTIAL: tl.constexpr, CHECK: tl.constexpr,
-        A4: tl.constexpr, FASTDIV: tl.constexpr,
+        A4: tl.constexpr,
     ):  # fmt: skip
         """One stage over SP runs (RUNS: the contiguous layout, one scale per run
         of BLOCK entries) or SP segments x CT columns of the strided layout
@@ -383,12 +346,7 @@ if triton is not None:
             if ENC:
                 a = _put_scale(outb, k, kst, tl.max(_abs_bits(s), axis=1), SBYTES)
                 a = tl.expand_dims(a, 1)
-                if FASTDIV and _fast_tile(s, a, RUNS):
-                    ra = tl.where(a > 0.0, tl.div_rn(1.0, a), 0.0)
-                    code = _quant(s, a, ra, EL, Q, True)
-                else:
-                    code = _quant(s, a, a, EL, Q, False)
-                tl.store(cout + offs, code.to(tl.uint8), mask=m)
+                tl.store(cout + offs, _quant(s, a, EL, Q).to(tl.uint8), mask=m)
         else:  # blocks longer than a tile: maxima first, then the codes
             if RUNS:  # noqa: SIM108 (a constexpr branch)
                 mi = tl.zeros([SP], tl.int32)
@@ -407,8 +365,7 @@ if triton is not None:
                 for i in range(NIT):
                     offs, m = _tile(i, j, c, n, seg0, cols, S, BLOCK, RT, RUNS, PARTIAL)
                     s = tl.load(local + offs, mask=m & km, other=0.0)
-                    code = _quant(s, a, a, EL, Q, False)
-                    tl.store(cout + offs, code.to(tl.uint8), mask=m & kms)
+                    tl.store(cout + offs, _quant(s, a, EL, Q).to(tl.uint8), mask=m & kms)
 
     @_stable_jit(["n", "full", "last_cols", "sb", "nfp", "nparts"], ["inb", "outb"])
     def _hop_kernel(
@@ -416,7 +373,6 @@ if triton is not None:
         MODE: tl.constexpr, EL: tl.constexpr, Q: tl.constexpr, SBYTES: tl.constexpr,
         S: tl.constexpr, BLOCK: tl.constexpr, SP: tl.constexpr, RT: tl.constexpr,
         CT: tl.constexpr, RUNS: tl.constexpr, CHECK: tl.constexpr, A4: tl.constexpr,
-        FASTDIV: tl.constexpr,
     ):  # fmt: skip
         """A part in one launch: programs below ``nfp`` take SP full segments (or
         runs) each, the others the part's shorter last one (segment ``full``, of
@@ -438,12 +394,12 @@ if triton is not None:
         if pid < nfp:
             _body(
                 pid, inb, local, outf, outb, n, full, S, sb, bad,
-                MODE, EL, Q, SBYTES, S, BLOCK, SP, RT, CT, RUNS, False, CHECK, A4, FASTDIV,
+                MODE, EL, Q, SBYTES, S, BLOCK, SP, RT, CT, RUNS, False, CHECK, A4,
             )  # fmt: skip
         else:
             _body(
                 pid - nfp, inb, local, outf, outb, n, full, last_cols, sb, bad,
-                MODE, EL, Q, SBYTES, S, BLOCK, 1, RT, CTP, RUNS, True, CHECK, A4, FASTDIV,
+                MODE, EL, Q, SBYTES, S, BLOCK, 1, RT, CTP, RUNS, True, CHECK, A4,
             )  # fmt: skip
 
     @_stable_jit(["ns"], ["inb"])
@@ -557,7 +513,7 @@ def run(
             inb, loc, outf, outb, counts, n, full, last_cols, sb, nfp, nparts,
             MODE=int(mode), EL=CODES[element], Q=float(q), SBYTES=scale_bytes, S=S,
             BLOCK=block, SP=sp, RT=rt, CT=ct, RUNS=S == 1, CHECK=check,
-            A4=_codes_aligned(sb, inb, outb), FASTDIV=FAST_DIVISION, **_LAUNCH,
+            A4=_codes_aligned(sb, inb, outb), **_LAUNCH,
             **({} if interpreting() else {"num_warps": warps}),
         )  # fmt: skip
     return int(counts[nparts].item()) if check else 0
@@ -592,7 +548,7 @@ def compile_all(arch: int = 90) -> list[str]:
     runs, strided segments and the short last segment; one pass and two) for a
     CUDA target (sm_<arch>) without a GPU (Triton's front end and the ptxas in
     its wheel) and check that divisions are the correctly rounded ones and no
-    multiply-add was fused but those written (tl.fma). Needs TRITON_INTERPRET unset when this module is
+    multiply-add can be fused. Needs TRITON_INTERPRET unset when this module is
     imported. Returns one line per variant."""
     if triton is None or interpreting():
         raise RuntimeError("compile_all needs triton and TRITON_INTERPRET=0 at import")
@@ -607,8 +563,7 @@ def compile_all(arch: int = 90) -> list[str]:
         src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
         opts = {"enable_fp_fusion": False, "num_warps": warps}
         ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
-        # every float operation rounds on its own (.rn: ptxas may not contract
-        # it); the fused multiply-adds are the ones written (_div_by)
+        # every float operation rounds on its own (.rn: ptxas may not contract it)
         if "div.full" in ptx or "div.approx" in ptx or re.search(r"\b(mul|add|sub)\.f32", ptx):
             raise AssertionError(
                 f"{fn.__name__} {const}: approximate division or contractible arithmetic"
@@ -619,7 +574,7 @@ def compile_all(arch: int = 90) -> list[str]:
     sig = {
         "inb": "*u8", "local": "*fp32", "outf": "*fp32", "outb": "*u8", "counts": "*i32",
         **dict.fromkeys(("n", "full", "last_cols", "sb", "nfp", "nparts"), "i32"),
-        **dict.fromkeys((*names, "CHECK", "A4", "FASTDIV"), "constexpr"),
+        **dict.fromkeys((*names, "CHECK", "A4"), "constexpr"),
     }  # fmt: skip
     qs = (127.0, 448.0, 57344.0)
     # (columns, block): the paper's strided geometry, contiguous runs of 64, and
@@ -637,11 +592,9 @@ def compile_all(arch: int = 90) -> list[str]:
                             strict=True),
                         CHECK=mode != Mode.ENCODE,
                     )  # fmt: skip
-                    build(_hop_kernel, sig, {**const, "A4": True, "FASTDIV": True}, warps)
+                    build(_hop_kernel, sig, {**const, "A4": True}, warps)
                     if (s, block, el, sbytes) == (*shapes[0], 0, 2):
-                        # codes not on 4 bytes; every division a full one
-                        build(_hop_kernel, sig, {**const, "A4": False, "FASTDIV": True}, warps)
-                        build(_hop_kernel, sig, {**const, "A4": True, "FASTDIV": False}, warps)
+                        build(_hop_kernel, sig, {**const, "A4": False}, warps)  # codes off 4 bytes
     for sbytes in (2, 4):
         build(
             _check_kernel,
