@@ -53,6 +53,18 @@ def _layout_and_rates(rank: int, n: int, nbytes: int) -> tuple[dict[str, str], d
     return env, rates
 
 
+def _sum_of_ranks(rank: int, n: int) -> int:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def test_run_workers_without_a_time_limit():
+    """``timeout=None`` waits for the ranks however long they take (a long
+    training job); they still run and return as with a limit."""
+    assert run_workers(2, _sum_of_ranks, timeout=None) == [1, 1]
+
+
 def test_two_nodes_share_a_namespace_and_their_links_are_shaped():
     """Ranks 0, 1 on node 0 and 2, 3 on node 1, each with torchrun's variables;
     between nodes the link's rate, inside a node the loopback's."""

@@ -304,7 +304,8 @@ def test_backend_option_and_selection(monkeypatch):
 def test_triton_kernels_compile_for_cuda_without_a_gpu():
     """The interpreter runs the kernels' Python as is; the compiler is stricter
     (constexpr globals, types, layouts). Every variant must compile for sm_90
-    with correctly rounded divisions and no contractible multiply or add."""
+    with correctly rounded divisions, no fused multiply-add and nothing
+    ptxas could contract."""
     code = "from hopq.codecs.equarx import kernels_triton as k; print(len(k.compile_all(90)))"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)

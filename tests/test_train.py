@@ -135,6 +135,8 @@ def test_options_are_validated():
         train.TrainOptions(bucket_mb=-1)
     with pytest.raises(ValueError, match="powersgd_start"):
         train.TrainOptions(powersgd_start=1)
+    with pytest.raises(ValueError, match="time_limit"):
+        train.TrainOptions(time_limit=-1)
     # options that would do nothing in the run asked for are refused
     for kw, match in (
         ({"rate_mbit": 100.0, "network": False}, "--no-network"),

@@ -149,7 +149,7 @@ def spawn(
     n: int,
     fn: Callable[..., Any],
     *args: Any,
-    timeout: float = 3600,
+    timeout: float | None = 3600,
     threads: int = 1,
     namespaces: list[str] | None = None,
     pg_timeout: float = PG_TIMEOUT_S,
@@ -158,7 +158,8 @@ def spawn(
 ) -> list[RankOutcome]:
     """Run ``fn(rank, n, *args)`` in n spawned Gloo ranks (one fresh FileStore) and
     report how each ended, whatever happened (the fault tests kill ranks on
-    purpose). ``timeout``: seconds to wait for all ranks before killing the rest.
+    purpose). ``timeout``: seconds to wait for all ranks before killing the rest
+    (None: no limit; a rank that loses a peer still fails within ``pg_timeout``).
     ``clean_exit=False``: ranks leave right after their function returns or
     raises, without the final barrier (for groups a fault has broken).
     ``workers_per_node``: each rank gets torchrun's layout variables for nodes of
@@ -196,12 +197,12 @@ def spawn(
             old_term = signal.signal(signal.SIGTERM, on_term)
         except ValueError:  # not the main thread: the ranks still die with this process
             old_term = None
-        end = time.monotonic() + timeout
+        end = time.monotonic() + timeout if timeout is not None else None
         try:
             for p in procs:
                 p.start()
             for p in procs:
-                p.join(max(0.0, end - time.monotonic()))
+                p.join(None if end is None else max(0.0, end - time.monotonic()))
         finally:
             if old_term is not None:
                 signal.signal(signal.SIGTERM, old_term)
@@ -212,7 +213,7 @@ def spawn(
         outcomes = []
         for r, p in enumerate(procs):
             code = p.exitcode
-            if code == -9 and time.monotonic() >= end:
+            if code == -9 and end is not None and time.monotonic() >= end:
                 code = None  # killed by us: it hung
             out = RankOutcome(r, code)
             err = os.path.join(tmp, f"err{r}.txt")
@@ -245,7 +246,7 @@ def run_workers(
     n: int,
     fn: Callable[..., Any],
     *args: Any,
-    timeout: float = 3600,
+    timeout: float | None = 3600,
     threads: int = 1,
     namespaces: list[str] | None = None,
     workers_per_node: int | None = None,

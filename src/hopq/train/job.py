@@ -109,6 +109,11 @@ class TrainOptions:
         0.0, "learning rate; 0: the workload's own (gpt 1e-3, minilm and minilm-cls 1e-4)"
     )
     eval_every: int = option(20, "steps between held-out evaluations")
+    time_limit: float = option(
+        0.0,
+        "seconds the training ranks may run before they are stopped; 0: no limit (a rank "
+        "that loses a peer still fails within its process group's timeout)",
+    )
     eval_batches: int = option(8, "held-out batches per evaluation")
     vnmse_every: int = option(
         10, "steps between measurements of the compression error (vNMSE); 0: never"
@@ -187,6 +192,8 @@ class TrainOptions:
                 "--nodes, --workers-per-node and --intra-rate-mbit shape the emulated "
                 "network, which --no-network turns off"
             )
+        if not self.time_limit >= 0:
+            raise ValueError(f"time_limit must be >= 0 (0: no limit), got {self.time_limit}")
         if self.powersgd_start < 2:
             raise ValueError(f"powersgd_start must be >= 2, got {self.powersgd_start}")
         if not self.bucket_mb >= 0:
@@ -535,6 +542,7 @@ def run(o: TrainOptions) -> str | None:
                 worker,
                 o,
                 contenders,
+                timeout=o.time_limit or None,
                 namespaces=net.namespaces,
                 workers_per_node=net.workers_per_node,
             )[0]
@@ -542,7 +550,7 @@ def run(o: TrainOptions) -> str | None:
     else:
         print(f"no emulated network ({why}): running on plain loopback", flush=True)
         network = f"loopback ({why})"
-        runs = run_workers(n, worker, o, contenders)[0]
+        runs = run_workers(n, worker, o, contenders, timeout=o.time_limit or None)[0]
     text = report(runs, o, network, folder)
     print(f"\nreport written to {folder / 'report.md'}", flush=True)
     return text

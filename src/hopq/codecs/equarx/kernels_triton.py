@@ -59,14 +59,13 @@ except ImportError:  # pragma: no cover - exercised where triton is absent
 #: (as :data:`hopq.codecs.equarx.kernels_cpu.CODES`).
 CODES = {torch.int8: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
-#: Entries per program. 2048 on 4 warps is 16 entries per thread, four of
-#: neighbouring columns in each row a thread holds (one 16-byte load of the
-#: local chunk, one word of codes); the paper's geometry (64 rows of 1024
-#: columns) makes tiles of 64 rows x 32 columns. ptxas (Triton 3.6, sm_90)
-#: gives the int8 and E4M3 hops 63 registers, E5M2's 80, the decoding kernels
-#: 32: eight programs per SM. On an H200 this setting encoded at 71-76% of
-#: copy against 54-62% for 4096 entries (on 4 or 8 warps), the fused hop
-#: within noise of them.
+#: Entries per program. 2048 on 4 warps is 16 entries per thread, in each of
+#: its rows four neighbouring columns (one 16-byte load of the local chunk, one
+#: word of codes); the paper's geometry (64 rows of 1024 columns) makes tiles
+#: of 64 rows x 32 columns. ptxas (Triton 3.6, sm_90) gives the int8 and E4M3
+#: hops 63 registers, E5M2's 80, the decoding kernels 32: eight programs per
+#: SM. On an H200 this setting encoded at 71-76% of copy against 54-62% for
+#: 4096 entries (on 4 or 8 warps), the fused hop within noise of them.
 TILE = 2048
 #: Columns of a strided tile at least (a block's rows stay in one tile where
 #: TILE allows): 32 float32 columns are a 128-byte line, their codes a sector.
@@ -259,11 +258,11 @@ if triton is not None:
         RT: tl.constexpr, RUNS: tl.constexpr, PARTIAL: tl.constexpr, STORE: tl.constexpr,
     ):  # fmt: skip
         """Row tile i: ENCODE loads the local entries; the decoding modes decode
-        the codes (at ``cin``) and store them (DECODE) or add them to the local entries and
-        store the sums (DECODE_ACC; DAR where ``STORE``). Loads take the mask
-        km, stores kms (which also holds the payload's validity: the loads do
-        not wait for it). Returns (the entries to encode, offsets, the store
-        mask)."""
+        the codes (at ``cin``) and store them (DECODE) or add them to the local
+        entries and store the sums (DECODE_ACC; DAR where ``STORE``). Loads
+        take the mask km, stores kms (which also holds the payload's validity:
+        the loads do not wait for it). Returns (the entries to encode,
+        offsets, the store mask)."""
         offs, m = _tile(i, j, c, n, seg0, cols, S, BLOCK, RT, RUNS, PARTIAL)
         ms = m & kms
         m = m & km
@@ -421,11 +420,11 @@ _LAUNCH = {} if interpreting() else {"enable_fp_fusion": False}
 _INTERPRETER_LOCK = threading.Lock() if interpreting() else contextlib.nullcontext()
 
 
-def _codes_aligned(sb: int, *payloads: torch.Tensor) -> bool:
-    """Whether every payload's codes (after ``sb`` bytes of scales) start on 4
-    bytes: then the kernels may move a thread's neighbouring codes as one word
-    (compiled once for each answer)."""
-    return all((t.data_ptr() + sb) % 4 == 0 for t in payloads)
+def _codes_aligned(sb: int, *payloads: torch.Tensor | None) -> bool:
+    """Whether the codes of every payload a call reads or writes (after ``sb``
+    bytes of scales) start on 4 bytes: then the kernels may move a thread's
+    neighbouring codes as one word (compiled once for each answer)."""
+    return all((t.data_ptr() + sb) % 4 == 0 for t in payloads if t is not None)
 
 
 def _pow2(v: int) -> int:
@@ -513,7 +512,7 @@ def run(
             inb, loc, outf, outb, counts, n, full, last_cols, sb, nfp, nparts,
             MODE=int(mode), EL=CODES[element], Q=float(q), SBYTES=scale_bytes, S=S,
             BLOCK=block, SP=sp, RT=rt, CT=ct, RUNS=S == 1, CHECK=check,
-            A4=_codes_aligned(sb, inb, outb), **_LAUNCH,
+            A4=_codes_aligned(sb, payload, out_payload), **_LAUNCH,
             **({} if interpreting() else {"num_warps": warps}),
         )  # fmt: skip
     return int(counts[nparts].item()) if check else 0
@@ -548,7 +547,7 @@ def compile_all(arch: int = 90) -> list[str]:
     runs, strided segments and the short last segment; one pass and two) for a
     CUDA target (sm_<arch>) without a GPU (Triton's front end and the ptxas in
     its wheel) and check that divisions are the correctly rounded ones and no
-    multiply-add can be fused. Needs TRITON_INTERPRET unset when this module is
+    multiply-add was fused, nor can be. Needs TRITON_INTERPRET unset when this module is
     imported. Returns one line per variant."""
     if triton is None or interpreting():
         raise RuntimeError("compile_all needs triton and TRITON_INTERPRET=0 at import")
@@ -563,10 +562,16 @@ def compile_all(arch: int = 90) -> list[str]:
         src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
         opts = {"enable_fp_fusion": False, "num_warps": warps}
         ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
-        # every float operation rounds on its own (.rn: ptxas may not contract it)
-        if "div.full" in ptx or "div.approx" in ptx or re.search(r"\b(mul|add|sub)\.f32", ptx):
+        # no fused multiply-add, and every float operation rounds on its own
+        # (.rn: ptxas may not contract it)
+        if (
+            "div.full" in ptx
+            or "div.approx" in ptx
+            or "fma.rn.f32" in ptx
+            or re.search(r"\b(mul|add|sub)\.f32", ptx)
+        ):
             raise AssertionError(
-                f"{fn.__name__} {const}: approximate division or contractible arithmetic"
+                f"{fn.__name__} {const}: approximate division or fused multiply-add"
             )
         out.append(f"{fn.__name__} {const}: ok")
 
