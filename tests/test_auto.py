@@ -154,6 +154,20 @@ def optimizer_worker(rank: int, n: int) -> dict[str, Any]:
     return {"params": [p.detach().clone() for p in model.parameters()], "handed": handed}
 
 
+def test_auto_report_says_apart_the_kernels_first_calls() -> None:
+    """A cold cache compiles the timed codecs' kernels in their first calls: the
+    report gives those seconds apart and the share without them."""
+    from hopq.comm.plan import AutoPlanner
+
+    p = AutoPlanner()
+    p.probe_seconds, p.speed_seconds, p.first_call_seconds = 1.5, 26.0, 25.0
+    line = p.report(300.0)
+    assert "the probes took 27.50 s" in line and "9.2% of the training time" in line
+    assert "25.00 s the timed kernels' first calls" in line and "0.8% without them" in line
+    p.first_call_seconds = 0.0  # speeds given, not timed
+    assert "first calls" not in p.report(300.0)
+
+
 def test_hook_auto_hands_the_optimizer_to_a_planned_dynamiq() -> None:
     a, b = run_workers(2, optimizer_worker, timeout=300)
     assert a["handed"] and a["handed"] == b["handed"]  # every planned bucket, every step

@@ -123,6 +123,29 @@ def test_progress_without_a_terminal_prints_lines_with_the_label():
     assert "loss 24" in lines[-1]
 
 
+def test_progress_says_a_line_after_a_slow_step(monkeypatch):
+    """Steps of minutes (a long training job) still show in a log between the
+    every-k lines: a step that ends quiet_s after the last line prints one."""
+    import types
+
+    import hopq.reporting as reporting
+
+    now = [0.0]
+    monkeypatch.setattr(reporting, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    buf = io.StringIO()
+    with Progress("job", 40, every=10, quiet_s=60, stream=buf) as p:
+        for _ in range(5):
+            now[0] += 100.0  # each step takes 100 s
+            p.update()
+    assert [ln.split()[1] for ln in buf.getvalue().splitlines()] == [
+        "1/40",
+        "2/40",
+        "3/40",
+        "4/40",
+        "5/40",
+    ]
+
+
 def test_progress_on_a_terminal_keeps_the_label_rich_would_eat():
     pytest.importorskip("rich")
 

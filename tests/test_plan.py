@@ -264,7 +264,10 @@ def auto_worker(rank: int, n: int) -> dict[str, object]:
     pm._PROBES[dist.group.WORLD] = (1e-3, 0.1)
     big = torch.randn(400_000, generator=g)
     slow = hopq.all_reduce(big, codec="auto")
-    slow_pick = pm._PICKS[dist.group.WORLD][(400_000, None)]
+    slow_pick = pm.auto_pick(400_000)
+    assert pm.auto_pick(400_000, layout="1x2") is None  # asked for flat only
+    firsts: list[float] = []  # each timed codec's untimed first pass
+    speeds = pm.agree_speeds(400_000, n, (1e-3, 0.1), None, None, torch.device("cpu"), firsts)
     return {
         "y": y,
         "same": bool(torch.equal(y, z)),
@@ -275,6 +278,8 @@ def auto_worker(rank: int, n: int) -> dict[str, object]:
         "layout_err": layout_err,
         "slow_pick": slow_pick,
         "slow_bits": slow.bits_per_coord,
+        "firsts": firsts,
+        "speeds": speeds,
     }
 
 
@@ -294,6 +299,8 @@ def test_auto_all_reduce_on_gloo_ranks() -> None:
         assert r["slow_pick"] == res[0]["slow_pick"]
         assert r["slow_pick"][0] not in ("fp32", "fp16", "bf16")
         assert r["slow_bits"] < 10
+        assert r["speeds"] == res[0]["speeds"]  # agreed: the slowest rank's
+        assert r["firsts"] and all(f > 0 for f in r["firsts"])
 
 
 def torch_equal(a: object, b: object) -> bool:

@@ -676,12 +676,13 @@ def _cluster_worker(
             if isinstance(got, str):
                 out[("auto", layout)] = got
                 continue
-            where = (d, pm._layout_key(layout) if layout is not None else None)
-            name, config, topo, lay = pm._PICKS[dist.group.WORLD][where]
+            picked = pm.auto_pick(d, layout=layout)
+            assert picked is not None, "codec='auto' ran but recorded no pick"
+            name, config, topo, lay = picked
             out[("auto", layout)] = (
                 y.cpu(), name, config, topo, None if lay is None else lay.describe()
             )  # fmt: skip
-        out["probe"] = pm._PROBES.get(dist.group.WORLD)
+        out["probe"] = pm.auto_probe()
         out[("ddp", "auto")] = _try(lambda: _ddp_layout(rank, "auto", dev, CLUSTER_LAYOUT))
     finally:
         pm.AUTO_OVERRIDES.pop("speeds", None)

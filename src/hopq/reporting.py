@@ -86,9 +86,11 @@ def save_figure(fig: Any, path: Path) -> Path:
 
 class Progress:
     """Progress of a long job: a rich bar on a terminal (when rich is installed),
-    otherwise one plain line every ``every`` steps and at the end, so that a log
-    file or CI output shows the job moving. ``label`` names what runs (a codec,
-    a table); it is shown as is (rich markup in it is escaped)."""
+    otherwise one plain line after the first step, every ``every`` steps, at
+    the end, and after any step that ends ``quiet_s`` seconds or more after
+    the last line (slow steps), so that a log file or CI output shows the job
+    moving. ``label`` names what runs (a codec, a table); it is shown as is
+    (rich markup in it is escaped)."""
 
     def __init__(
         self,
@@ -96,12 +98,14 @@ class Progress:
         total: int,
         *,
         every: int = 10,
+        quiet_s: float = 60.0,
         stream: Any = None,
         transient: bool = False,
     ) -> None:
         self.label, self.total, self.every = label, total, max(1, every)
         self.done = 0
-        self.t0 = time.perf_counter()
+        self.quiet_s = quiet_s
+        self.t0 = self._said = time.perf_counter()
         self.stream = stream if stream is not None else sys.stdout
         self._bar: Any = None
         if _is_terminal(self.stream):
@@ -134,8 +138,14 @@ class Progress:
         if self._bar is not None:
             kw = {"description": self._escape(self.label)} if label is not None else {}
             self._bar.update(self._task, advance=advance, info=self._escape(info), **kw)
-        elif self.done % self.every == 0 or self.done >= self.total or self.done == advance:
-            elapsed = time.perf_counter() - self.t0
+        elif (
+            self.done % self.every == 0
+            or self.done >= self.total
+            or self.done == advance
+            or time.perf_counter() - self._said >= self.quiet_s
+        ):
+            self._said = time.perf_counter()
+            elapsed = self._said - self.t0
             print(
                 f"[{self.label}] {self.done}/{self.total} ({elapsed:.0f} s) {info}".rstrip(),
                 file=self.stream,

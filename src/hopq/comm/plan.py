@@ -1025,6 +1025,11 @@ def agree_auto(tensor: Any, group: Any, layout: Any) -> tuple[tuple[float, float
 #: the timed calls of each kernel (after an untimed one; the best counts).
 SPEED_PROBE_COORDS = 1 << 17
 SPEED_PROBE_REPS = 2
+#: Coordinates of each timed codec's first, untimed pass before its timing:
+#: its kernels' first calls, which load them from numba's on-disk cache (about
+#: 1 s for DynamiQ and MXFP8 on 4 ranks sharing 2 cores) or, on a cold cache,
+#: compile them (DynamiQ 6.3 s, MXFP8 4.0 s on one idle core).
+SPEED_WARM_COORDS = 1 << 12
 
 
 #: Codecs whose fastest candidate the default speeds put within this factor
@@ -1033,7 +1038,13 @@ SPEED_WITHIN = 3.0
 
 
 def agree_speeds(
-    numel: int, n: int, probe: tuple[float, float], lay: Any, group: Any, device: Any
+    numel: int,
+    n: int,
+    probe: tuple[float, float],
+    lay: Any,
+    group: Any,
+    device: Any,
+    first_calls: list[float] | None = None,
 ) -> dict[str, tuple[float, ...]]:
     """The kernel speeds of the codecs a plan of ``numel`` coordinates could
     pick (those within the error budget with the default speeds), the slowest
@@ -1046,7 +1057,10 @@ def agree_speeds(
     once, so workers that share cores measure that, and ``cores_per_node``
     should stay None. The others keep their default speeds times the median
     ratio of measured to default speed of the timed ones. Empty when
-    :data:`AUTO_OVERRIDES` gives speeds."""
+    :data:`AUTO_OVERRIDES` gives speeds. The timed codecs first make one
+    untimed pass on :data:`SPEED_WARM_COORDS` coordinates (their kernels'
+    first calls, :func:`_first_calls`); its seconds are appended to
+    ``first_calls`` when given."""
     import torch
     import torch.distributed as dist
 
@@ -1062,6 +1076,10 @@ def agree_speeds(
     coords = SPEED_PROBE_COORDS
     if torch.device(device).type == "cuda":
         coords = max(coords, min(numel, 1 << 24))
+    t0 = time.perf_counter()
+    _first_calls(timed, device, group)
+    if first_calls is not None:
+        first_calls.append(time.perf_counter() - t0)
     rows = []
     for name in timed:
         c = time_codec(name, coords, device, reps=SPEED_PROBE_REPS)
@@ -1080,6 +1098,42 @@ def agree_speeds(
             d = DEFAULT_SPEEDS[name]
             out[name] = (*(v * scale for v in d[:4]), d[4])
     return out
+
+
+def _first_calls(timed: list[str], device: Any, group: Any) -> None:
+    """The first, untimed calls of the ``timed`` codecs' kernels: on the
+    lowest rank of each host first, then on the others. On a cold cache the
+    first rank compiles the kernels and writes numba's on-disk cache, and its
+    host's other ranks load them from it instead of each compiling them at
+    once (4 ranks on 2 cores, DynamiQ and MXFP8: 26 s each compiling, against
+    about 10 s)."""
+    import socket
+    import zlib
+
+    import torch
+    import torch.distributed as dist
+
+    from hopq.comm.cost import time_codec
+
+    def run() -> None:
+        for name in timed:
+            time_codec(name, SPEED_WARM_COORDS, device, reps=1)
+
+    n = dist.get_world_size(group)
+    if n == 1:
+        run()
+        return
+    host = torch.tensor([zlib.crc32(socket.gethostname().encode())], device=device)
+    hosts = [torch.zeros_like(host) for _ in range(n)]
+    dist.all_gather(hosts, host, group=group)
+    me = dist.get_rank(group)
+    first = min(r for r in range(n) if int(hosts[r]) == int(host))
+    if me == first:
+        run()
+    done = torch.zeros(1, device=device)
+    dist.all_reduce(done, group=group)  # every host's first rank has its kernels
+    if me != first:
+        run()
 
 
 def plan_call(
@@ -1167,6 +1221,27 @@ def auto(tensor: Any, group: Any, layout: Any) -> tuple[Any, str, Any]:
 
         return get_codec(name, **config), topology, lay
     return name, topology, lay
+
+
+def auto_pick(
+    numel: int, group: Any = None, layout: Any = None
+) -> tuple[str, dict[str, Any], str, Any] | None:
+    """What ``codec="auto"`` picked for calls of ``numel`` entries on ``group``
+    with ``layout`` (as passed to :func:`hopq.all_reduce`): (codec, its
+    options, topology, the agreed layout or None), or None before such a call."""
+    import torch.distributed as dist
+
+    key = group if group is not None else dist.group.WORLD
+    where = (int(numel), _layout_key(layout) if layout is not None else None)
+    return _PICKS.get(key, {}).get(where)
+
+
+def auto_probe(group: Any = None) -> tuple[float, float] | None:
+    """The link probe ``codec="auto"`` agreed on for ``group``: (seconds per
+    step, Gbit/s), or None before its first call."""
+    import torch.distributed as dist
+
+    return _PROBES.get(group if group is not None else dist.group.WORLD)
 
 
 #: Per process group: the codec speeds that codec="auto" measured and agreed on.
@@ -1314,6 +1389,9 @@ class AutoPlanner:
         #: Seconds spent probing the link (and agreeing on the layout), and
         #: timing the codecs' kernels.
         self.probe_seconds = self.speed_seconds = 0.0
+        #: Of speed_seconds: the timed codecs' first calls (a cold cache compiles
+        #: their kernels then; a one-time cost of an environment).
+        self.first_call_seconds = 0.0
         #: The last measured steps: (the step's synchronization seconds: the sum
         #: over its calls of each call's shortest time over the ranks, that of
         #: the rank that started it last; the plans' predicted seconds).
@@ -1391,8 +1469,12 @@ class AutoPlanner:
                 self._probe, self._lay = agree_auto(tensor, group, self.layout)
                 self.probe_seconds += time.perf_counter() - t0
                 t0 = time.perf_counter()
-                self._speeds = agree_speeds(numel, n, self._probe, self._lay, group, self._device)
+                firsts: list[float] = []
+                self._speeds = agree_speeds(
+                    numel, n, self._probe, self._lay, group, self._device, firsts
+                )
                 self.speed_seconds += time.perf_counter() - t0
+                self.first_call_seconds += sum(firsts)
             p = self._plans.get(numel)
             if p is None:
                 probe = self._probe if self._probe is not None else (1e-6, 1e3)
@@ -1679,6 +1761,14 @@ class AutoPlanner:
             )
         spent = self.probe_seconds + self.speed_seconds
         share = f", {spent / wall_s:.1%} of the training time" if wall_s else ""
+        first = self.first_call_seconds
+        if first > 0:
+            warm = f"{(spent - first) / wall_s:.1%} without them" if wall_s else ""
+            share += (
+                f"; of it {first:.2f} s the timed kernels' first calls, which load them from "
+                "numba's cache or, where this environment has none yet, compile them"
+                f"{', ' + warm if warm else ''}"
+            )
         parts.append(
             f"the probes took {spent:.2f} s (the link {self.probe_seconds:.2f} s, the codecs' "
             f"kernels {self.speed_seconds:.2f} s{share})"
