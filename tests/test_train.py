@@ -379,6 +379,7 @@ def test_torchrun_says_which_options_it_ignores():
         assert flag in note
     assert "--comm-share" not in note and "ignored under torchrun" in note
     assert "--no-network ignored" in ignored_under_torchrun(TrainOptions(network=False))
+    assert "--time-limit 60 ignored" in ignored_under_torchrun(TrainOptions(time_limit=60))
 
 
 def test_minilm_classifier_workload_has_the_papers_sparse_embedding_gradient():

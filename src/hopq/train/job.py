@@ -495,6 +495,7 @@ def ignored_under_torchrun(o: TrainOptions) -> str:
             "mtu",
             "tcp_congestion",
             "comm_share",
+            "time_limit",
         )
         if name in changed
     ]
@@ -503,8 +504,8 @@ def ignored_under_torchrun(o: TrainOptions) -> str:
     if not flags:
         return ""
     return (
-        f"{', '.join(flags)} ignored under torchrun: the launcher sets the workers, "
-        "and the network is the real one, not an emulated link"
+        f"{', '.join(flags)} ignored under torchrun: the launcher starts and stops the "
+        "workers, and the network is the real one, not an emulated link"
     )
 
 
