@@ -1107,13 +1107,11 @@ def _first_calls(timed: list[str], device: Any, group: Any) -> None:
     host's other ranks load them from it instead of each compiling them at
     once (4 ranks on 2 cores, DynamiQ and MXFP8: 26 s each compiling, against
     about 10 s)."""
-    import socket
-    import zlib
-
     import torch
     import torch.distributed as dist
 
     from hopq.comm.cost import time_codec
+    from hopq.comm.layout import host_claim
 
     def run() -> None:
         for name in timed:
@@ -1123,7 +1121,7 @@ def _first_calls(timed: list[str], device: Any, group: Any) -> None:
     if n == 1:
         run()
         return
-    host = torch.tensor([zlib.crc32(socket.gethostname().encode())], device=device)
+    host = torch.tensor([host_claim()[0] % (1 << 62)], device=device)
     hosts = [torch.zeros_like(host) for _ in range(n)]
     dist.all_gather(hosts, host, group=group)
     me = dist.get_rank(group)
