@@ -277,6 +277,10 @@ class _Pipeline:
         self.k = len(cuts) - 1
         self.g, self.per = intra_t.rank, lay.per_node
         self.wire = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        #: Whether each piece's result goes straight into the input's memory
+        #: (the call may work there, in float32): no assembling at the end and
+        #: no copy back, which shortens the call's tail.
+        self.direct = call.in_place and x.dtype == torch.float32 and x.is_contiguous()
         self.reduced: queue.Queue[tuple[torch.Tensor, RunStats] | BaseException] = queue.Queue()
         self.summed: queue.Queue[torch.Tensor | None] = queue.Queue()
         self.gathered: list[list[torch.Tensor]] = []
@@ -310,17 +314,41 @@ class _Pipeline:
         t3, c3 = time.perf_counter(), time.thread_time()
         ns = self.shards(j)
         width = ns[1] - ns[0]  # the first shard is the largest
-        block = torch.zeros(width, dtype=self.wire, device=self.x.device)
-        if y2 is not None:
-            block[: y2.numel()] = y2.to(self.wire)
+        if y2 is not None and y2.numel() == width:
+            block = y2.to(self.wire)  # no copy where the wire is the result's dtype
+        else:
+            block = torch.zeros(width, dtype=self.wire, device=self.x.device)
+            if y2 is not None:
+                block[: y2.numel()] = y2.to(self.wire)
         call = self.call
         label = f"all_reduce({call.codec.name}, {call.topology}, node all-gather, key={call.key})"
         where = Where(label, self.inter_t.parent.calls, _GATHER_STEP - j, 0, "node gather")
         try:
-            return node_gather(self.intra_t, block, self.deadline, where, failed=failed)
+            got = node_gather(self.intra_t, block, self.deadline, where, failed=failed)
+            if self.direct and got:
+                self.put_piece(j, got)
+            return got
         finally:
             self.gather_s += time.perf_counter() - t3
             self.gather_cpu += time.thread_time() - c3
+
+    def put_piece(self, j: int, got: list[torch.Tensor]) -> None:
+        """Piece j's gathered node-shards into the input's memory (its region
+        there is no longer read) as soon as they arrive, so that the call ends
+        without assembling the result or copying it back. A node-shard already
+        at its place stays; one elsewhere in the input is copied out before
+        any is written."""
+        lo, ns, x = self.cuts[j], self.shards(j), self.x
+        base = x.untyped_storage().data_ptr()
+        moves = []
+        for h in range(self.per):
+            dst = x[lo + ns[h] : lo + ns[h + 1]]
+            src = got[h][: ns[h + 1] - ns[h]]
+            if src.data_ptr() == dst.data_ptr():
+                continue
+            moves.append((dst, src.clone() if src.untyped_storage().data_ptr() == base else src))
+        for dst, src in moves:
+            dst.copy_(src)
 
     def intra_tier(self) -> None:
         """Every piece's reduce-scatter, then every piece's all-gather."""
@@ -417,11 +445,11 @@ class _Pipeline:
         return self.assemble(inter_stats)
 
     def assemble(self, inter_stats: list[RunStats]) -> tuple[torch.Tensor, RunStats, RunStats]:
-        parts = []
-        for j, got in enumerate(self.gathered):
+        parts: list[torch.Tensor] = []
+        for j, got in enumerate([] if self.direct else self.gathered):
             ns = self.shards(j)
             parts += [got[h][: ns[h + 1] - ns[h]] for h in range(self.per)]
-        y = torch.cat(parts).to(torch.float32)
+        y = self.x if self.direct else torch.cat(parts).to(torch.float32)
         intra_stats, inter = tier_stats(
             self.g, self.per, self.x.numel(), self.wire, self.cuts, self.rs_stats, inter_stats,
             self.gather_s, self.gather_cpu,
