@@ -69,6 +69,12 @@ def two_tier(rank: int, n: int) -> dict[Any, Any]:
             x = data(rank, PIPELINED)
             hopq.all_reduce(x, codec=codec, topology=topo, seed=4, layout="2x2")
             out[("pieces", codec, topo)] = x
+            # the same through a strided view: the result assembled at the end
+            # (not written into the input piece by piece), the same bits
+            z = torch.zeros(2 * PIPELINED)[::2]
+            z.copy_(data(rank, PIPELINED))
+            hopq.all_reduce(z, codec=codec, topology=topo, seed=4, layout="2x2")
+            out[("pieces strided", codec, topo)] = z.clone()
         codec = hopq.get_codec("dynamiq")
         if rank == 2:
             codec.encode = _broken  # type: ignore[method-assign]

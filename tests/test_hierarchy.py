@@ -418,6 +418,8 @@ def test_real_two_tier(monkeypatch: pytest.MonkeyPatch) -> None:
             sim = hopq.simulate(xs, codec, topo, seed=4, layout="2x2")
             for r in range(4):
                 assert torch.equal(_bits(sim.outputs[0]), _bits(res[r][("pieces", codec, topo)]))
+                got = res[r][("pieces strided", codec, topo)]
+                assert torch.equal(_bits(sim.outputs[0]), _bits(got))
     for r in range(4):
         name, msg, seconds = res[r][("failure", "pieces")]
         assert seconds < 30, (r, seconds)
