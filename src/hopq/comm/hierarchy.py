@@ -445,11 +445,14 @@ class _Pipeline:
         return self.assemble(inter_stats)
 
     def assemble(self, inter_stats: list[RunStats]) -> tuple[torch.Tensor, RunStats, RunStats]:
-        parts: list[torch.Tensor] = []
-        for j, got in enumerate([] if self.direct else self.gathered):
-            ns = self.shards(j)
-            parts += [got[h][: ns[h + 1] - ns[h]] for h in range(self.per)]
-        y = self.x if self.direct else torch.cat(parts).to(torch.float32)
+        if self.direct:  # every piece is in the input's memory already
+            y = self.x
+        else:
+            parts = []
+            for j, got in enumerate(self.gathered):
+                ns = self.shards(j)
+                parts += [got[h][: ns[h + 1] - ns[h]] for h in range(self.per)]
+            y = torch.cat(parts).to(torch.float32)
         intra_stats, inter = tier_stats(
             self.g, self.per, self.x.numel(), self.wire, self.cuts, self.rs_stats, inter_stats,
             self.gather_s, self.gather_cpu,
