@@ -14,6 +14,14 @@ from hopq.comm.topology import TOPOLOGIES
 SIZES = (0, 1, 7, 1000003)
 
 
+def in_grid(codec: str, kind: str, size: int) -> bool:
+    """Whether the grid calls ``codec`` on ``kind`` input of ``size``: float input
+    at every size; small integers at the small sizes, and at the large one for
+    fp32 alone, which must then give dist.all_reduce's result bit for bit (the
+    other codecs' large calls, on float input, already check the simulator's bits)."""
+    return kind == "float" or size < SIZES[-1] or codec == "fp32"
+
+
 def make_input(kind: str, rank: int, size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Deterministic per-rank inputs: small integers (exact in every wire dtype
     when summed over <= 4 ranks) or normal floats."""
@@ -40,7 +48,7 @@ def grid(rank: int, n: int, codecs: list[str]) -> dict[Any, Any]:
             ref = make_input(kind, rank, size)
             dist.all_reduce(ref)
             out[("dist", kind, size)] = ref
-            for codec in codecs:
+            for codec in (c for c in codecs if in_grid(c, kind, size)):
                 for topo in TOPOLOGIES:
                     x = make_input(kind, rank, size)
                     info = hopq.all_reduce(x, codec=codec, topology=topo, seed=3)
