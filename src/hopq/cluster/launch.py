@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 PG_TIMEOUT_S = 120
 #: What the fork server imports once for every rank it starts. Importing torch
 #: starts no thread and touches no device, so forking after it is safe.
-PRELOAD = ("torch", "torch.distributed")
+PRELOAD = ("torch", "torch.distributed", "hopq")
 
 
 def launched_by_torchrun() -> bool:
