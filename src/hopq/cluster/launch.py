@@ -7,11 +7,11 @@ join the launcher's process group instead (:func:`init_from_env`).
 The ranks start from a fork server (:mod:`multiprocessing`'s ``forkserver``
 start method): a fresh process, started once per launching process, that
 imports :data:`PRELOAD` and nothing else, and forks a rank for each start. A
-rank begins with torch imported instead of importing it (about 1.5 s of CPU
-each, which four ranks on two cores pay twice over), and inherits nothing else
-from the fork server: it takes the launcher's environment as it is when the
-ranks start, and imports the worker function's module itself, as a spawned
-process does.
+rank begins with torch and hopq imported instead of importing them (about
+1.6 s of CPU each, which four ranks on two cores pay twice over), and inherits
+nothing else from the fork server: it takes the launcher's environment as it
+is when the ranks start, and imports the worker function's module itself, as a
+spawned process does.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 
 #: A rank that waits this long for a peer has lost it; short, so tests fail fast.
 PG_TIMEOUT_S = 120
-#: What the fork server imports once for every rank it starts. Importing torch
+#: What the fork server imports once for every rank it starts. Importing them
 #: starts no thread and touches no device, so forking after it is safe.
 PRELOAD = ("torch", "torch.distributed", "hopq")
 
@@ -124,7 +124,10 @@ def _die_with(launcher: int) -> None:
 
 
 def _context() -> Any:
-    """The fork server's context (:data:`PRELOAD` imported once)."""
+    """The fork server's context (:data:`PRELOAD` imported once); where the
+    platform has no fork server (Windows), fresh interpreters."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
@@ -200,8 +203,8 @@ def spawn(
     workers_per_node: int | None = None,
 ) -> list[RankOutcome]:
     """Run ``fn(rank, n, *args)`` in n Gloo ranks started by the fork server (one
-    fresh FileStore) and report how each ended, whatever happened (the fault tests kill ranks on
-    purpose). ``timeout``: seconds to wait for all ranks before killing the rest
+    fresh FileStore) and report how each ended, whatever happened (the fault
+    tests kill ranks on purpose). ``timeout``: seconds to wait for all ranks before killing the rest
     (None: no limit; a rank that loses a peer still fails within ``pg_timeout``).
     ``clean_exit=False``: ranks leave right after their function returns or
     raises, without the final barrier (for groups a fault has broken).
@@ -296,7 +299,7 @@ def run_workers(
     namespaces: list[str] | None = None,
     workers_per_node: int | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, n, *args)`` in n spawned Gloo ranks (one fresh FileStore);
+    """Run ``fn(rank, n, *args)`` in n Gloo ranks (:func:`spawn`; one fresh FileStore);
     return each rank's result. A failing rank's traceback is raised here. With
     ``namespaces`` (an :class:`~hopq.cluster.network.EmulatedNetwork`'s), rank i
     runs in namespace i and talks over the shaped links; with ``workers_per_node``
