@@ -18,6 +18,7 @@ from hopq.cluster.launch import run_workers, spawn
 from tests.workers import (
     aborts_at_exit,
     ddp_group_freed_on_destroy,
+    environ_of,
     group_freed_on_destroy,
     make_input,
     plan_fails_everywhere,
@@ -133,6 +134,22 @@ def test_the_launcher_says_where_a_rank_died():
     says that it got that far (so a teardown fault is told from a crash)."""
     with pytest.raises(RuntimeError, match=r"exit code -6 \(after the process group was destroyed"):
         run_workers(2, aborts_at_exit)
+
+
+def test_ranks_see_the_launchers_environment_and_run_their_exit_handlers(tmp_path, monkeypatch):
+    """The ranks fork from a server that started with the first launch: each
+    still sees the launcher's environment as it is when the ranks start (a
+    variable set or removed since), and its exit handlers run when its
+    function returns, as at a script's end."""
+    names = ["HOPQ_LAUNCH_CHECK", "TRITON_INTERPRET"]
+    assert "TRITON_INTERPRET" in os.environ  # set before any launch (conftest)
+    run_workers(1, environ_of, names, str(tmp_path / "first"))  # the server runs
+    monkeypatch.setenv("HOPQ_LAUNCH_CHECK", "set after the server started")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    res = run_workers(2, environ_of, names, str(tmp_path / "gone"))
+    want = {"HOPQ_LAUNCH_CHECK": "set after the server started", "TRITON_INTERPRET": None}
+    assert res == [want, want]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first0", "gone0", "gone1"]
 
 
 def test_destroying_the_group_frees_it_after_hopq_used_it():

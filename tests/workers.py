@@ -574,3 +574,13 @@ def sleep_forever(rank: int, n: int, pids: str) -> None:
         f.write(str(os.getpid()))
     os.replace(path + ".tmp", path)
     time.sleep(600)
+
+
+def environ_of(rank: int, n: int, names: list[str], marker: str) -> dict[str, str | None]:
+    """The values of ``names`` in this rank's environment; at exit, the rank
+    creates the file ``marker`` + rank (its exit handlers ran)."""
+    import atexit
+    import os
+
+    atexit.register(lambda: open(f"{marker}{rank}", "w").close())
+    return {k: os.environ.get(k) for k in names}
