@@ -204,8 +204,9 @@ def spawn(
 ) -> list[RankOutcome]:
     """Run ``fn(rank, n, *args)`` in n Gloo ranks started by the fork server (one
     fresh FileStore) and report how each ended, whatever happened (the fault
-    tests kill ranks on purpose). ``timeout``: seconds to wait for all ranks before killing the rest
-    (None: no limit; a rank that loses a peer still fails within ``pg_timeout``).
+    tests kill ranks on purpose). ``timeout``: seconds to wait for all ranks
+    before killing the rest (None: no limit; a rank that loses a peer still
+    fails within ``pg_timeout``).
     ``clean_exit=False``: ranks leave right after their function returns or
     raises, without the final barrier (for groups a fault has broken).
     ``workers_per_node``: each rank gets torchrun's layout variables for nodes of
