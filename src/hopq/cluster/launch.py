@@ -8,7 +8,7 @@ The ranks start from a fork server (:mod:`multiprocessing`'s ``forkserver``
 start method): a fresh process, started once per launching process, that
 imports :data:`PRELOAD` and nothing else, and forks a rank for each start. A
 rank begins with torch and hopq imported instead of importing them (about
-1.6 s of CPU each, which four ranks on two cores pay twice over), and inherits
+1.7 s of CPU each, which four ranks on two cores pay twice over), and inherits
 nothing else from the fork server: it takes the launcher's environment as it
 is when the ranks start, and imports the worker function's module itself, as a
 spawned process does.
@@ -143,11 +143,11 @@ def _entry(
     args: tuple[Any, ...],
     pg_timeout: float,
     clean_exit: bool,
-    parent: int,
+    launcher: int,
     env: dict[str, str],
     workers_per_node: int | None = None,
 ) -> None:
-    _die_with(parent)
+    _die_with(launcher)
     # the launcher's environment now, not the fork server's from its start
     os.environ.clear()
     os.environ.update(env)
