@@ -392,6 +392,31 @@ def test_bench_kernels_reports_every_kernel(tmp_path):
         KernelOptions(widths=(3,))
 
 
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_gpu_replay_timer_takes_the_hosts_work_out():
+    """The replayed time of a call is its kernels' alone: a short kernel behind
+    2 ms of host work replays in microseconds, a copy in about do_bench's time;
+    a call that synchronizes with the host is refused, not captured."""
+    import time
+
+    from hopq.bench.kernels import replay_timer, timer
+
+    x = torch.randn(1 << 24, device="cuda")
+    y = torch.empty_like(x)
+    replay = replay_timer(3)
+    t_copy = replay(lambda: y.copy_(x))
+    assert t_copy is not None
+    assert 0.5 < t_copy / timer(torch.device("cuda"), 3)(lambda: y.copy_(x)) < 1.5
+
+    def behind_the_host() -> None:
+        time.sleep(0.002)
+        y[:256].add_(1.0)
+
+    t = replay(behind_the_host)
+    assert t is not None and t < 2e-4
+    assert replay(lambda: y[:256].sum().item()) is None
+
+
 @pytest.mark.skipif(not triton_kernels.available(), reason="triton not installed")
 def test_triton_kernels_compile_for_cuda_without_a_gpu():
     """The interpreter runs the kernels' Python as is; the compiler is stricter

@@ -151,6 +151,72 @@ def _four_kernels(
     ]
 
 
+#: Calls per captured graph in :func:`replay_timer`.
+REPLAY_CALLS = 10
+
+
+def replay_timer(repeats: int) -> Callable[[Callable[[], object]], float | None]:
+    """The GPU's time of one call with the host's work taken out: ``fn``
+    captured in a CUDA graph :data:`REPLAY_CALLS` times, each after the L2
+    flush that ``do_bench`` makes, the graph replayed, less a graph of the
+    flushes alone (the medians of ``repeats`` replays of each, alternated).
+    Where a call's kernels wait for the host's launches (short kernels behind
+    the codec's Python), this time is below :func:`timer`'s: the difference is
+    the host's. None where the call cannot be captured: it synchronizes with
+    the host (EQuARX's decoding reads its scale check back), which a first call
+    under ``torch.cuda.set_sync_debug_mode("error")`` finds before any capture."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+
+    def capture(body: Callable[[], object]) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(REPLAY_CALLS):
+                flush.zero_()
+                body()
+        return graph
+
+    def replay(graph: torch.cuda.CUDAGraph) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    flushes = capture(lambda: None)
+
+    def measure(fn: Callable[[], object]) -> float | None:
+        # a first call on a side stream (where graphs capture: torch's recipe),
+        # refused where it synchronizes with the host
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.cuda.stream(side):
+                fn()
+        except RuntimeError:
+            return None
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+            torch.cuda.current_stream().wait_stream(side)
+            torch.cuda.synchronize()
+        try:
+            graph = capture(fn)
+        except RuntimeError:
+            torch.cuda.synchronize()
+            return None
+        with_fn, alone = [], []
+        for _ in range(max(repeats, 3)):
+            with_fn.append(replay(graph))
+            alone.append(replay(flushes))
+        del graph
+        spent = statistics.median(with_fn) - statistics.median(alone)
+        return max(spent, 0.0) / REPLAY_CALLS
+
+    return measure
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """torch's intra-op threads off for the block, so that references run on one
@@ -164,12 +230,41 @@ def one_thread() -> Iterator[None]:
 
 
 def _row(
-    device: torch.device, n: int, bits: str, kernel: str, t: float, moved: float, copy_bw: float
+    device: torch.device,
+    n: int,
+    bits: str,
+    kernel: str,
+    t: float,
+    moved: float,
+    copy_bw: float,
+    replayed: tuple[float | None, float] | None = None,
 ) -> list[object]:
-    """A table row: time, bytes moved, bandwidth, share of copy, coordinates/s."""
+    """A table row: time, bytes moved, bandwidth, share of copy, coordinates/s;
+    on CUDA also the replayed time (:func:`replay_timer`) and its bandwidth's
+    share of the replayed copy's (``replayed``: that time or None, the copy's
+    bandwidth)."""
     bw = moved / t
-    return [device.type, f"{n:,}", bits, kernel, f"{t * 1e3:.3f}", f"{moved / 1e6:.1f}",
-            f"{bw / 1e9:.1f}", f"{bw / copy_bw:.0%}", f"{n / t / 1e6:.0f}"]  # fmt: skip
+    row: list[object] = [device.type, f"{n:,}", bits, kernel, f"{t * 1e3:.3f}", f"{moved / 1e6:.1f}",
+                         f"{bw / 1e9:.1f}", f"{bw / copy_bw:.0%}", f"{n / t / 1e6:.0f}"]  # fmt: skip
+    if replayed is not None:
+        tr, copy_replayed = replayed
+        row += (
+            ["-", "-"] if tr is None else [f"{tr * 1e3:.3f}", f"{moved / tr / copy_replayed:.0%}"]
+        )
+    return row
+
+
+def _share(row: list[object]) -> float | None:
+    """A row's replayed share of copy, or None (not replayed, or not captured)."""
+    if len(row) < 11 or row[10] == "-":
+        return None
+    return float(str(row[10]).rstrip("%")) / 100
+
+
+def _replayed(row: list[object]) -> str:
+    """The replayed share for the progress line, where there is one."""
+    share = _share(row)
+    return "" if share is None else f" ({share:.0%} replayed)"
 
 
 def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
@@ -189,12 +284,34 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
     if device.type == "cpu":
         torch.set_num_threads(1)
     measure = timer(device, o.repeats)
+    replay = None
+    if device.type == "cuda":
+        try:
+            replay = replay_timer(o.repeats)
+        except RuntimeError as e:  # no graphs here: the table says so by its columns
+            say(f"CUDA graphs unavailable ({e}); the replayed columns are left out")
+    #: this size's copy bandwidth, by do_bench and replayed
+    ceiling: dict[str, float] = {}
     rows: list[list[object]] = []
-    curves: dict[str, list[tuple[int, float]]] = {}
+    curves: dict[str, list[tuple[int, float, float | None]]] = {}
     backend_used = "?"
     backends: dict[str, str] = {}  # codec -> the backend its kernels ran on
 
-    def one_width(w: int, x: torch.Tensor, copy_bw: float) -> Any:
+    def timed(n: int, bits: str, kernel: str, fn: Callable[[], object], moved: float) -> float:
+        """Time ``fn`` (and replay it on CUDA), add its row; its bandwidth's
+        share of copy."""
+        t = measure(fn)
+        replayed = None
+        if replay is not None:
+            try:
+                replayed = (replay(fn), ceiling["replayed"])
+            except RuntimeError as e:
+                say(f"{kernel}: not replayed ({e})")
+                replayed = (None, ceiling["replayed"])
+        rows.append(_row(device, n, bits, kernel, t, moved, ceiling["copy"], replayed))
+        return moved / t / ceiling["copy"]
+
+    def one_width(w: int, x: torch.Tensor) -> Any:
         nonlocal backend_used
         n = x.numel()
         codec = DynamiQ(widths=(w,), budget=w + 1.0, allocation="fixed", backend=o.backend)
@@ -204,17 +321,13 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         ctx = HopContext(0, 0, 0, 1, 0, 2)
         payload = codec.encode(plan, work, ctx)
         for name, fn, moved in _four_kernels(codec, plan, work, work, payload, ctx, n):
-            t = measure(fn)
-            bw = moved / t
-            rows.append(_row(device, n, str(w), name, t, moved, copy_bw))
+            share = timed(n, str(w), name, fn, moved)
             if name == "decompress_accumulate_recompress":
-                curves.setdefault(f"{w}-bit fused hop", []).append((n, bw / copy_bw))
-                say(
-                    f"{'':>11}  {w:>2}-bit fused hop {n / t / 1e6:7.0f} Mcoord/s, {bw / copy_bw:.0%} of copy"
-                )
+                curves.setdefault(f"{w}-bit fused hop", []).append((n, share, _share(rows[-1])))
+                say(f"{'':>11}  {w:>2}-bit fused hop {share:.0%} of copy{_replayed(rows[-1])}")
         return codec.kernels(device)
 
-    def one_codec(name: str, x: torch.Tensor, copy_bw: float) -> None:
+    def one_codec(name: str, x: torch.Tensor) -> None:
         """A codec at its defaults, the call as one chunk, through its codec API."""
         n = x.numel()
         codec = get_codec(name, backend=o.backend)
@@ -228,15 +341,10 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         bits = f"{8 * P / n:.2f}"
         kernels = _four_kernels(codec, plan, work, work.clone(), payload, ctx, n)
         for kernel, fn, moved in kernels:
-            t = measure(fn)
-            rows.append(_row(device, n, bits, f"{name} {kernel}", t, moved, copy_bw))
+            share = timed(n, bits, f"{name} {kernel}", fn, moved)
             if kernel == "decompress_accumulate_recompress":
-                bw = moved / t
-                curves.setdefault(f"{name} fused hop", []).append((n, bw / copy_bw))
-                say(
-                    f"{'':>11}  {name} fused hop {n / t / 1e6:7.0f} Mcoord/s, "
-                    f"{bw / copy_bw:.0%} of copy"
-                )
+                curves.setdefault(f"{name} fused hop", []).append((n, share, _share(rows[-1])))
+                say(f"{'':>11}  {name} fused hop {share:.0%} of copy{_replayed(rows[-1])}")
 
     def one_size(d: int) -> None:
         nonlocal backend_used
@@ -248,30 +356,31 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         src = x.clone()
         dst = torch.empty_like(x)
         t_copy = measure(lambda: dst.copy_(src))
-        copy_bw = 2 * 4 * n / t_copy
-        say(f"{n:>11,} coords  copy {copy_bw / 1e9:7.1f} GB/s")
-        rows.append(_row(device, n, "-", "copy (ceiling)", t_copy, 8 * n, copy_bw))
+        ceiling["copy"] = 2 * 4 * n / t_copy
+        if replay is not None:
+            t_replayed = replay(lambda: dst.copy_(src))
+            assert t_replayed, "a copy is always captured"
+            ceiling["replayed"] = 2 * 4 * n / t_replayed
+        say(f"{n:>11,} coords  copy {ceiling['copy'] / 1e9:7.1f} GB/s")
+        timed(n, "-", "copy (ceiling)", lambda: dst.copy_(src), 8 * n)
         # the uncompressed floor: a bf16 hop (decode, add, encode)
         inb = x.to(torch.bfloat16)
 
         def bf16_hop() -> torch.Tensor:
             return (src + inb.float()).to(torch.bfloat16)
 
-        t = measure(bf16_hop)
-        rows.append(_row(device, n, "16", "bf16 hop (floor)", t, 2 * n + 4 * n + 2 * n, copy_bw))
+        timed(n, "16", "bf16 hop (floor)", bf16_hop, 2 * n + 4 * n + 2 * n)
         kern = None
         if "dynamiq" in o.codecs:
             for w in o.widths:
-                kern = one_width(w, x, copy_bw)
+                kern = one_width(w, x)
         # the statistics pre-pass (width-independent)
         if kern is not None:
             stats_kernel = kern.supergroup_stats
-            t = measure(lambda: stats_kernel(x, 256))
-            moved = 4 * n + 8 * (n // 256)
-            rows.append(_row(device, n, "-", "stats pre-pass", t, moved, copy_bw))
+            timed(n, "-", "stats pre-pass", lambda: stats_kernel(x, 256), 4 * n + 8 * (n // 256))
         for name in o.codecs:
             if name != "dynamiq":
-                one_codec(name, x, copy_bw)
+                one_codec(name, x)
 
     try:
         for d in sizes:
@@ -279,6 +388,8 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
     finally:
         torch.set_num_threads(threads)
     header = ["device", "coords", "bits", "kernel", "ms", "MB moved", "GB/s", "of copy", "Mcoord/s"]
+    if replay is not None:
+        header += ["ms, replayed", "of copy, replayed"]
     where = "GPU" if device.type == "cuda" else "CPU, one core"
     if o.codecs == ("dynamiq",):
         title = f"DynamiQ kernels ({where}; backend: {backend_used})"
@@ -293,6 +404,13 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         "(bits: the payload's per coordinate); "
         "'of copy' is the bandwidth over that of copy_() of the chunk (read + write) in the same run."
     )
+    if replay is not None:
+        text += (
+            f"\n\n'replayed': the call captured {REPLAY_CALLS} times in a CUDA graph, each after "
+            "the same L2 flush, less the flushes alone: the GPU's time with the host's launches "
+            "taken out (against the copy's, replayed too); '-': the call synchronizes with the "
+            "host and cannot be captured."
+        )
     if device.type == "cpu":
         text += (
             "\n\nRan on CPU: the GPU rows (Triton kernels on a CUDA device) are not measured "
@@ -302,8 +420,15 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         plt = pyplot()
         if plt is not None:
             fig, ax = plt.subplots(figsize=(6, 3.6))
-            for label, pts in curves.items():
-                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=label)
+            for i, (label, pts) in enumerate(curves.items()):
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o", label=label,
+                        color=f"C{i}")  # fmt: skip
+                again = [(p[0], p[2]) for p in pts if p[2] is not None]
+                if again:  # replayed: the host's launches taken out
+                    ax.plot([p[0] for p in again], [100 * p[1] for p in again], ls="--",
+                            color=f"C{i}")  # fmt: skip
+            if replay is not None:
+                ax.plot([], [], ls="--", color="grey", label="dashed: replayed (no host)")
             ax.set_xscale("log", base=2)
             ax.set_xlabel("coordinates")
             ax.set_ylabel("% of copy bandwidth")
