@@ -460,8 +460,10 @@ def _tables(
     )
 
 
+@lru_cache(maxsize=256)
 def _reciprocal(n: int) -> float:
-    """1 / n correctly rounded to float32 (a float32 division on the CPU)."""
+    """1 / n correctly rounded to float32 (a float32 division on the CPU),
+    kept per n: the two tensors and the division cost every launch host time."""
     return float(torch.tensor(1.0) / torch.tensor(float(n)))
 
 
