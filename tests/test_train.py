@@ -445,3 +445,31 @@ def test_a_two_tier_calls_bytes_on_the_link_are_its_nodes():
     assert _link_bytes(two) == inter.bytes_sent * 4
     flat = RunStats(0, 8, 100, payload_bytes=3000.0)
     assert _link_bytes(flat) == flat.bytes_sent
+
+
+def test_the_docstring_corpus_is_parsed_once_and_kept(tmp_path, monkeypatch):
+    """The MiniLM corpus is parsed once and read back from the cache (every
+    worker would parse the standard library otherwise); a damaged cache file is
+    parsed again and replaced; a cache that cannot be written says so and
+    still gives the corpus."""
+    from hopq.train import workloads
+
+    monkeypatch.setenv("HOPQ_CACHE_DIR", str(tmp_path / "cache"))
+    first = workloads.stdlib_docstrings_by_module(200_000)
+    assert first and first == workloads._parse_stdlib_docstrings(200_000)
+    (kept,) = (tmp_path / "cache").glob("stdlib-docstrings-*.json")
+    parse = workloads._parse_stdlib_docstrings
+    monkeypatch.setattr(workloads, "_parse_stdlib_docstrings", lambda m: pytest.fail("parsed"))
+    assert workloads.stdlib_docstrings_by_module(200_000) == first
+
+    kept.write_text('[["email", "a docstring cut sho')
+    monkeypatch.setattr(workloads, "_parse_stdlib_docstrings", parse)
+    assert workloads.stdlib_docstrings_by_module(200_000) == first
+    assert json.loads(kept.read_text()) == [list(p) for p in first]
+    assert workloads._corpus_path(100_000) != kept  # another size, another file
+
+    (tmp_path / "a file").write_text("")
+    monkeypatch.setenv("HOPQ_CACHE_DIR", str(tmp_path / "a file" / "cache"))
+    monkeypatch.setattr(workloads, "_cache_warned", False)
+    with pytest.warns(RuntimeWarning, match="cannot cache the docstring corpus"):
+        assert workloads.stdlib_docstrings_by_module(200_000) == first

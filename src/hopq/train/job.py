@@ -529,6 +529,9 @@ def run(o: TrainOptions) -> str | None:
         flat = replace(o, nodes=0, workers_per_node=1, intra_rate_mbit=0.0)  # not ours to shape
         return report(runs, replace(flat, world_size=n, rate_mbit=0.0), network, folder)
 
+    from hopq.train import workloads
+
+    workloads.prepare(o.workload)  # once here, not once per worker
     n = o.world_size
     why = unavailable_reason() if o.network else "disabled (--no-network)"
     rate = o.rate_mbit

@@ -10,8 +10,14 @@ with Python. Every worker's micro-batch is drawn from its own seeded generator.
 from __future__ import annotations
 
 import ast
+import contextlib
+import hashlib
 import importlib.util
+import json
 import os
+import sys
+import tempfile
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,11 +47,78 @@ def minilm_dir() -> Path:
     return path
 
 
+#: The docstring corpus's cache format (part of its file name).
+_CORPUS_FORMAT = "1"
+_cache_warned = False
+
+
+def cache_dir() -> Path:
+    """Where hopq keeps what it can compute again: ``$HOPQ_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/hopq``, else ``~/.cache/hopq``."""
+    if os.environ.get("HOPQ_CACHE_DIR"):
+        return Path(os.environ["HOPQ_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "hopq"
+
+
+def _corpus_path(max_chars: int) -> Path:
+    """The cache file of the docstring corpus: named by a digest of the
+    interpreter, the standard library's files (path, size, modification time)
+    and ``max_chars``, so an edited or another standard library gets its own."""
+    root = stdlib_root()
+    h = hashlib.sha256(f"{_CORPUS_FORMAT}|{sys.version}|{root}|{max_chars}".encode())
+    for path in stdlib_files():
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        h.update(f"|{path.relative_to(root)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return cache_dir() / f"stdlib-docstrings-{h.hexdigest()[:24]}.json"
+
+
 def stdlib_docstrings_by_module(max_chars: int = 6_000_000) -> list[tuple[str, str]]:
     """(top-level module, docstring) for the standard library's English docstrings
     (module, class and function), in sorted file order; tests and non-ASCII-heavy
     strings left out. The module is the first part of the file's path
-    (``email/utils.py`` -> ``email``, ``typing.py`` -> ``typing``)."""
+    (``email/utils.py`` -> ``email``, ``typing.py`` -> ``typing``).
+
+    Parsing the standard library takes several seconds of CPU, which every
+    worker of a MiniLM job would pay: the result is kept in :func:`cache_dir`
+    and read back while the standard library is unchanged. Where the cache
+    cannot be written, a warning says so once and the corpus is parsed each
+    time."""
+    global _cache_warned
+    path = _corpus_path(max_chars)
+    try:
+        pairs = json.loads(path.read_text(encoding="utf-8"))
+        return [(str(m), str(d)) for m, d in pairs]
+    except (OSError, ValueError, TypeError):
+        pass  # not there yet, or unreadable: parse and write it again
+    out = _parse_stdlib_docstrings(max_chars)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(out, f)
+        os.replace(tmp, path)  # whole or not at all, whoever writes it too
+    except OSError as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        if not _cache_warned:
+            _cache_warned = True
+            warnings.warn(
+                f"hopq: cannot cache the docstring corpus in {path.parent} ({e}); every "
+                "MiniLM worker parses the standard library again (set HOPQ_CACHE_DIR)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return out
+
+
+def _parse_stdlib_docstrings(max_chars: int) -> list[tuple[str, str]]:
+    """What :func:`stdlib_docstrings_by_module` returns, parsed from the files."""
     root = stdlib_root()
     out: list[tuple[str, str]] = []
     total = 0
@@ -334,6 +407,16 @@ WORKLOADS: dict[str, str] = {
     "minilm-cls": "all-MiniLM-L6-v2 fine-tuned to classify stdlib docstrings by module, the "
     "GComp paper's BERT-on-SST regime (needs hopq[bench])",
 }
+
+
+def prepare(name: str) -> None:
+    """Work every worker of workload ``name`` would repeat, done once by the
+    launcher before it starts them: the MiniLM workloads' docstring corpus,
+    parsed into the cache (:func:`stdlib_docstrings_by_module`) so that the
+    workers read it instead of each parsing the standard library."""
+    if name in ("minilm", "minilm-cls"):
+        minilm_dir()  # the package's absence said here, before any worker starts
+        stdlib_docstrings_by_module()
 
 
 def make(name: str, seed: int = 0, **kw: int) -> Workload:
