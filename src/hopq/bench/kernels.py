@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,14 +192,18 @@ def replay_timer(repeats: int) -> Callable[[Callable[[], object]], float | None]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("error")
+        with warnings.catch_warnings():  # "a prototype feature", at every setting
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode("error")
         try:
             with torch.cuda.stream(side):
                 fn()
         except RuntimeError:
             return None
         finally:
-            torch.cuda.set_sync_debug_mode(mode)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.cuda.set_sync_debug_mode(mode)
             torch.cuda.current_stream().wait_stream(side)
             torch.cuda.synchronize()
         try:
