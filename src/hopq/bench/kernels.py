@@ -258,16 +258,8 @@ def _row(
     return row
 
 
-def _share(row: list[object]) -> float | None:
-    """A row's replayed share of copy, or None (not replayed, or not captured)."""
-    if len(row) < 11 or row[10] == "-":
-        return None
-    return float(str(row[10]).rstrip("%")) / 100
-
-
-def _replayed(row: list[object]) -> str:
+def _replayed(share: float | None) -> str:
     """The replayed share for the progress line, where there is one."""
-    share = _share(row)
     return "" if share is None else f" ({share:.0%} replayed)"
 
 
@@ -305,9 +297,10 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
 
     def timed(
         n: int, bits: str, kernel: str, fn: Callable[[], object], moved: float, t: float = 0.0
-    ) -> float:
+    ) -> tuple[float, float | None]:
         """Time ``fn`` (unless its time ``t`` is given) and replay it on CUDA,
-        add its row; its bandwidth's share of copy."""
+        add its row; its bandwidth's share of copy, and replayed (None where
+        not replayed)."""
         t = t or measure(fn)
         replayed = None
         if replay is not None:
@@ -317,7 +310,8 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
                 say(f"{kernel}: not replayed ({e})")
                 replayed = (None, ceiling["copy"])
         rows.append(_row(device, n, bits, kernel, t, moved, ceiling["copy"], replayed))
-        return moved / t / ceiling["copy"]
+        tr = None if replayed is None else replayed[0]
+        return moved / t / ceiling["copy"], None if tr is None else moved / tr / ceiling["copy"]
 
     def one_width(w: int, x: torch.Tensor) -> Any:
         nonlocal backend_used
@@ -329,10 +323,10 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         ctx = HopContext(0, 0, 0, 1, 0, 2)
         payload = codec.encode(plan, work, ctx)
         for name, fn, moved in _four_kernels(codec, plan, work, work, payload, ctx, n):
-            share = timed(n, str(w), name, fn, moved)
+            share, again = timed(n, str(w), name, fn, moved)
             if name == "decompress_accumulate_recompress":
-                curves.setdefault(f"{w}-bit fused hop", []).append((n, share, _share(rows[-1])))
-                say(f"{'':>11}  {w:>2}-bit fused hop {share:.0%} of copy{_replayed(rows[-1])}")
+                curves.setdefault(f"{w}-bit fused hop", []).append((n, share, again))
+                say(f"{'':>11}  {w:>2}-bit fused hop {share:.0%} of copy{_replayed(again)}")
         return codec.kernels(device)
 
     def one_codec(name: str, x: torch.Tensor) -> None:
@@ -349,10 +343,10 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         bits = f"{8 * P / n:.2f}"
         kernels = _four_kernels(codec, plan, work, work.clone(), payload, ctx, n)
         for kernel, fn, moved in kernels:
-            share = timed(n, bits, f"{name} {kernel}", fn, moved)
+            share, again = timed(n, bits, f"{name} {kernel}", fn, moved)
             if kernel == "decompress_accumulate_recompress":
-                curves.setdefault(f"{name} fused hop", []).append((n, share, _share(rows[-1])))
-                say(f"{'':>11}  {name} fused hop {share:.0%} of copy{_replayed(rows[-1])}")
+                curves.setdefault(f"{name} fused hop", []).append((n, share, again))
+                say(f"{'':>11}  {name} fused hop {share:.0%} of copy{_replayed(again)}")
 
     def one_size(d: int) -> None:
         nonlocal backend_used
