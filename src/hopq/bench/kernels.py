@@ -325,7 +325,7 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         for name, fn, moved in _four_kernels(codec, plan, work, work, payload, ctx, n):
             share, again = timed(n, str(w), name, fn, moved)
             if name == "decompress_accumulate_recompress":
-                curves.setdefault(f"{w}-bit fused hop", []).append((n, share, again))
+                curves.setdefault(f"DynamiQ {w}-bit fused hop", []).append((n, share, again))
                 say(f"{'':>11}  {w:>2}-bit fused hop {share:.0%} of copy{_replayed(again)}")
         return codec.kernels(device)
 
