@@ -242,19 +242,17 @@ def _row(
     t: float,
     moved: float,
     copy_bw: float,
-    replayed: tuple[float | None, float] | None = None,
+    replayed: tuple[float | None] | None = None,
 ) -> list[object]:
     """A table row: time, bytes moved, bandwidth, share of copy, coordinates/s;
-    on CUDA also the replayed time (:func:`replay_timer`) and its bandwidth's
-    share of copy (``replayed``: that time or None, the copy's bandwidth)."""
+    on CUDA (``replayed`` given) also the replayed time (:func:`replay_timer`;
+    None: not captured) and its bandwidth's share of the same copy."""
     bw = moved / t
     row: list[object] = [device.type, f"{n:,}", bits, kernel, f"{t * 1e3:.3f}", f"{moved / 1e6:.1f}",
                          f"{bw / 1e9:.1f}", f"{bw / copy_bw:.0%}", f"{n / t / 1e6:.0f}"]  # fmt: skip
     if replayed is not None:
-        tr, copy_replayed = replayed
-        row += (
-            ["-", "-"] if tr is None else [f"{tr * 1e3:.3f}", f"{moved / tr / copy_replayed:.0%}"]
-        )
+        (tr,) = replayed
+        row += ["-", "-"] if tr is None else [f"{tr * 1e3:.3f}", f"{moved / tr / copy_bw:.0%}"]
     return row
 
 
@@ -302,15 +300,14 @@ def run(o: KernelOptions, log: Callable[[str], None] | None = print) -> str:
         add its row; its bandwidth's share of copy, and replayed (None where
         not replayed)."""
         t = t or measure(fn)
-        replayed = None
+        tr = None
         if replay is not None:
             try:
-                replayed = (replay(fn), ceiling["copy"])
+                tr = replay(fn)
             except RuntimeError as e:
                 say(f"{kernel}: not replayed ({e})")
-                replayed = (None, ceiling["copy"])
+        replayed = None if replay is None else (tr,)
         rows.append(_row(device, n, bits, kernel, t, moved, ceiling["copy"], replayed))
-        tr = None if replayed is None else replayed[0]
         return moved / t / ceiling["copy"], None if tr is None else moved / tr / ceiling["copy"]
 
     def one_width(w: int, x: torch.Tensor) -> Any:
