@@ -71,6 +71,10 @@ def test_numbers_are_consistent(tiny):
         probed = [s["step"] for s in r["steps"] if s["probe_s"] == s["probe_s"]]
         assert probed == [1, 3, 5]
         assert all(s["compute_s"] > 0 for s in r["steps"][1:])
+    for r in runs.values():  # the sync's CPU, torch's contenders' too, from the first probe
+        cpu = [s["sync_cpu_s"] for s in r["steps"]]
+        assert cpu[0] != cpu[0] and all(c == c for c in cpu[1:]), cpu
+    assert "sync CPU (s)" in text and "CPU that synchronization cost each worker" in text
     measured = [s["vnmse"] for s in runs["bf16"]["steps"] if s["vnmse"] == s["vnmse"]]
     assert len(measured) == 3  # steps 0, 2, 4
     assert all(1e-8 < v < 2 * 2**-16 for v in measured)  # bf16 rounding, 2 hops
@@ -305,6 +309,27 @@ def test_the_backward_pass_under_each_hook_is_set_against_torchs():
     assert "the compute probe: 575 ms" in line
     assert backward_line([run("bf16", 0.6), run("dynamiq", 0.61)]) == ""  # no torch hook
     assert backward_line([run("torch:fp16", 0.58)]) == ""
+
+
+def test_what_synchronization_costs_the_cores_is_set_against_torchs_hook():
+    """Every contender's CPU beyond its compute, torch's too, against torch's first
+    hook (not DDP's own all-reduce, which has none); nothing when unmeasured."""
+    from hopq.train.records import CodecRun, StepRecord
+    from hopq.train.report import sync_cpu_line
+
+    def run(name, cpu):
+        steps = [
+            StepRecord(i, 1.0, 1.0, 0.6, 0.0, 0.0, 1.0, 16.0, sync_cpu_s=cpu)
+            for i in range(4)
+        ]
+        return CodecRun(name, 10, steps, [(0.0, 1.0)])
+
+    line = sync_cpu_line(
+        [run("torch:ddp", 0.010), run("torch:fp16", 0.040), run("bf16", 0.030)]
+    )
+    assert "torch:ddp 10 ms (0.25x)" in line and "bf16 30 ms (0.75x)" in line
+    assert "torch:fp16 40 ms," in line and "against torch:fp16's" in line
+    assert sync_cpu_line([run("bf16", float("nan"))]) == ""
 
 
 def test_compute_drift_between_contenders_is_flagged():

@@ -297,6 +297,8 @@ class _Lane:
     clock: float = 0.0
     #: The latest compute probe: forward and backward without communication.
     fwd_bwd_s: float = float("nan")
+    #: That probe's CPU seconds on this rank (every thread of the process).
+    fwd_bwd_cpu: float = float("nan")
 
 
 def _lane(o: TrainOptions, name: str, n: int) -> _Lane:
@@ -314,23 +316,25 @@ def _lane(o: TrainOptions, name: str, n: int) -> _Lane:
     return _Lane(name, w, ddp, opt, sync, CodecRun(name, params=sync.numel, optimizer=handed))
 
 
-def _probe(lane: _Lane, b: Any) -> float:
+def _probe(lane: _Lane, b: Any) -> tuple[float, float]:
     """Seconds of a forward and backward pass with no communication (DDP's
-    ``no_sync``); the gradients are dropped, so training is unchanged."""
+    ``no_sync``; the slowest rank's) and this rank's CPU seconds in it; the
+    gradients are dropped, so training is unchanged."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with lane.ddp.no_sync():
         lane.w.loss(lane.ddp, b).backward()
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     lane.opt.zero_grad(set_to_none=True)
     t = torch.tensor([elapsed], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank sets the step
-    return float(t)
+    return float(t), cpu
 
 
 def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) -> None:
-    probe_s = _probe(lane, b) if probe else float("nan")
+    probe_s = float("nan")
     if probe:
+        probe_s, lane.fwd_bwd_cpu = _probe(lane, b)
         lane.fwd_bwd_s = probe_s
     measure = o.vnmse_every > 0 and step % o.vnmse_every == 0
     lane.sync.begin(measure)
@@ -339,18 +343,24 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
     # from a seed offset from the micro-batch's so that masks and data draw apart
     torch.manual_seed(step_seed(o.seed, step, dist.get_rank()) + (1 << 40))
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     loss = lane.w.loss(lane.ddp, b)
     loss.backward()  # returns once every bucket's future completed
     t1 = time.perf_counter()
+    # what synchronization cost this rank's cores: the process's CPU in the
+    # forward and backward beyond the probe's (every thread: the hook's, torch's
+    # and the backend's), for torch's contenders as for hopq's
+    sync_cpu = time.process_time() - c0 - lane.fwd_bwd_cpu
     lane.opt.step()
     lane.opt.zero_grad(set_to_none=True)
     t2 = time.perf_counter()
     sync = lane.sync.end(t0)
     sent, exact_s = sync.sent, sync.exact_s
-    t = torch.tensor([t2 - t0 - exact_s, t2 - t1, float(loss.detach())], dtype=torch.float64)
+    t = torch.tensor(
+        [t2 - t0 - exact_s, t2 - t1, float(loss.detach()), sync_cpu], dtype=torch.float64
+    )
     dist.all_reduce(t[:2], op=dist.ReduceOp.MAX)
-    dist.all_reduce(t[2:])
+    dist.all_reduce(t[2:])  # summed: the loss and the CPU are means over the ranks
     step_s, opt_s = float(t[0]), float(t[1])
     if step >= WARMUP_STEPS:  # warm-up is out of the times to a loss too
         lane.clock += step_s
@@ -370,6 +380,7 @@ def _step(lane: _Lane, b: Any, step: int, o: TrainOptions, n: int, probe: bool) 
             exposed_s=max(0.0, step_s - compute),
             probe_s=probe_s,
             cpu_s=sync.cpu_s,
+            sync_cpu_s=float(t[3]) / n,
             last_bytes=sync.last_bytes,
             bucket_ready_s=list(sync.ready_s),
             bucket_done_s=list(sync.done_s),

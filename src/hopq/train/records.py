@@ -40,6 +40,11 @@ class StepRecord:
     #: hopq's Python and its socket calls; waiting not counted); NaN for torch's
     #: contenders.
     cpu_s: float = float("nan")
+    #: CPU seconds per worker that the step's forward and backward used beyond
+    #: the latest compute probe's, every thread of the process counted (a hook's,
+    #: torch's, the backend's): what synchronization cost the cores, for every
+    #: contender, torch's too (NaN before the first probe).
+    sync_cpu_s: float = float("nan")
     #: hopq's hook: bytes the step's last bucket put on the link (this rank's;
     #: a two-tier call's: its node's between nodes); NaN for torch's
     #: contenders (the report takes the bucket's share of ``bytes``).

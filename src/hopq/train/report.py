@@ -404,6 +404,32 @@ def backward_line(runs: list[CodecRun]) -> str:
     )
 
 
+def sync_cpu_line(runs: list[CodecRun]) -> str:
+    """What synchronization cost each worker's cores per step, for every
+    contender, as a line of the report: the process's CPU seconds in the step's
+    forward and backward beyond its compute probe's (every thread: a hook's,
+    torch's, the backend's), mean over the timed steps, against torch's first
+    hook in the run (else torch's first contender)."""
+    cpu = {r.codec: v for r in runs if not math.isnan(v := steady(r, "sync_cpu_s"))}
+    if not cpu:
+        return ""
+    torch_ones = [c for c in cpu if c.startswith("torch:")]
+    base = next((c for c in torch_ones if c != "torch:ddp"), torch_ones[0] if torch_ones else "")
+    parts = [
+        f"{c} {v * 1e3:.0f} ms"
+        + (f" ({v / cpu[base]:.2f}x)" if base and c != base and cpu[base] > 0 else "")
+        for c, v in cpu.items()
+    ]
+    against = f"; in brackets, against {base}'s" if base and len(cpu) > 1 else ""
+    return (
+        "CPU that synchronization cost each worker per step (the process's CPU seconds in the"
+        " forward and backward beyond the compute probe's, every thread counted: the hook's,"
+        f" torch's, the backend's; mean over the ranks and timed steps{against}): "
+        + ", ".join(parts)
+        + "."
+    )
+
+
 def timeline_line(runs: list[CodecRun]) -> str:
     """The buckets' synchronization in the step, as a line of the report."""
     parts = []
@@ -549,6 +575,7 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
                 _f(steady(r, "codec_s")),
                 _f(steady(r, "comm_s")),
                 _f(steady(r, "cpu_s")),
+                _f(steady(r, "sync_cpu_s")),
                 "n/a" if math.isnan(hidden) else f"{max(0.0, min(1.0, hidden)):.0%}",
                 f"{steady(r, 'bytes') / 1e6:.3f}",
                 f"{steady(r, 'bits_per_coord'):.2f}",
@@ -570,6 +597,7 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
             "codec work (s)",
             "comm work (s)",
             "hook CPU (s)",
+            "sync CPU (s)",
             "hidden",
             "MB sent/rank/step",
             "bits/coord",
@@ -605,7 +633,9 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
             "Codec and comm work are the seconds hopq's hook spent on its thread (overlapping",
             "the backward pass); 'hidden' is the share of them that did not lengthen the step;",
             "'hook CPU' is the CPU time that thread used in them: codec kernels, hopq's Python",
-            "and the socket calls it makes (waiting not counted; torch's hooks' is not measured).",
+            "and the socket calls it makes (waiting not counted). 'sync CPU' is, for every",
+            "contender, the CPU per worker that the step's forward and backward used beyond the",
+            "compute probe's, every thread of the process counted (the hook's, torch's, Gloo's).",
             *(
                 [floor]
                 if (
@@ -615,6 +645,7 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
             ),
             *([line] if (line := timeline_line(runs)) else []),
             *([line] if (line := backward_line(runs)) else []),
+            *([line] if (line := sync_cpu_line(runs)) else []),
             *([line] if (line := error_line(runs, o.vnmse_every)) else []),
             "",
             table,
