@@ -319,14 +319,11 @@ def test_what_synchronization_costs_the_cores_is_set_against_torchs_hook():
 
     def run(name, cpu):
         steps = [
-            StepRecord(i, 1.0, 1.0, 0.6, 0.0, 0.0, 1.0, 16.0, sync_cpu_s=cpu)
-            for i in range(4)
+            StepRecord(i, 1.0, 1.0, 0.6, 0.0, 0.0, 1.0, 16.0, sync_cpu_s=cpu) for i in range(4)
         ]
         return CodecRun(name, 10, steps, [(0.0, 1.0)])
 
-    line = sync_cpu_line(
-        [run("torch:ddp", 0.010), run("torch:fp16", 0.040), run("bf16", 0.030)]
-    )
+    line = sync_cpu_line([run("torch:ddp", 0.010), run("torch:fp16", 0.040), run("bf16", 0.030)])
     assert "torch:ddp 10 ms (0.25x)" in line and "bf16 30 ms (0.75x)" in line
     assert "torch:fp16 40 ms," in line and "against torch:fp16's" in line
     assert sync_cpu_line([run("bf16", float("nan"))]) == ""
