@@ -96,18 +96,32 @@ def two_tier(rank: int, n: int) -> dict[Any, Any]:
     )
     for k in env:
         del os.environ[k]
-    # a codec failing on one rank, in either tier: every rank raises at once
-    for tier in ("intra", "inter"):
-        codec, intra = hopq.get_codec("bf16"), hopq.get_codec("fp32")
+    # the node's float32 sums went through shared memory (where /dev/shm is)
+    from hopq.comm import collectives
+
+    memory = getattr(collectives._transport(None), "_node_memory", {})
+    out["shared"] = [(m.mine is not None, m.off_reason) for m in memory.values()]
+    # a codec failing on one rank, in either tier (inside a node: a bf16 codec
+    # over messages, and the float32 sums in shared memory): every rank raises
+    for tier in ("intra", "shared", "inter"):
+        codec = hopq.get_codec("bf16")
+        intra = hopq.get_codec("bf16" if tier == "intra" else "fp32")
+        kept_contribution = hierarchy._Pipeline.contribution
         if rank == 1:
-            broken = intra if tier == "intra" else codec
-            broken.encode = _broken  # type: ignore[method-assign]
+            if tier == "shared":
+                hierarchy._Pipeline.contribution = _broken  # type: ignore[method-assign]
+            else:
+                broken = intra if tier == "intra" else codec
+                broken.encode = _broken  # type: ignore[method-assign]
         x = data(rank, 500)
-        out[("failure", tier)] = _error(
-            lambda x=x, codec=codec, intra=intra: hopq.all_reduce(
-                x, codec=codec, layout="2x2", intra_codec=intra, timeout=60
+        try:
+            out[("failure", tier)] = _error(
+                lambda x=x, codec=codec, intra=intra: hopq.all_reduce(
+                    x, codec=codec, layout="2x2", intra_codec=intra, timeout=60
+                )
             )
-        )
+        finally:
+            hierarchy._Pipeline.contribution = kept_contribution  # type: ignore[method-assign]
     # the group is still usable
     x = data(rank, 500)
     hopq.all_reduce(x, codec="bf16", layout="2x2")

@@ -3,6 +3,7 @@ and real Gloo ranks as 2 nodes x 2 workers."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -11,8 +12,9 @@ import torch
 
 import hopq
 from hopq.cluster.launch import run_workers
+from hopq.codecs.base import ReduceOp
 from hopq.codecs.registry import codec_info
-from hopq.comm import hierarchy
+from hopq.comm import hierarchy, shm
 from hopq.comm.call import Call
 from hopq.comm.layout import NodeLayout, claim_of, env_claim, from_claims, resolve_spec
 from hopq.comm.transport import SubTransport, make_inprocess_group
@@ -402,6 +404,86 @@ def test_failure_reaches_every_rank(
             assert all(torch.equal(o, want) for o in outs)
 
 
+def _two_tier_threads(
+    xs: list[torch.Tensor], layout: str, codec: str, op: str = "sum", premul: float | None = None,
+    group: list | None = None,
+) -> tuple[list[torch.Tensor], list]:  # fmt: skip
+    """hierarchy.run on an in-process group (one thread per rank): outputs, stats."""
+    group = group or make_inprocess_group(len(xs))
+    outs: list = [None] * len(xs)
+    errors: list = []
+
+    def work(r: int) -> None:
+        try:
+            reduce = ReduceOp.AVG if op == "avg" else ReduceOp.SUM
+            call = Call(codec=hopq.get_codec(codec), op=reduce, premul=premul, seed=3, timeout=30)
+            outs[r] = hierarchy.run(
+                call, xs[r].clone(), group[r], NodeLayout.parse(layout), hopq.get_codec("fp32")
+            )
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(xs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    if errors:
+        raise errors[0]
+    return [o[0] for o in outs], [o[1] for o in outs]
+
+
+@pytest.mark.parametrize("layout", ["2x2", "2x3", "3x4"])
+def test_shared_memory_gives_the_message_paths_bits_and_stats(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intra-node tier through shared memory (turned on for the in-process
+    group) sums in the ring's order: the simulator's bits and bytes, for every
+    node size, in a pipeline of pieces, with an average, a premultiplied sum
+    and 16-bit inputs; the segments grow for a larger call."""
+    monkeypatch.setattr(shm, "_serves", lambda t: True)
+    monkeypatch.setattr(hierarchy, "PIECE_COORDS", 300)
+    lay = NodeLayout.parse(layout)
+    p = lay.world_size
+    group = make_inprocess_group(p)
+    cases = [("bf16", "sum", None, 1001, torch.float32), ("dynamiq", "avg", None, 1500,
+             torch.bfloat16), ("fp32", "sum", 0.25, 2000, torch.float32),
+             ("bf16", "sum", None, 70000, torch.float32)]  # fmt: skip
+    for codec, op, premul, size, dtype in cases:
+        xs = [x.to(dtype) for x in _inputs(p, size, seed=size)]
+        got, stats = _two_tier_threads(xs, layout, codec, op, premul, group)
+        sim_op = op if premul is None else torch.distributed.ReduceOp.PREMUL_SUM(premul)
+        want = hopq.simulate(xs, codec, seed=3, op=sim_op, layout=layout)
+        for r in range(p):
+            out = got[r].to(want.outputs[0].dtype)  # the call's float32, as all_reduce casts it
+            assert torch.equal(_bits(out), _bits(want.outputs[0])), (codec, r)
+            assert stats[r].bytes_sent == want.stats[r].bytes_sent, (codec, r)
+            assert stats[r].tiers["intra"].bytes_sent == want.stats[r].tiers["intra"].bytes_sent
+    memories = [m for t in group for m in t._node_memory.values()]
+    assert len(memories) == p and all(m.mine is not None and not m.off_reason for m in memories)
+    assert all(m.calls == len(cases) for m in memories)
+    assert all(m.mine.capacity == 2 << 20 for m in memories)  # grown for the last call
+
+
+def test_without_shared_memory_the_messages_carry_the_node(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no segment can be made, every node-mate says why once and keeps the
+    messages: the same bits, and no further attempt."""
+    monkeypatch.setattr(shm, "_serves", lambda t: True)
+    monkeypatch.setattr(shm, "SHM_DIR", "/nonexistent-hopq-dir")
+    xs = _inputs(4, 900)
+    group = make_inprocess_group(4)
+    with pytest.warns(RuntimeWarning, match="keep the intra-node traffic of every call"):
+        got, _ = _two_tier_threads(xs, "2x2", "bf16", group=group)
+    want = hopq.simulate(xs, "bf16", seed=3, layout="2x2").outputs[0]
+    assert all(torch.equal(_bits(g), _bits(want)) for g in got)
+    memories = [m for t in group for m in t._node_memory.values()]
+    assert all("could not make" in m.off_reason or "node-mate" in m.off_reason for m in memories)
+    got, _ = _two_tier_threads(xs, "2x2", "bf16", group=group)  # no new attempt, no warning
+    assert all(torch.equal(_bits(g), _bits(want)) for g in got)
+
+
 # -- real Gloo ranks ---------------------------------------------------------
 
 
@@ -455,7 +537,9 @@ def test_real_two_tier(monkeypatch: pytest.MonkeyPatch) -> None:
         assert name == "MismatchError" and "kind" in msg and seconds < 30, (r, msg)
         name, msg, _ = res[r]["inconsistent"]
         assert name == "ValueError" and "states local rank 0" in msg, (r, msg)
-        for tier in ("intra", "inter"):
+        if os.path.isdir("/dev/shm"):  # each node's float32 sums went through shared memory
+            assert res[r]["shared"] == [(True, "")], res[r]["shared"]
+        for tier in ("intra", "shared", "inter"):
             name, msg, seconds = res[r][("failure", tier)]
             assert seconds < 30, (tier, r, seconds)
             if r == 1:

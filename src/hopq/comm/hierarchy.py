@@ -36,14 +36,15 @@ from dataclasses import replace
 import torch
 
 from hopq.codecs.base import Codec, ReadsOptimizer, ReduceOp
-from hopq.comm import agreement, engine, framing
+from hopq.codecs.uncompressed import Fp32
+from hopq.comm import agreement, engine, framing, shm
 from hopq.comm import layout as layouts
 from hopq.comm.agreement import digest
 from hopq.comm.call import Call
 from hopq.comm.engine import RunStats
 from hopq.comm.framing import Deadline, Where
 from hopq.comm.layout import NodeLayout
-from hopq.comm.topology import equal_shards
+from hopq.comm.topology import equal_shards, ring
 from hopq.comm.transport import (
     DIRECT_EXCHANGE_MAX,
     TAIL_BYTES,
@@ -55,8 +56,9 @@ from hopq.errors import TransportError
 
 #: The topology of the intra-node reduce-scatter.
 INTRA_TOPOLOGY = "ring"
-#: Header steps of the whole-group agreement and of the node all-gather.
-_AGREE_STEP, _GATHER_STEP = -3000, -2000
+#: Header steps of the whole-group agreement, of the node all-gather and of the
+#: shared-memory reduce-scatter's doorbells (minus the piece's index).
+_AGREE_STEP, _GATHER_STEP, _SHARED_STEP = -3000, -2000, -2500
 
 
 def views(transport: Transport, layout: NodeLayout) -> tuple[SubTransport, SubTransport]:
@@ -276,6 +278,9 @@ class _Pipeline:
         self.lay, self.intra, self.deadline, self.cuts = lay, intra, deadline, cuts
         self.k = len(cuts) - 1
         self.g, self.per = intra_t.rank, lay.per_node
+        #: The node's shared memory when the intra-node tier goes through it
+        #: (chosen at the first piece's reduce-scatter), else None: messages.
+        self.memory: shm.NodeMemory | None = None
         self.wire = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
         #: Whether each piece's result goes straight into the input's memory
         #: (the call may work there, in float32): no assembling at the end and
@@ -298,15 +303,84 @@ class _Pipeline:
         return tuple(equal_shards(self.cuts[j + 1] - self.cuts[j], self.per))
 
     # -- the intra-node tier ------------------------------------------------
+    def shared(self) -> shm.NodeMemory | None:
+        """The node's shared memory, when this call's intra-node tier can go
+        through it: float32 sums (the default intra codec) of a CPU tensor on
+        Gloo ranks that share a machine (:mod:`hopq.comm.shm`)."""
+        if self.x.device.type != "cpu" or type(self.intra) is not Fp32:
+            return None
+        memory = shm.node_memory(self.inter_t.parent, self.intra_t)
+        if memory is None:
+            return None
+        wire = torch.empty((), dtype=self.wire).element_size()
+        need = _aligned(self.x.numel() * 4) + self.x.numel() * wire
+        label = f"all_reduce({self.call.codec.name}, {self.call.topology}, key={self.call.key})"
+        return memory if memory.ensure(need, self.intra_t, self.deadline, label) else None
+
     def reduce(self, j: int) -> tuple[torch.Tensor, RunStats]:
         """Piece j's intra-node reduce-scatter: this rank's node-shard of it."""
         lo, hi = self.cuts[j], self.cuts[j + 1]
         ns = self.shards(j)
+        if j == 0:
+            self.memory = self.shared()
+        if self.memory is not None:
+            return self.reduce_shared(j, self.memory)
         c1 = intra_call(self.call, self.intra, ns, self.left())
         y1, s1 = engine.run(c1, self.x[lo:hi], self.intra_t)
         mine = y1[ns[self.g] : ns[self.g + 1]]
         # the next piece's reduce-scatter may reuse the view's receive arena
         return (mine.clone() if self.k > 1 else mine), s1
+
+    def contribution(self, a: int, b: int) -> torch.Tensor:
+        """This rank's float32 addend for entries ``[a, b)`` (premultiplied when the
+        call says so, as :func:`hopq.comm.engine.run` does)."""
+        part = self.x[a:b].to(torch.float32)
+        return part * float(self.call.premul) if self.call.premul is not None else part
+
+    def reduce_shared(self, j: int, memory: shm.NodeMemory) -> tuple[torch.Tensor, RunStats]:
+        """Piece j's reduce-scatter through shared memory: this rank writes the
+        slices its node-mates own, then sums its own from theirs in the ring's
+        order (chunk g goes g + 1 -> g + 2 -> ... -> g, each adding its own),
+        so the bits are the message path's; its stats are the messages' too."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        lo, hi = self.cuts[j], self.cuts[j + 1]
+        ns, g, per = self.shards(j), self.g, self.per
+        failed = False
+        try:
+            for h in range(per):
+                if h != g:
+                    a, b = lo + ns[h], lo + ns[h + 1]
+                    memory.region(g, a * 4, b - a, torch.float32).copy_(self.contribution(a, b))
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            label = f"all_reduce({self.call.codec.name}, {self.call.topology}, node reduce)"
+            where = Where(label, self.inter_t.parent.calls, _SHARED_STEP - j, 0, "node reduce")
+            t1 = time.perf_counter()
+            # the doorbell: every node-mate's slices are written (or a failure notice)
+            node_gather(self.intra_t, torch.ones(1, dtype=torch.uint8), self.deadline, where,
+                        failed=failed)  # fmt: skip
+            waited = time.perf_counter() - t1
+        a, b = lo + ns[g], lo + ns[g + 1]
+        order = [(g + 1 + t) % per for t in range(per)]  # ends with this rank
+        terms = [
+            self.contribution(a, b) if q == g else memory.region(q, a * 4, b - a, torch.float32)
+            for q in order
+        ]
+        mine = terms[0] + terms[1]
+        for term in terms[2:]:
+            mine.add_(term)
+        u = engine.auto_microshards(hi - lo, per, per, self.intra.microshard_coords)
+        stats = RunStats(
+            rank=g, world_size=per, numel=hi - lo,
+            payload_bytes=4 * sum(ns[h + 1] - ns[h] for h in range(per) if h != g),
+            frame_bytes=(per - 1) * u * framing.header_nbytes(1),
+            hops_per_chunk=max(ring(per).compression_chains()), phases=("reduce",),
+            seconds=time.perf_counter() - t0, comm_seconds=waited,
+            cpu_seconds=time.thread_time() - c0, microshards=u, owned=((ns[g], ns[g + 1]),),
+        )  # fmt: skip
+        return mine, stats
 
     def gather(self, j: int, y2: torch.Tensor | None, failed: bool) -> list[torch.Tensor]:
         """Piece j's intra-node all-gather of the node-shards, raw bytes (every
@@ -324,13 +398,44 @@ class _Pipeline:
         label = f"all_reduce({call.codec.name}, {call.topology}, node all-gather, key={call.key})"
         where = Where(label, self.inter_t.parent.calls, _GATHER_STEP - j, 0, "node gather")
         try:
-            got = node_gather(self.intra_t, block, self.deadline, where, failed=failed)
+            if self.memory is not None:
+                got = self.gather_shared(j, block, where, failed)
+            else:
+                got = node_gather(self.intra_t, block, self.deadline, where, failed=failed)
             if self.direct and got:
                 self.put_piece(j, got)
             return got
         finally:
             self.gather_s += time.perf_counter() - t3
             self.gather_cpu += time.thread_time() - c3
+
+    def gather_shared(
+        self, j: int, block: torch.Tensor, where: Where, failed: bool
+    ) -> list[torch.Tensor]:
+        """Piece j's all-gather through shared memory: this rank writes its
+        node-shard, rings the doorbell, and takes its node-mates' (views of
+        their segments where the result goes straight into the input, else
+        copies)."""
+        memory, lo, ns = self.memory, self.cuts[j], self.shards(j)
+        assert memory is not None
+        size = torch.empty((), dtype=self.wire).element_size()
+        base = _aligned(self.x.numel() * 4)  # the gather's region follows the reduce's
+        g = self.g
+        if not failed:  # the block is the widest shard's size: this rank's entries only
+            width = ns[g + 1] - ns[g]
+            memory.region(g, base + (lo + ns[g]) * size, width, self.wire).copy_(block[:width])
+        node_gather(self.intra_t, torch.ones(1, dtype=torch.uint8), self.deadline, where,
+                    failed=failed)  # fmt: skip
+        if failed:
+            return []
+        got = []
+        for h in range(self.per):
+            if h == g:
+                got.append(block)
+                continue
+            view = memory.region(h, base + (lo + ns[h]) * size, ns[h + 1] - ns[h], self.wire)
+            got.append(view if self.direct else view.clone())
+        return got
 
     def put_piece(self, j: int, got: list[torch.Tensor]) -> None:
         """Piece j's gathered node-shards into the input's memory (its region
@@ -463,6 +568,10 @@ class _Pipeline:
         else:
             self.comm_seconds = intra_stats.comm_seconds + inter.comm_seconds
         return y, intra_stats, inter
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
 
 
 def tier_stats(
