@@ -341,16 +341,18 @@ class _Pipeline:
         """Piece j's reduce-scatter through shared memory: this rank writes the
         slices its node-mates own, then sums its own from theirs in the ring's
         order (chunk g goes g + 1 -> g + 2 -> ... -> g, each adding its own),
-        so the bits are the message path's; its stats are the messages' too."""
+        so the bits are the message path's. Its stats count the bytes written for
+        the node-mates (what the messages would carry) and the doorbell's frames."""
         t0, c0 = time.perf_counter(), time.thread_time()
         lo, hi = self.cuts[j], self.cuts[j + 1]
         ns, g, per = self.shards(j), self.g, self.per
-        failed = False
+        failed, written = False, 0
         try:
             for h in range(per):
                 if h != g:
                     a, b = lo + ns[h], lo + ns[h + 1]
                     memory.region(g, a * 4, b - a, torch.float32).copy_(self.contribution(a, b))
+                    written += 4 * (b - a)
         except BaseException:
             failed = True
             raise
@@ -371,14 +373,12 @@ class _Pipeline:
         mine = terms[0] + terms[1]
         for term in terms[2:]:
             mine.add_(term)
-        u = engine.auto_microshards(hi - lo, per, per, self.intra.microshard_coords)
         stats = RunStats(
-            rank=g, world_size=per, numel=hi - lo,
-            payload_bytes=4 * sum(ns[h + 1] - ns[h] for h in range(per) if h != g),
-            frame_bytes=(per - 1) * u * framing.header_nbytes(1),
+            rank=g, world_size=per, numel=hi - lo, payload_bytes=written,
+            frame_bytes=max(1, (per - 1).bit_length()) * framing.header_nbytes(1),
             hops_per_chunk=max(ring(per).compression_chains()), phases=("reduce",),
             seconds=time.perf_counter() - t0, comm_seconds=waited,
-            cpu_seconds=time.thread_time() - c0, microshards=u, owned=((ns[g], ns[g + 1]),),
+            cpu_seconds=time.thread_time() - c0, microshards=1, owned=((ns[g], ns[g + 1]),),
         )  # fmt: skip
         return mine, stats
 
