@@ -465,6 +465,39 @@ def test_shared_memory_gives_the_message_paths_bits_and_stats(
     assert all(m.mine.capacity == 2 << 20 for m in memories)  # grown for the last call
 
 
+@pytest.mark.parametrize("layout", ["2x2", "2x3"])
+def test_the_reduce_scatter_through_shared_memory(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The two-tier reduce-scatter (FSDP2's) through shared memory: the
+    simulator's bits and bytes on every rank, a premultiplied sum included."""
+    monkeypatch.setattr(shm, "_serves", lambda t: True)
+    p = NodeLayout.parse(layout).world_size
+    xs = _inputs(p, 4001)
+    group = make_inprocess_group(p)
+    for premul in (None, 0.5):
+        op = "sum" if premul is None else torch.distributed.ReduceOp.PREMUL_SUM(premul)
+        want = hopq.simulate_reduce_scatter(xs, "dynamiq", seed=3, op=op, layout=layout)
+        outs: list = [None] * p
+
+        def work(r: int, premul: float | None = premul, want: object = want, outs=outs) -> None:
+            call = Call(codec=hopq.get_codec("dynamiq"), seed=3, premul=premul, gather=False,
+                        shards=tuple(want.shards), timeout=30)  # type: ignore[attr-defined]  # fmt: skip
+            outs[r] = hierarchy.reduce_scatter(
+                call, xs[r].clone(), group[r], NodeLayout.parse(layout), hopq.get_codec("fp32")
+            )
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(p)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        for r in range(p):
+            assert torch.equal(_bits(outs[r][0]), _bits(want.outputs[r])), (premul, r)
+            assert outs[r][1].bytes_sent == want.stats[r].bytes_sent, (premul, r)
+    assert all(m.mine is not None for t in group for m in t._node_memory.values())
+
+
 def test_without_shared_memory_the_messages_carry_the_node(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

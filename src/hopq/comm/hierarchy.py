@@ -31,6 +31,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -305,17 +306,14 @@ class _Pipeline:
     # -- the intra-node tier ------------------------------------------------
     def shared(self) -> shm.NodeMemory | None:
         """The node's shared memory, when this call's intra-node tier can go
-        through it: float32 sums (the default intra codec) of a CPU tensor on
-        Gloo ranks that share a machine (:mod:`hopq.comm.shm`)."""
-        if self.x.device.type != "cpu" or type(self.intra) is not Fp32:
-            return None
-        memory = shm.node_memory(self.inter_t.parent, self.intra_t)
-        if memory is None:
-            return None
+        through it (:func:`shared_memory`): the reduce-scatter's float32
+        region, then the all-gather's in the wire dtype."""
         wire = torch.empty((), dtype=self.wire).element_size()
         need = _aligned(self.x.numel() * 4) + self.x.numel() * wire
         label = f"all_reduce({self.call.codec.name}, {self.call.topology}, key={self.call.key})"
-        return memory if memory.ensure(need, self.intra_t, self.deadline, label) else None
+        return shared_memory(
+            self.x, self.inter_t.parent, self.intra_t, self.intra, need, self.deadline, label
+        )
 
     def reduce(self, j: int) -> tuple[torch.Tensor, RunStats]:
         """Piece j's intra-node reduce-scatter: this rank's node-shard of it."""
@@ -338,49 +336,13 @@ class _Pipeline:
         return part * float(self.call.premul) if self.call.premul is not None else part
 
     def reduce_shared(self, j: int, memory: shm.NodeMemory) -> tuple[torch.Tensor, RunStats]:
-        """Piece j's reduce-scatter through shared memory: this rank writes the
-        slices its node-mates own, then sums its own from theirs in the ring's
-        order (chunk g goes g + 1 -> g + 2 -> ... -> g, each adding its own),
-        so the bits are the message path's. Its stats count the bytes written for
-        the node-mates (what the messages would carry) and the doorbell's frames."""
-        t0, c0 = time.perf_counter(), time.thread_time()
-        lo, hi = self.cuts[j], self.cuts[j + 1]
-        ns, g, per = self.shards(j), self.g, self.per
-        failed, written = False, 0
-        try:
-            for h in range(per):
-                if h != g:
-                    a, b = lo + ns[h], lo + ns[h + 1]
-                    memory.region(g, a * 4, b - a, torch.float32).copy_(self.contribution(a, b))
-                    written += 4 * (b - a)
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            label = f"all_reduce({self.call.codec.name}, {self.call.topology}, node reduce)"
-            where = Where(label, self.inter_t.parent.calls, _SHARED_STEP - j, 0, "node reduce")
-            t1 = time.perf_counter()
-            # the doorbell: every node-mate's slices are written (or a failure notice)
-            node_gather(self.intra_t, torch.ones(1, dtype=torch.uint8), self.deadline, where,
-                        failed=failed)  # fmt: skip
-            waited = time.perf_counter() - t1
-        a, b = lo + ns[g], lo + ns[g + 1]
-        order = [(g + 1 + t) % per for t in range(per)]  # ends with this rank
-        terms = [
-            self.contribution(a, b) if q == g else memory.region(q, a * 4, b - a, torch.float32)
-            for q in order
-        ]
-        mine = terms[0] + terms[1]
-        for term in terms[2:]:
-            mine.add_(term)
-        stats = RunStats(
-            rank=g, world_size=per, numel=hi - lo, payload_bytes=written,
-            frame_bytes=max(1, (per - 1).bit_length()) * framing.header_nbytes(1),
-            hops_per_chunk=max(ring(per).compression_chains()), phases=("reduce",),
-            seconds=time.perf_counter() - t0, comm_seconds=waited,
-            cpu_seconds=time.thread_time() - c0, microshards=1, owned=((ns[g], ns[g + 1]),),
-        )  # fmt: skip
-        return mine, stats
+        """Piece j's reduce-scatter through shared memory (:func:`shared_reduce`)."""
+        label = f"all_reduce({self.call.codec.name}, {self.call.topology}, node reduce)"
+        where = Where(label, self.inter_t.parent.calls, _SHARED_STEP - j, 0, "node reduce")
+        lo = self.cuts[j]
+        return shared_reduce(
+            memory, self.intra_t, lo, self.shards(j), self.contribution, self.deadline, where
+        )
 
     def gather(self, j: int, y2: torch.Tensor | None, failed: bool) -> list[torch.Tensor]:
         """Piece j's intra-node all-gather of the node-shards, raw bytes (every
@@ -570,6 +532,74 @@ class _Pipeline:
         return y, intra_stats, inter
 
 
+def shared_reduce(
+    memory: shm.NodeMemory,
+    intra_t: SubTransport,
+    lo: int,
+    ns: tuple[int, ...],
+    addend: Callable[[int, int], torch.Tensor],
+    deadline: Deadline,
+    where: Where,
+) -> tuple[torch.Tensor, RunStats]:
+    """The intra-node reduce-scatter of the entries ``[lo, lo + ns[-1])`` of a
+    call's vector through the node's shared memory: local rank h gets the sum of
+    ``[lo + ns[h], lo + ns[h + 1])``. This rank writes the float32 addends
+    (``addend(a, b)``) of the slices its node-mates own into its segment, rings
+    the doorbell (a one-byte node all-gather, a failure notice where writing
+    failed), then sums its own slice from theirs in the ring's order (chunk g
+    goes g + 1 -> g + 2 -> ... -> g, each adding its own), so the bits are the
+    message path's. The stats count the bytes written for the node-mates (what
+    the messages would carry) and the doorbell's frames."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    g, per = intra_t.rank, intra_t.world_size
+    failed, written = False, 0
+    try:
+        for h in range(per):
+            if h != g:
+                a, b = lo + ns[h], lo + ns[h + 1]
+                memory.region(g, a * 4, b - a, torch.float32).copy_(addend(a, b))
+                written += 4 * (b - a)
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        t1 = time.perf_counter()
+        node_gather(intra_t, torch.ones(1, dtype=torch.uint8), deadline, where, failed=failed)
+        waited = time.perf_counter() - t1
+    a, b = lo + ns[g], lo + ns[g + 1]
+    order = [(g + 1 + t) % per for t in range(per)]  # ends with this rank
+    terms = [
+        addend(a, b) if q == g else memory.region(q, a * 4, b - a, torch.float32) for q in order
+    ]
+    mine = terms[0] + terms[1]
+    for term in terms[2:]:
+        mine.add_(term)
+    stats = RunStats(
+        rank=g, world_size=per, numel=ns[-1], payload_bytes=written,
+        frame_bytes=max(1, (per - 1).bit_length()) * framing.header_nbytes(1),
+        hops_per_chunk=max(ring(per).compression_chains()), phases=("reduce",),
+        seconds=time.perf_counter() - t0, comm_seconds=waited,
+        cpu_seconds=time.thread_time() - c0, microshards=1, owned=((ns[g], ns[g + 1]),),
+    )  # fmt: skip
+    return mine, stats
+
+
+def shared_memory(
+    x: torch.Tensor, transport: Transport, intra_t: SubTransport, intra: Codec, nbytes: int,
+    deadline: Deadline, label: str,
+) -> shm.NodeMemory | None:  # fmt: skip
+    """The node's shared memory, when a two-tier call's intra-node tier can go
+    through it: float32 sums (the default intra codec) of a CPU tensor on Gloo
+    ranks that share a machine (:mod:`hopq.comm.shm`), ``nbytes`` per call's
+    regions; else None (messages)."""
+    if x.device.type != "cpu" or type(intra) is not Fp32:
+        return None
+    memory = shm.node_memory(transport, intra_t)
+    if memory is None:
+        return None
+    return memory if memory.ensure(nbytes, intra_t, deadline, label) else None
+
+
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // 64) * 64
 
@@ -721,15 +751,29 @@ def reduce_scatter(
         microshards=None, pipeline=call.pipeline, in_place=True, agree=False,
     )  # fmt: skip
     try:
-        y1, s1 = engine.run(c1, xp, intra_t)
+        label = f"reduce_scatter({call.codec.name}, {call.topology}, key={call.key})"
+        memory = shared_memory(x, transport, intra_t, intra, _aligned(xp.numel() * 4), deadline,
+                               label)  # fmt: skip
+        if memory is not None:
+            where = Where(label, transport.calls, _SHARED_STEP, 0, "node reduce")
+            premul = None if call.premul is None else float(call.premul)
+
+            def addend(a: int, b: int) -> torch.Tensor:
+                part = xp[a:b].to(torch.float32)
+                return part * premul if premul is not None else part
+
+            node_shard, s1 = shared_reduce(memory, intra_t, 0, node_cuts, addend, deadline, where)
+        else:
+            y1, s1 = engine.run(c1, xp, intra_t)
+            node_shard = y1[node_cuts[g] : node_cuts[g + 1]]
     except Exception:
         fail_inter_agreement(inter_t, deadline)
         raise
-    a, b = node_cuts[g], node_cuts[g + 1]
+    a = node_cuts[g]
     inner = tuple(cuts[g * lay.nodes + k] - a for k in range(lay.nodes + 1))
     c2 = replace(call, op=ReduceOp.SUM, premul=None, timeout=_left(deadline), in_place=True)
     c2 = replace(c2, shards=inner)
-    y2, s2 = engine.run(c2, y1[a:b], inter_t)
+    y2, s2 = engine.run(c2, node_shard, inter_t)
     k = inter_t.rank
     out = y2[inner[k] : inner[k + 1]]
     if call.op is ReduceOp.AVG:
