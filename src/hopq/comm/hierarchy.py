@@ -330,10 +330,8 @@ class _Pipeline:
         return (mine.clone() if self.k > 1 else mine), s1
 
     def contribution(self, a: int, b: int) -> torch.Tensor:
-        """This rank's float32 addend for entries ``[a, b)`` (premultiplied when the
-        call says so, as :func:`hopq.comm.engine.run` does)."""
-        part = self.x[a:b].to(torch.float32)
-        return part * float(self.call.premul) if self.call.premul is not None else part
+        """This rank's float32 addend for entries ``[a, b)`` (:func:`addend`)."""
+        return addend(self.x, a, b, self.call.premul)
 
     def reduce_shared(self, j: int, memory: shm.NodeMemory) -> tuple[torch.Tensor, RunStats]:
         """Piece j's reduce-scatter through shared memory (:func:`shared_reduce`)."""
@@ -530,6 +528,14 @@ class _Pipeline:
         else:
             self.comm_seconds = intra_stats.comm_seconds + inter.comm_seconds
         return y, intra_stats, inter
+
+
+def addend(x: torch.Tensor, a: int, b: int, premul: float | None) -> torch.Tensor:
+    """A rank's float32 addend for entries ``[a, b)`` of ``x`` in an intra-node
+    reduce-scatter: premultiplied when the call says so, as
+    :func:`hopq.comm.engine.run` does (the float32 copy times ``premul``)."""
+    part = x[a:b].to(torch.float32)
+    return part * float(premul) if premul is not None else part
 
 
 def shared_reduce(
@@ -756,13 +762,11 @@ def reduce_scatter(
                                label)  # fmt: skip
         if memory is not None:
             where = Where(label, transport.calls, _SHARED_STEP, 0, "node reduce")
-            premul = None if call.premul is None else float(call.premul)
 
-            def addend(a: int, b: int) -> torch.Tensor:
-                part = xp[a:b].to(torch.float32)
-                return part * premul if premul is not None else part
+            def mine(a: int, b: int) -> torch.Tensor:
+                return addend(xp, a, b, call.premul)
 
-            node_shard, s1 = shared_reduce(memory, intra_t, 0, node_cuts, addend, deadline, where)
+            node_shard, s1 = shared_reduce(memory, intra_t, 0, node_cuts, mine, deadline, where)
         else:
             y1, s1 = engine.run(c1, xp, intra_t)
             node_shard = y1[node_cuts[g] : node_cuts[g + 1]]
