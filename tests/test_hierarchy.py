@@ -517,6 +517,36 @@ def test_without_shared_memory_the_messages_carry_the_node(
     assert all(torch.equal(_bits(g), _bits(want)) for g in got)
 
 
+def test_a_call_too_large_for_shared_memory_keeps_the_messages_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Segments that cannot be made for a large call (a full /dev/shm): that call
+    and larger ones keep the messages, said once; a smaller call still gets its
+    segments."""
+    monkeypatch.setattr(shm, "_serves", lambda t: True)
+    made = shm.Segment.__init__
+
+    def small_only(self: shm.Segment, path: str, capacity: int, create: bool) -> None:
+        if create and capacity > 1 << 20:
+            raise OSError(28, "No space left on device")
+        made(self, path, capacity, create)
+
+    monkeypatch.setattr(shm.Segment, "__init__", small_only)
+    group = make_inprocess_group(4)
+    for size, warns in ((70000, True), (80000, False), (900, False)):
+        xs = _inputs(4, size)
+        if warns:
+            with pytest.warns(RuntimeWarning, match="2 MiB or more of it per rank"):
+                got, _ = _two_tier_threads(xs, "2x2", "bf16", group=group)
+        else:
+            got, _ = _two_tier_threads(xs, "2x2", "bf16", group=group)
+        want = hopq.simulate(xs, "bf16", seed=3, layout="2x2").outputs[0]
+        assert all(torch.equal(_bits(g), _bits(want)) for g in got), size
+    memories = [m for t in group for m in t._node_memory.values()]
+    assert all(m.too_big == 2 << 20 and not m.off_reason for m in memories)
+    assert all(m.mine is not None and m.calls == 1 for m in memories)  # the 900-entry call
+
+
 # -- real Gloo ranks ---------------------------------------------------------
 
 

@@ -60,11 +60,15 @@ class Segment:
 
     def __init__(self, path: str, capacity: int, create: bool) -> None:
         self.path, self.capacity = path, capacity
+        fallocate = getattr(os, "posix_fallocate", None)
+        if create and fallocate is None:  # without it a full tmpfs shows as SIGBUS
+            raise OSError("this platform has no posix_fallocate")
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.posix_fallocate(fd, 0, capacity)
+                assert fallocate is not None
+                fallocate(fd, 0, capacity)
             elif os.fstat(fd).st_size < capacity:
                 raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not {capacity}")
             self._map = mmap.mmap(fd, capacity)
@@ -102,8 +106,9 @@ class NodeMemory:
         #: Why shared memory is not used ("" while it may be).
         self.off_reason = ""
         #: Segments of this many bytes could not be made: calls that need as
-        #: much keep the transport (smaller ones keep the segments there are).
+        #: much keep the transport (smaller ones may still use shared memory).
         self.too_big: int | None = None
+        self._warned = False
 
     def ensure(self, capacity: int, plain: Transport, deadline: Deadline, label: str) -> bool:
         """Whether the coming call (whose two regions take ``capacity`` bytes
@@ -117,22 +122,24 @@ class NodeMemory:
             need = -(-need // (1 << 20)) * (1 << 20)
             if self.too_big is not None and need >= self.too_big:
                 return False
-            had = self.mine is not None  # the same on every node-mate
             ok, reason = self._handshake(need, plain, deadline, label)
             if not ok:
-                if had:  # the segments work: only calls this large keep the transport
+                # the same on every node-mate: ``need`` and the gathered flags
+                if need > 1 << 20:  # smaller calls may still fit: they try again
                     self.too_big = need
-                    what = f"calls that need {need >> 20} MiB of shared memory per rank"
+                    what = f"calls that need {need >> 20} MiB or more of it per rank"
                 else:
                     self.off_reason = reason
                     self._drop()
                     what = "every call"
-                warnings.warn(
-                    f"hopq: the ranks of node {list(self.members)} keep the intra-node "
-                    f"traffic of {what} on the transport: {reason}",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+                if not self._warned or self.off_reason:
+                    self._warned = True
+                    warnings.warn(
+                        f"hopq: the ranks of node {list(self.members)} keep the intra-node "
+                        f"traffic of {what} on the transport, not shared memory: {reason}",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
                 return False
         self.calls += 1
         return True
