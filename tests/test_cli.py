@@ -184,6 +184,20 @@ def test_bench_allreduce_reports_bytes_and_codec_work():
         hopq.simulate([torch.ones(8)] * 2, "bf16", "ring", microshards=0)
 
 
+def test_bench_allreduce_says_how_the_nodes_float32_tier_ran(monkeypatch):
+    """With a layout, the report says whether the two-tier calls' float32 tier
+    went through shared memory or kept the messages (HOPQ_SHM=0)."""
+    from hopq.bench import allreduce
+
+    o = allreduce.Options(
+        world_size=4, min_bytes=65536, max_bytes=65536, codecs=("bf16",),
+        topologies=("hier:ring",), layout="2x2", budget_s=0.01,
+    )  # fmt: skip
+    assert "float32 tier went through shared memory" in allreduce.run(o)
+    monkeypatch.setenv("HOPQ_SHM", "0")
+    assert "float32 tier kept Gloo's messages" in allreduce.run(o)
+
+
 def test_missing_matplotlib_is_said_once(monkeypatch, capsys):
     """Without matplotlib the reports skip their plots, and say so (once)."""
     from hopq import reporting

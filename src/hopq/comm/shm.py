@@ -44,8 +44,6 @@ from hopq.comm.transport import SubTransport, Transport
 
 #: Where the segments live (a tmpfs on Linux).
 SHM_DIR = "/dev/shm"
-#: Whether nodes use shared memory (``HOPQ_SHM=0``: the message path).
-ENABLED = os.environ.get("HOPQ_SHM", "1") != "0"
 #: Bytes of a segment's own header (the handshake's token); the calls' regions
 #: follow, 64-byte aligned.
 HEAD = 64
@@ -228,6 +226,25 @@ class NodeMemory:
         self.mine, self.peers = None, {}
 
 
+def enabled() -> bool:
+    """Whether nodes may use shared memory: not where the environment says
+    ``HOPQ_SHM=0`` (read at each call: a rank takes its launcher's environment)."""
+    return os.environ.get("HOPQ_SHM", "1") != "0"
+
+
+def state(transport: Transport) -> float | None:
+    """How this rank's node tier ran on ``transport``: None where no two-tier call
+    has run, 1.0 where every node view's calls went through shared memory, 0.0
+    where some kept the messages (turned off, or a call too large)."""
+    per: dict[tuple[int, ...], NodeMemory] = getattr(transport, "_node_memory", {})
+    if not per and not enabled() and getattr(transport, "_tier_views", None):
+        return 0.0
+    if not per:
+        return None
+    whole = all(m.mine is not None and not m.off_reason and m.too_big is None for m in per.values())
+    return 1.0 if whole else 0.0
+
+
 def _serves(transport: Transport) -> bool:
     """Whether shared memory may carry this transport's intra-node tier: Gloo's
     (real processes; NCCL moves GPU memory its own way)."""
@@ -240,7 +257,7 @@ def node_memory(transport: Transport, intra: SubTransport) -> NodeMemory | None:
     """The shared memory of the node whose ranks ``intra`` views (kept on
     ``transport``), or None where it cannot serve: turned off
     (``HOPQ_SHM=0``), or a transport other than Gloo's (NCCL has its own)."""
-    if not ENABLED or not _serves(transport):
+    if not enabled() or not _serves(transport):
         return None
     per: dict[tuple[int, ...], NodeMemory] | None = getattr(transport, "_node_memory", None)
     if per is None:
