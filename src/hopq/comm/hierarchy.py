@@ -308,7 +308,7 @@ class _Pipeline:
         """The node's shared memory, when this call's intra-node tier can go
         through it (:func:`shared_memory`): the reduce-scatter's float32
         region, then the all-gather's in the wire dtype."""
-        wire = torch.empty((), dtype=self.wire).element_size()
+        wire = self.wire.itemsize
         need = _aligned(self.x.numel() * 4) + self.x.numel() * wire
         label = f"all_reduce({self.call.codec.name}, {self.call.topology}, key={self.call.key})"
         return shared_memory(
@@ -378,7 +378,7 @@ class _Pipeline:
         copies)."""
         memory, lo, ns = self.memory, self.cuts[j], self.shards(j)
         assert memory is not None
-        size = torch.empty((), dtype=self.wire).element_size()
+        size = self.wire.itemsize
         base = _aligned(self.x.numel() * 4)  # the gather's region follows the reduce's
         g = self.g
         if not failed:  # the block is the widest shard's size: this rank's entries only

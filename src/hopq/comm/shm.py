@@ -149,7 +149,7 @@ class NodeMemory:
         assert seg is not None
         half = (seg.capacity - HEAD) // 2 // 64 * 64
         start = HEAD + (self.calls % 2) * half + offset
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = numel * dtype.itemsize
         return seg.bytes[start : start + size].view(dtype)
 
     def _handshake(
