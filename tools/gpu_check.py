@@ -1366,6 +1366,8 @@ def main() -> int:
         help="run the engine-paths table with the CPU standing in for CUDA (checks the script)",
     )
     args = p.parse_args()
+    # the report's folder, made here: a run of minutes must not end unwritten
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     summary: list[list[str]] = []
     if args.cpu_dry_run:
         lines: list[str] = []

@@ -73,6 +73,13 @@ MIN_COLUMNS = 32
 #: Warps per program for a full tile (smaller tiles: fewer, at least one).
 #: Both are read at every call, so a GPU run may sweep them (the same bits).
 WARPS = 4
+#: Registers per thread the fused hop may take (None: ptxas's choice: 63 for
+#: the int8 hop, 80 for E5M2's). On an H200, 56 was no slower than no cap for
+#: any element, scale or layout, the same bits, and faster for some (FP32
+#: scales, contiguous E4M3); 32 spills. `hopq bench kernels` timed the int8
+#: hop at 0.956 ms (40% of copy) at 256M entries with it, within the 36-44%
+#: of the runs before. Read at every call, so that a GPU run may sweep it.
+HOP_MAXNREG: int | None = 56
 #: The validity pre-pass: scales per step, and per program (each leaves one count,
 #: which every program of the main kernel sums: 16 at 16M coordinates).
 CHECK_BLOCK = 2048
@@ -513,9 +520,16 @@ def run(
             MODE=int(mode), EL=CODES[element], Q=float(q), SBYTES=scale_bytes, S=S,
             BLOCK=block, SP=sp, RT=rt, CT=ct, RUNS=S == 1, CHECK=check,
             A4=_codes_aligned(sb, payload, out_payload), **_LAUNCH,
-            **({} if interpreting() else {"num_warps": warps}),
+            **({} if interpreting() else _hop_options(mode, warps)),
         )  # fmt: skip
     return int(counts[nparts].item()) if check else 0
+
+
+def _hop_options(mode: Mode, warps: int) -> dict[str, int]:
+    """The hop kernel's warps, and in the fused hop its register cap."""
+    if mode == Mode.DAR and HOP_MAXNREG is not None:
+        return {"num_warps": warps, "maxnreg": HOP_MAXNREG}
+    return {"num_warps": warps}
 
 
 #: (configuration, device) pairs whose kernels :func:`warm_up` compiled.
@@ -560,8 +574,12 @@ def compile_all(arch: int = 90) -> list[str]:
     def build(fn: Any, sig: dict[str, str], const: dict[str, object], warps: int) -> None:
         names = list(sig)
         src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
-        opts = {"enable_fp_fusion": False, "num_warps": warps}
+        opts: dict[str, Any] = {"enable_fp_fusion": False, "num_warps": warps}
+        if fn is _hop_kernel:
+            opts.update(_hop_options(Mode(const["MODE"]), warps))
         ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
+        if "maxnreg" in opts and f".maxnreg {opts['maxnreg']}" not in ptx:
+            raise AssertionError(f"{fn.__name__} {const}: the register cap is not in the PTX")
         # no fused multiply-add, and every float operation rounds on its own
         # (.rn: ptxas may not contract it)
         if (
