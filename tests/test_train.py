@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -495,3 +496,35 @@ def test_the_docstring_corpus_is_parsed_once_and_kept(tmp_path, monkeypatch):
     monkeypatch.setattr(workloads, "_cache_warned", False)
     with pytest.warns(RuntimeWarning, match="cannot cache the docstring corpus"):
         assert workloads.stdlib_docstrings_by_module(200_000) == first
+
+
+def _no_cluster() -> str | None:
+    import os
+
+    from hopq.cluster.network import unavailable_reason
+
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "building network namespaces needs root"
+    return unavailable_reason()
+
+
+@pytest.mark.skipif(_no_cluster() is not None, reason="no emulated cluster here")
+def test_the_report_says_how_the_two_tier_contenders_nodes_ran(tmp_path, monkeypatch):
+    """On 2 emulated nodes of 2 workers, the report says whether a two-tier
+    contender's float32 tier went through shared memory, and says so when it
+    kept Gloo's messages (HOPQ_SHM=0): a tier that quietly lost its fast path
+    would make the contender slower with nothing to show why."""
+    o = train.TrainOptions(
+        codecs=("bf16@hier",), world_size=4, workers_per_node=2, rate_mbit=1000, steps=2,
+        probe_every=2, eval_every=2, gpt_dim=32, gpt_layers=1, context=32, batch_size=4,
+        bucket_mb=0.02, out=str(tmp_path / "shm"),
+    )  # fmt: skip
+    text = train.run(o)
+    assert "Inside each node the float32 tier went through shared memory." in text
+    monkeypatch.setenv("HOPQ_SHM", "0")
+    text = train.run(replace(o, out=str(tmp_path / "messages")))
+    assert "kept Gloo's messages instead of shared memory (HOPQ_SHM=0" in text
+    from hopq.train.report import load_runs
+
+    # runs.json keeps it, so that a report rendered again says it too
+    assert [r.node_tier for r in load_runs(tmp_path / "messages" / "runs.json")] == ["messages"]

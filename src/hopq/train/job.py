@@ -418,13 +418,32 @@ def worker(rank: int, n: int, o: TrainOptions, contenders: list[str]) -> list[Co
             )
     if bar is not None:
         bar.close()
+    tier = _node_tier()
     for lane in lanes:
         lane.run.bucket_bytes = bucket_bytes(lane.ddp)
+        if is_hierarchical(lane.name):
+            lane.run.node_tier = tier
         planner = lane.sync.state.auto if lane.sync.state is not None else None
         if planner is not None:  # the report names what codec="auto" picked
             lane.run.codec = f"{lane.name} ({planner.summary()})"
             lane.run.plan_note = planner.report(lane.clock)
     return [lane.run for lane in lanes]
+
+
+def _node_tier() -> str:
+    """How the two-tier calls' float32 tier ran inside the nodes, over every
+    rank's process groups: "shared memory" where every such call used it,
+    "messages" where some kept Gloo's messages, "" where none ran (a
+    collective: every rank calls it)."""
+    from hopq.comm import collectives, shm
+
+    states = [s for t in list(collectives._TRANSPORTS.values()) if (s := shm.state(t)) is not None]
+    # [-(ran any), lowest state]: MIN over the ranks gives both
+    t = torch.tensor([-1.0 if states else 0.0, min(states, default=1.0)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    if float(t[0]) == 0.0:
+        return ""
+    return "shared memory" if float(t[1]) == 1.0 else "messages"
 
 
 def bucket_bytes(ddp: DDP) -> list[int]:

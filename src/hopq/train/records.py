@@ -73,3 +73,6 @@ class CodecRun:
     optimizer: str = ""
     #: codec="auto": what its planner measured and kept (one line), else "".
     plan_note: str = ""
+    #: A two-tier contender's float32 tier inside the nodes, every rank's calls:
+    #: "shared memory", "messages" (somewhere it kept Gloo's messages), or "".
+    node_tier: str = ""

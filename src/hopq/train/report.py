@@ -60,11 +60,21 @@ def tier_line(runs: list[CodecRun]) -> str | None:
     hier = [r.codec for r in runs if r.codec.endswith("@hier")]
     if not hier:
         return None
-    return (
+    line = (
         f"{', '.join(hier)}: hopq's two-tier all-reduce (an exact float32 reduce-scatter and"
         " all-gather inside each node, the codec between nodes); their MB sent and bits per"
         " coordinate are what crosses between nodes, the figure the slow network pays."
     )
+    tiers = {r.node_tier for r in runs if r.codec.endswith("@hier") and r.node_tier}
+    if tiers == {"shared memory"}:
+        line += " Inside each node the float32 tier went through shared memory."
+    elif tiers:
+        line += (
+            " Inside a node, some of their calls' float32 tier kept Gloo's messages instead"
+            " of shared memory (HOPQ_SHM=0, or /dev/shm unusable: the ranks' warnings say"
+            " why), which makes them slower than they need be."
+        )
+    return line
 
 
 def error_line(runs: list[CodecRun], every: int) -> str | None:
@@ -532,6 +542,7 @@ def load_runs(path: Path) -> list[CodecRun]:
             d.get("bucket_bytes", []),
             d.get("optimizer", ""),
             d.get("plan_note", ""),
+            d.get("node_tier", ""),
         )
         for d in data
     ]
@@ -684,6 +695,8 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
                     "evals": r.evals,
                     "bucket_bytes": r.bucket_bytes,
                     "optimizer": r.optimizer,
+                    "plan_note": r.plan_note,
+                    "node_tier": r.node_tier,
                     "steps": [asdict(s) for s in r.steps],
                 }
                 for r in runs
