@@ -313,6 +313,22 @@ def test_triton_kernels_compile_for_cuda_without_a_gpu():
     assert r.stdout.strip() == "42"
 
 
+@pytest.mark.skipif(not triton_kernels.available(), reason="triton not installed")
+def test_only_the_fused_hop_takes_the_register_cap(monkeypatch):
+    """The cap applies to the fused hop alone (the other modes keep ptxas's
+    choice), and a Triton without the option launches every mode without it."""
+    from hopq.kernels import Mode, register_caps
+
+    if not register_caps():
+        pytest.skip("this Triton takes no register cap")
+    cap = triton_kernels.HOP_MAXNREG
+    assert triton_kernels._hop_options(Mode.DAR, 4) == {"num_warps": 4, "maxnreg": cap}
+    for mode in (Mode.ENCODE, Mode.DECODE, Mode.DECODE_ACC):
+        assert triton_kernels._hop_options(mode, 4) == {"num_warps": 4}
+    monkeypatch.setattr(triton_kernels, "register_caps", lambda: False)
+    assert triton_kernels._hop_options(Mode.DAR, 4) == {"num_warps": 4}
+
+
 # -- on a GPU: compiled kernels on CUDA tensors -----------------------------------------
 gpu = pytest.mark.skipif(
     not CUDA or INTERPRET or not triton_kernels.available(),

@@ -32,8 +32,9 @@ import importlib
 import importlib.util
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import Enum, IntEnum
+from functools import lru_cache
 from types import ModuleType
 
 
@@ -60,6 +61,18 @@ class Mode(IntEnum):
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@lru_cache(maxsize=1)
+def register_caps() -> bool:
+    """Whether the installed Triton's CUDA backend takes a register cap per
+    kernel (the ``maxnreg`` launch option); where it does not, kernels launch
+    without one (ptxas's choice: the same bits, maybe slower)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "maxnreg" in {f.name for f in fields(CUDAOptions)}
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from hopq.kernels import Mode, interpreting
+from hopq.kernels import Mode, interpreting, register_caps
 
 try:
     import triton
@@ -527,7 +527,7 @@ def run(
 
 def _hop_options(mode: Mode, warps: int) -> dict[str, int]:
     """The hop kernel's warps, and in the fused hop its register cap."""
-    if mode == Mode.DAR and HOP_MAXNREG is not None:
+    if mode == Mode.DAR and HOP_MAXNREG is not None and register_caps():
         return {"num_warps": warps, "maxnreg": HOP_MAXNREG}
     return {"num_warps": warps}
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from hopq.kernels import Mode, interpreting
+from hopq.kernels import Mode, interpreting, register_caps
 from hopq.numerics import fp_formats as fpf
 
 try:
@@ -240,7 +240,7 @@ def _options(mode: Mode) -> dict[str, Any]:
     """The launch options of ``mode``'s kernel (none under the interpreter)."""
     if interpreting():
         return {}
-    if mode == Mode.DAR and HOP_MAXNREG is not None:
+    if mode == Mode.DAR and HOP_MAXNREG is not None and register_caps():
         return {**_LAUNCH, "maxnreg": HOP_MAXNREG}
     return _LAUNCH
 
@@ -453,7 +453,7 @@ def compile_all(arch: int = 90) -> list[str]:
                     _mx_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}
                 )
                 opts = {"enable_fp_fusion": False, "num_warps": _WARPS}
-                if mode == Mode.DAR and HOP_MAXNREG is not None:
+                if mode == Mode.DAR and HOP_MAXNREG is not None and register_caps():
                     opts["maxnreg"] = HOP_MAXNREG
                 ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
                 what = f"_mx_kernel {fmt.name} {mode.name} block {block}"
