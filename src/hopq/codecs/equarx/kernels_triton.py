@@ -575,8 +575,9 @@ def compile_all(arch: int = 90) -> list[str]:
         names = list(sig)
         src = ASTSource(fn, sig, constexprs={(names.index(n),): v for n, v in const.items()})
         opts: dict[str, Any] = {"enable_fp_fusion": False, "num_warps": warps}
-        if fn is _hop_kernel:
-            opts.update(_hop_options(Mode(const["MODE"]), warps))
+        mode = const.get("MODE")
+        if fn is _hop_kernel and isinstance(mode, int):
+            opts.update(_hop_options(Mode(mode), warps))
         ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
         if "maxnreg" in opts and f".maxnreg {opts['maxnreg']}" not in ptx:
             raise AssertionError(f"{fn.__name__} {const}: the register cap is not in the PTX")
