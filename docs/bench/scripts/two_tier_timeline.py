@@ -12,7 +12,8 @@ an emulated cluster:
         docs/bench/scripts/two_tier_timeline.py
 
 Environment: NUMEL (default 4194304, 16 MiB of float32), CALLS (14), LAYOUT
-("auto": two-tier; "flat": one ring over every rank). It times the pipeline's
+("auto": two-tier; "flat": one ring over every rank), PIECE_COORDS (the
+pipeline's piece size, ``hierarchy.PIECE_COORDS``; default hopq's own). It times the pipeline's
 pieces by wrapping a private class, so it follows hopq's internals."""
 
 import os
@@ -43,6 +44,8 @@ def _timed(name: str) -> None:
 
 
 _timed("inter")
+if "PIECE_COORDS" in os.environ:
+    hierarchy.PIECE_COORDS = int(os.environ["PIECE_COORDS"])
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 numel = int(os.environ.get("NUMEL", 4 << 20))
@@ -64,5 +67,9 @@ for call in range(int(os.environ.get("CALLS", 14))):
 names = ("call", "head", "inter-node calls", "tail", "process CPU")
 shown = [i for i in range(len(names)) if layout != "flat" or i in (0, 4)]  # flat: no pieces
 figures = [f"{names[i]} {statistics.median(r[i] for r in rows) * 1e3:.1f}" for i in shown]
-print(f"rank {rank} ({layout}, {numel} entries), median ms: {', '.join(figures)}", flush=True)
+pieces = len(hierarchy.tier_pieces(numel, 2)) - 1 if layout != "flat" else 1
+print(
+    f"rank {rank} ({layout}, {numel} entries, {pieces} pieces), median ms: {', '.join(figures)}",
+    flush=True,
+)
 dist.destroy_process_group()
