@@ -231,8 +231,9 @@ _LAUNCH = {} if interpreting() else {"enable_fp_fusion": False, "num_warps": _WA
 #: itself ptxas gives MXFP6's hop 78 and MXFP4's 72, which allows 6-7 programs
 #: per SM; at 56 (no spills) eight fit. On an H200 (`hopq bench kernels`, 256M
 #: values, the same bits) MXFP6's hop went from 0.700 to 0.608 ms and MXFP4's
-#: from 0.620 to 0.582 ms; MXFP8's (61 registers) stayed at 0.58 ms. Fewer
-#: registers spill. Read at every call, so that a GPU run may sweep it.
+#: from 0.620 to 0.582 ms; MXFP8's (61 registers, 56 under the cap) stayed at
+#: 0.58 ms. At 40 the hops spill. Read at every call, so that a GPU run may
+#: sweep it.
 HOP_MAXNREG: int | None = 56
 
 
