@@ -357,13 +357,11 @@ def _worker(rank: int, n: int, o: Options) -> Results:
                 dist.all_reduce(mine, op=dist.ReduceOp.MAX)
                 out[(m, size, "bytes")], out[(m, size, "codec")] = mine.tolist()
     # how the two-tier calls' float32 tier ran inside the nodes (every rank's)
-    from hopq.comm import collectives, shm
+    from hopq.comm import shm
 
-    node = shm.state(collectives._transport(None))
-    flag = torch.tensor([-1.0 if node is None else node], dtype=torch.float64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    if float(flag) >= 0:
-        out[("shared memory", 0)] = float(flag)
+    node = shm.ranks_state()
+    if node is not None:
+        out[("shared memory", 0)] = node
     return out
 
 
@@ -447,13 +445,9 @@ def run(o: Options) -> str:
     if o.layout:
         head += f"hopq's methods run two-tier, layout={o.layout}.\n"
     if ("shared memory", 0) in res:
-        head += (
-            "Inside each node, the two-tier calls' float32 tier went through shared memory.\n"
-            if res[("shared memory", 0)] == 1.0
-            else "Inside a node, some two-tier calls' float32 tier kept Gloo's messages "
-            "instead of shared memory (HOPQ_SHM=0, or /dev/shm unusable: the ranks' "
-            "warnings say why).\n"
-        )
+        from hopq.comm import shm
+
+        head += shm.describe(res[("shared memory", 0)]) + "\n"
     if o.rate_mbit > 0 and where.startswith("an emulated"):
         from hopq.cluster.network import payload_fraction
 

@@ -245,6 +245,33 @@ def state(transport: Transport) -> float | None:
     return 1.0 if whole else 0.0
 
 
+def ranks_state() -> float | None:
+    """:func:`state` over every process group's transport in this process,
+    combined over the default group's ranks (a collective: every rank calls
+    it): None where no rank made a two-tier call, 1.0 where every such call
+    went through shared memory, 0.0 where some kept the messages."""
+    import torch.distributed as dist
+
+    from hopq.comm import collectives
+
+    states = [s for t in list(collectives._TRANSPORTS.values()) if (s := state(t)) is not None]
+    # [-(made any), lowest state]: one MIN over the ranks gives both
+    both = torch.tensor([-1.0 if states else 0.0, min(states, default=1.0)], dtype=torch.float64)
+    dist.all_reduce(both, op=dist.ReduceOp.MIN)
+    return None if float(both[0]) == 0.0 else float(both[1])
+
+
+def describe(node: float) -> str:
+    """A report's sentence for :func:`ranks_state`'s 1.0 or 0.0."""
+    if node == 1.0:
+        return "Inside each node the float32 tier went through shared memory."
+    return (
+        "Inside a node, some two-tier calls' float32 tier kept Gloo's messages instead of "
+        "shared memory (HOPQ_SHM=0, or /dev/shm unusable: the ranks' warnings say why), "
+        "which makes them slower than they need be."
+    )
+
+
 def _serves(transport: Transport) -> bool:
     """Whether shared memory may carry this transport's intra-node tier: Gloo's
     (real processes; NCCL moves GPU memory its own way)."""

@@ -67,12 +67,21 @@ def interpreting() -> bool:
 def register_caps() -> bool:
     """Whether the installed Triton's CUDA backend takes a register cap per
     kernel (the ``maxnreg`` launch option); where it does not, kernels launch
-    without one (ptxas's choice: the same bits, maybe slower)."""
+    without one (ptxas's choice: the same bits, maybe slower), and hopq says so
+    once."""
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
         return False
-    return "maxnreg" in {f.name for f in fields(CUDAOptions)}
+    if "maxnreg" in {f.name for f in fields(CUDAOptions)}:
+        return True
+    warnings.warn(
+        "hopq: this Triton takes no register cap (maxnreg): the MX and EQuARX fused hops "
+        "launch without theirs (the same bits, slower on some GPUs)",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 @dataclass(frozen=True)

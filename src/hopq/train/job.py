@@ -431,19 +431,13 @@ def worker(rank: int, n: int, o: TrainOptions, contenders: list[str]) -> list[Co
 
 
 def _node_tier() -> str:
-    """How the two-tier calls' float32 tier ran inside the nodes, over every
-    rank's process groups: "shared memory" where every such call used it,
-    "messages" where some kept Gloo's messages, "" where none ran (a
-    collective: every rank calls it)."""
-    from hopq.comm import collectives, shm
+    """How the two-tier calls' float32 tier ran inside the nodes, every rank's
+    (:func:`hopq.comm.shm.ranks_state`, a collective): "shared memory",
+    "messages" where some kept Gloo's messages, "" where none ran."""
+    from hopq.comm import shm
 
-    states = [s for t in list(collectives._TRANSPORTS.values()) if (s := shm.state(t)) is not None]
-    # [-(ran any), lowest state]: MIN over the ranks gives both
-    t = torch.tensor([-1.0 if states else 0.0, min(states, default=1.0)], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    if float(t[0]) == 0.0:
-        return ""
-    return "shared memory" if float(t[1]) == 1.0 else "messages"
+    node = shm.ranks_state()
+    return "" if node is None else "shared memory" if node == 1.0 else "messages"
 
 
 def bucket_bytes(ddp: DDP) -> list[int]:

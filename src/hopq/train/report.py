@@ -66,14 +66,10 @@ def tier_line(runs: list[CodecRun]) -> str | None:
         " coordinate are what crosses between nodes, the figure the slow network pays."
     )
     tiers = {r.node_tier for r in runs if r.codec.endswith("@hier") and r.node_tier}
-    if tiers == {"shared memory"}:
-        line += " Inside each node the float32 tier went through shared memory."
-    elif tiers:
-        line += (
-            " Inside a node, some of their calls' float32 tier kept Gloo's messages instead"
-            " of shared memory (HOPQ_SHM=0, or /dev/shm unusable: the ranks' warnings say"
-            " why), which makes them slower than they need be."
-        )
+    if tiers:
+        from hopq.comm import shm
+
+        line += " " + shm.describe(1.0 if tiers == {"shared memory"} else 0.0)
     return line
 
 

@@ -453,9 +453,7 @@ def compile_all(arch: int = 90) -> list[str]:
                 src = ASTSource(
                     _mx_kernel, sig, constexprs={(names.index(k),): v for k, v in const.items()}
                 )
-                opts = {"enable_fp_fusion": False, "num_warps": _WARPS}
-                if mode == Mode.DAR and HOP_MAXNREG is not None and register_caps():
-                    opts["maxnreg"] = HOP_MAXNREG
+                opts = _options(mode)  # what a launch takes, the fused hop's cap included
                 ptx = triton.compile(src, target=target, options=opts).asm["ptx"]
                 what = f"_mx_kernel {fmt.name} {mode.name} block {block}"
                 if "maxnreg" in opts and f".maxnreg {HOP_MAXNREG}" not in ptx:
