@@ -344,26 +344,36 @@ def test_layout_mismatch_in_process() -> None:
     assert "kind" in str(errors[0]) and "4x1" in str(errors[2])
 
 
-def _failing(name: str) -> hopq.Codec:
-    """A codec whose encode raises (a broken codec on one rank)."""
+def _failing(name: str, method: str = "encode", after: int = 0) -> hopq.Codec:
+    """A codec whose ``method`` raises from its call ``after`` on (a broken codec
+    on one rank)."""
     codec = hopq.get_codec(name)
+    inner, calls = getattr(codec, method), [0]
 
-    def encode(*args: object, **kwargs: object) -> None:
-        raise RuntimeError("this rank's codec failed")
+    def broken(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] > after:
+            raise RuntimeError("this rank's codec failed")
+        return inner(*args, **kwargs)
 
-    codec.encode = encode  # type: ignore[method-assign]
+    setattr(codec, method, broken)
     return codec
 
 
-@pytest.mark.parametrize("pieces", [1, 4])
-@pytest.mark.parametrize("tier", ["intra", "inter"])
+@pytest.mark.parametrize(
+    ("site", "pieces"),
+    [(s, p) for s in ("intra", "encode", "plan") for p in (1, 4)] + [("finish", 4)],
+)
 def test_failure_reaches_every_rank(
-    tier: str, pieces: int, monkeypatch: pytest.MonkeyPatch
+    site: str, pieces: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A codec failing on one rank, in either tier, in one piece or in a
     pipeline of pieces: every rank raises within seconds (the failed rank its
     error, the others TransportError naming a failed rank), and the next call
-    on the same transports works."""
+    on the same transports works. In the inter-node tier it fails in its hops
+    (encode), in the plan of the second piece (planned ahead, while the first
+    piece's hops run) or after the first piece's hops (finish: the next piece
+    is planned already and its peers run it)."""
     monkeypatch.setattr(hierarchy, "PIECE_COORDS", 1000 // pieces)
     assert len(hierarchy.tier_pieces(1000, 2)) - 1 == pieces
     group = make_inprocess_group(4)
@@ -374,10 +384,10 @@ def test_failure_reaches_every_rank(
     def work(r: int, broken: bool) -> None:
         codec, intra = hopq.get_codec("bf16"), hopq.get_codec("fp32")
         if broken and r == 1:
-            if tier == "intra":
+            if site == "intra":
                 intra = _failing("fp32")
             else:
-                codec = _failing("bf16")
+                codec = _failing("bf16", site, 1 if site == "plan" and pieces > 1 else 0)
         call = Call(codec=codec, timeout=60)
         try:
             outs[r] = hierarchy.run(call, xs[r], group[r], NodeLayout.parse("2x2"), intra)[0]
@@ -402,6 +412,68 @@ def test_failure_reaches_every_rank(
             assert errors == [None] * 4, errors
             want = hopq.simulate(xs, "bf16", layout="2x2").outputs[0]
             assert all(torch.equal(o, want) for o in outs)
+
+
+@pytest.mark.parametrize("codec", [c for c in CODECS if hopq.get_codec(c).plans_ahead])
+def test_planning_ahead_gives_the_bits_of_planning_in_turn(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline of pieces plans piece k + 1 while piece k's hops run, for the
+    codecs that declare they can: two calls in a row (the codec's round moves
+    on across them) give the bits, bytes and rounds of planning each piece
+    after the one before."""
+    from hopq.codecs.base import Codec
+
+    d = 20011  # node-shards DynamiQ serves itself (no fallback)
+    monkeypatch.setattr(hierarchy, "PIECE_COORDS", d // 4)
+    xs = _inputs(4, d)
+    started = [0]
+    inner = hierarchy._Ahead.__init__
+
+    def counted(self: hierarchy._Ahead, *args: object) -> None:
+        started[0] += 1
+        inner(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hierarchy._Ahead, "__init__", counted)
+
+    def two_calls() -> tuple[list[torch.Tensor], list[int], list[int]]:
+        group = make_inprocess_group(4)
+        codecs = [hopq.get_codec(codec) for _ in range(4)]
+        outs: list = [[] for _ in range(4)]
+        errors: list = []
+
+        def work(r: int) -> None:
+            try:
+                for _ in range(2):
+                    y, info = hierarchy.run(
+                        Call(codec=codecs[r], seed=3, timeout=30), xs[r].clone(), group[r],
+                        NodeLayout.parse("2x2"), hopq.get_codec("fp32"),
+                    )  # fmt: skip
+                    outs[r].append((y, info.bytes_sent))
+            except BaseException as e:  # noqa: BLE001 - raised below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        if errors:
+            raise errors[0]
+        ys = [y for o in outs for y, _ in o]
+        return ys, [b for o in outs for _, b in o], [c.round for c in codecs]
+
+    ahead, ahead_bytes, ahead_rounds = two_calls()
+    assert started[0] == 4 * 2 * 3  # every rank, both calls, pieces 1-3
+    monkeypatch.setattr(type(hopq.get_codec(codec)), "plans_ahead", False)
+    monkeypatch.setattr(Codec, "plans_ahead", False)
+    started[0] = 0
+    in_turn, in_turn_bytes, in_turn_rounds = two_calls()
+    assert started[0] == 0
+    for a, b in zip(ahead, in_turn, strict=True):
+        assert torch.equal(_bits(a), _bits(b)), codec
+    assert ahead_bytes == in_turn_bytes
+    assert ahead_rounds == in_turn_rounds == [8] * 4  # 4 pieces a call
 
 
 def _two_tier_threads(

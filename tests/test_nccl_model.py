@@ -54,10 +54,10 @@ class _NcclLike(InProcessTransport):
             for h in self._held:  # posted now: they may be waited on
                 h.posted = True
 
-    def post(self, sends, recvs, where=None):  # type: ignore[no-untyped-def]
+    def post(self, sends, recvs, where=None, tag=0):  # type: ignore[no-untyped-def]
         ops = [("S", self.rank, p, int(t.numel())) for p, t in sends]
         ops += [("R", p, self.rank, int(t.numel())) for p, t in recvs]
-        s, r = super().post(sends, recvs, where)
+        s, r = super().post(sends, recvs, where, tag)
         if self._open is None:
             if ops:
                 self.groups.append(ops)

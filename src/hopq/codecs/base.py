@@ -392,6 +392,13 @@ class Codec(ABC, Generic[P]):
     #: on the input's size: they then travel with the call's agreement (one
     #: round of messages fewer). None: they travel on their own.
     first_stats_nbytes: ClassVar[int | None] = None
+    #: Whether a call's plan may run while this instance's previous call is still
+    #: in its hops (the two-tier all-reduce plans piece k + 1 then, so that its
+    #: statistics exchange overlaps piece k's transfers): the plan reads nothing
+    #: that an earlier call's hops, :meth:`finish` or :meth:`end_round` change
+    #: but the round, which it takes from ``stats.round``; the gather stage's
+    #: :meth:`plan_gather` reads no state at all.
+    plans_ahead: ClassVar[bool] = False
     #: Coordinates per microshard the engine aims at when the call does not say
     #: (:func:`hopq.comm.engine.auto_microshards`): the pipeline hides codec work
     #: behind transfers, at the price of one message per microshard

@@ -106,6 +106,7 @@ class Uncompressed(WireCodec[Plan]):
 
     layout_preserving = True
     chunk_local = True
+    plans_ahead = True
     gather_stage = True
 
     def plan_gather(self, work_numel: int, chunks: tuple[tuple[int, int], ...]) -> Plan:

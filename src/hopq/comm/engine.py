@@ -49,9 +49,11 @@ instead of waiting for the timeout.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -906,6 +908,39 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
     ``call.premul``: reduce ``premul * x`` (torch's PREMUL_SUM), scaled before
     anything else.
     """
+    return execute(plan_call(call, x, transport))
+
+
+@dataclass
+class Planned:
+    """A call whose agreement and plan are done (:func:`plan_call`); its hops
+    come next (:func:`execute`)."""
+
+    r: _Resolved
+    agreed: _Agreement
+    stats: _StatsExchange
+    plan: Plan
+    gplan: Plan
+    #: When the call began, and the CPU seconds its planning took (on the
+    #: thread that planned it).
+    t_start: float
+    cpu_seconds: float
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds the planning waited on the transport (agreement, statistics)."""
+        return self.stats.seconds + self.agreed.seconds
+
+
+def plan_call(
+    call: Call, x: torch.Tensor, transport: Transport, behind: Codec[Any] | None = None
+) -> Planned:
+    """The first half of :func:`run`: the call's agreement, statistics exchange
+    and plan. ``behind``: a codec whose previous call on this rank is still
+    running (its round not yet ended), for a caller that plans a call while the
+    one before it is in its hops (the two-tier pipeline); this call's
+    statistics then see the round that call's end opens, so its bits are those
+    of planning after it (the codec must declare ``plans_ahead``)."""
     t_start = time.perf_counter()
     cpu_start = time.thread_time()
     calls = transport.calls
@@ -915,12 +950,19 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
         if transport.calls == calls:  # refused before it was numbered
             refuse(transport, call.timeout, f"all_reduce({call.codec.name})")
         raise
+    if behind is not None and not (r.codec.plans_ahead and r.gcodec.plans_ahead):
+        raise ValueError(f"{r.codec.name} cannot plan a call while its previous one runs")
     agreed = _agreement(r)
     try:
-        stats, plan, gplan = _plan(r, agreed)
+        stats, plan, gplan = _plan(r, agreed, 1 if behind is r.codec else 0)
     except BaseException as e:
         if agreed.skipped and not isinstance(e, KeyboardInterrupt):
             _settle_call(r, agreed, e)
+        if not agreed.done and not isinstance(e, KeyboardInterrupt):
+            # the plan failed before this rank's agreement message went out: the
+            # peers learn it in that message's place instead of at their timeout
+            what = f"{r.label} failed on rank {transport.rank}"
+            _notice_in_agreement(transport, r.number, what, r.deadline)
         if (
             agreed.done
             and not agreed.failed
@@ -928,10 +970,28 @@ def run(call: Call, x: torch.Tensor, transport: Transport) -> tuple[torch.Tensor
         ):
             _fail_peers(r)
         raise
-    st = _stages(r, plan, gplan, agreed)
-    y = _finish(r, st, stats, agreed)
-    r.info.seconds = time.perf_counter() - t_start
-    r.info.cpu_seconds = time.thread_time() - cpu_start
+    return Planned(r, agreed, stats, plan, gplan, t_start, time.thread_time() - cpu_start)
+
+
+def execute(
+    p: Planned,
+    before_finish: Callable[[], None] | None = None,
+    fail: BaseException | None = None,
+) -> tuple[torch.Tensor, RunStats]:
+    """The second half of :func:`run`: the planned call's hops, then its finish.
+    ``before_finish`` runs between the two (the codec's round is still open);
+    ``fail``: this rank gives the call up instead of running its hops (it failed
+    elsewhere after planning it): its peers get failure notices for what it
+    owes them and what they send is drained, then ``fail`` is raised, as when
+    a hop fails."""
+    cpu_start = time.thread_time()
+    r = p.r
+    st = _stages(r, p.plan, p.gplan, p.agreed, fail)
+    if before_finish is not None:
+        before_finish()
+    y = _finish(r, st, p.stats, p.agreed)
+    r.info.seconds = time.perf_counter() - p.t_start
+    r.info.cpu_seconds = p.cpu_seconds + time.thread_time() - cpu_start
     return y, r.info
 
 
@@ -1056,10 +1116,20 @@ def refuse(transport: Transport, timeout: float | None, what: str) -> None:
         number = transport.next_call(deadline)
     except Exception:  # noqa: BLE001 - the refusal's own error is what the caller sees
         return
+    _notice_in_agreement(transport, number, f"{what} refused on rank {transport.rank}")
+
+
+def _notice_in_agreement(
+    transport: Transport, number: int, what: str, deadline: Deadline | None = None
+) -> None:
+    """Tell every peer, in the place of call ``number``'s agreement message, that
+    this rank gave the call up before its agreement (:func:`refuse`). With
+    ``deadline`` the peers are in that call's agreement round (the call did not
+    skip it, so neither did theirs): their messages are taken here, within it."""
     n = transport.world_size
     if n == 1 or n > DIRECT_EXCHANGE_MAX:
         return
-    where = Where(f"{what} refused on rank {transport.rank}", number, -1000, 0, "agreement")
+    where = Where(what, number, -1000, 0, "agreement")
     block = 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
     bound = block + TAIL_BYTES if tails_ride(transport) else block
     header = framing.frame(where, [0], framing.SENDER_FAILED)
@@ -1067,7 +1137,7 @@ def refuse(transport: Transport, timeout: float | None, what: str) -> None:
     recvs: list[tuple[int, torch.Tensor]] = []
     # peers whose call skipped its agreement round send the call's messages
     # instead: the first fits a receive of ANY_FIRST, the rest are settled then
-    settles = transport.skips_agreement
+    settles = transport.skips_agreement and deadline is None
     for q in range(n):
         if q != transport.rank:
             sends += [
@@ -1081,6 +1151,11 @@ def refuse(transport: Transport, timeout: float | None, what: str) -> None:
         with transport.batch():
             sh, rh = transport.post(sends, recvs, where)
     except Exception:  # noqa: BLE001 - a peer is gone: its own call fails anyway
+        return
+    if deadline is not None:
+        for h in [*rh, *sh]:
+            with contextlib.suppress(Exception):  # best effort, as the notices
+                h.wait(deadline, where)
         return
     transport.owed += [(h, where) for h in sh]
     if settles:
@@ -1151,13 +1226,14 @@ def _stateless(codec: Codec[Any]) -> bool:
     return bool(codec.agreed_state() == {"round": codec.round})
 
 
-def _plan(r: _Resolved, agreed: _Agreement) -> tuple[_StatsExchange, Plan, Plan]:
+def _plan(r: _Resolved, agreed: _Agreement, ahead: int = 0) -> tuple[_StatsExchange, Plan, Plan]:
     """Step 2: the codec's statistics exchange and its plan (and the gather
-    stage's), identical on every rank."""
+    stage's), identical on every rank. ``ahead``: rounds the codec's counter
+    is behind this call's (:func:`plan_call`)."""
     call, codec, schedule, u = r.call, r.codec, r.schedule, r.u
     r.info.microshards = u
     stats = _StatsExchange(
-        r.transport, schedule.n_chunks, u, call.seed, codec.round, call.key, r.deadline,
+        r.transport, schedule.n_chunks, u, call.seed, codec.round + ahead, call.key, r.deadline,
         Where(r.label, r.number, -1, 0, "statistics"), agreed,
     )  # fmt: skip
     stats.reduce_depth = max(schedule.reduce_depths(), default=0)
@@ -1186,12 +1262,14 @@ def _plan(r: _Resolved, agreed: _Agreement) -> tuple[_StatsExchange, Plan, Plan]
     return stats, plan, gplan
 
 
-def _stages(r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement) -> _Hops:
+def _stages(
+    r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement, fail: BaseException | None = None
+) -> _Hops:
     """Step 3: the schedule's steps, reduce and gather stages, on the codec's
     working vector. On a failure this rank tells its peers what it still owes
     them and drains what they still send, then raises; in a call that skipped
     its agreement round, it settles with every peer instead
-    (:func:`_settle_call`)."""
+    (:func:`_settle_call`). ``fail``: such a failure before the first step."""
     codec, gcodec, schedule, transport, u = r.codec, r.gcodec, r.steps, r.transport, r.u
     try:
         work = codec.prepare(plan, r.x, r.in_place)
@@ -1222,6 +1300,8 @@ def _stages(r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement) -> _Hops:
                 for j in range(u):
                     m = st.part(c, j)
                     st.finalize(m, gcodec.encode(gplan, st.own(m), st.ctxs[m]))
+        if fail is not None:
+            raise fail
         _hops(st, active, r.call.pipeline and transport.prepost)
     except BaseException as e:
         if st.fast and not isinstance(e, KeyboardInterrupt):

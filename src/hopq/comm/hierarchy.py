@@ -28,6 +28,7 @@ or one worker per node has one tier: the call is the flat call over the group.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -78,6 +79,24 @@ def views(transport: Transport, layout: NodeLayout) -> tuple[SubTransport, SubTr
             SubTransport(transport, layout.node_ranks(layout.node_of[rank])),
             SubTransport(transport, layout.peers(rank)),
         )
+    return per[layout]
+
+
+#: The tag of the second inter-node view (:func:`ahead_view`).
+AHEAD_TAG = 1
+
+
+def ahead_view(transport: Transport, layout: NodeLayout) -> SubTransport:
+    """This rank's second inter-node view of ``transport``: the same ranks as
+    :func:`views`' inter-node view under another tag, so that a pipeline's
+    next piece can be planned on one while the current piece's hops run on
+    the other (kept per transport and layout)."""
+    per: dict[NodeLayout, SubTransport] | None = getattr(transport, "_ahead_views", None)
+    if per is None:
+        per = {}
+        transport._ahead_views = per  # type: ignore[attr-defined]
+    if layout not in per:
+        per[layout] = SubTransport(transport, layout.peers(transport.rank), tag=AHEAD_TAG)
     return per[layout]
 
 
@@ -192,7 +211,7 @@ def run(
     info = call_stats(
         transport.rank, n, x.numel(), intra_stats, s2, agree_bytes,
         seconds=time.perf_counter() - t_start, comm_seconds=agree_s + tiers.comm_seconds,
-        cpu_seconds=time.thread_time() - cpu_start + tiers.worker_cpu,
+        cpu_seconds=time.thread_time() - cpu_start + tiers.worker_cpu + tiers.ahead_cpu,
     )  # fmt: skip
     return y, info
 
@@ -257,6 +276,15 @@ class _Pipeline:
     piece is its own two-tier call with the node-shards of that piece, so the
     result depends on the cuts alone, not on the timing.
 
+    Where the codec plans ahead (``Codec.plans_ahead``) and the transport
+    takes tags (Gloo, the simulator), piece k + 1's inter-node call is planned
+    (its agreement and statistics exchange) on a helper thread while piece k's
+    hops run, on a second inter-node view under another tag: the pieces
+    alternate between the two views, and the link carries piece k + 1's
+    statistics while piece k's payloads still flow. Piece k's round ends only
+    after that plan, and the plan takes the round piece k's end opens, so the
+    bits are those of planning the pieces one after another.
+
     Failures keep every rank in step: a rank whose reduce-scatter of a piece
     failed sends its inter-node peers a failure notice for that piece and every
     later one (:func:`fail_inter_agreement`), and a rank whose inter-node tier
@@ -296,6 +324,19 @@ class _Pipeline:
         self.comm_seconds = 0.0
         #: Seconds the calling thread waited for the worker (its pieces' reduce-scatters and gathers).
         self.waited = 0.0
+        codecs = (call.codec, call.stage_codec)
+        #: The inter-node views the pieces alternate between: two where the next
+        #: piece is planned while the current one's hops run, else one.
+        self.inter_views: tuple[SubTransport, ...] = (inter_t,)
+        if (
+            self.k > 1
+            and all(c.plans_ahead for c in codecs)
+            and inter_t.prepost
+            and inter_t.short_messages
+        ):
+            self.inter_views = (inter_t, ahead_view(inter_t.parent, lay))
+        #: CPU seconds the helper threads spent planning pieces ahead.
+        self.ahead_cpu = 0.0
 
     def left(self) -> float:
         return _left(self.deadline)
@@ -465,7 +506,9 @@ class _Pipeline:
             thread.start()
         failure: BaseException | None = None
         inter_stats: list[RunStats] = []
-        for j in range(self.k):
+        if len(self.inter_views) > 1:
+            failure = self.run_ahead(inter_stats)
+        for j in range(self.k if len(self.inter_views) == 1 else 0):
             if thread is None:
                 try:
                     self.reduced.put(self.reduce(j))
@@ -509,6 +552,94 @@ class _Pipeline:
             raise self.intra_failure
         return self.assemble(inter_stats)
 
+    # -- the inter-node tier, planned a piece ahead -------------------------------
+    def view(self, j: int) -> SubTransport:
+        """The inter-node view piece j runs on."""
+        return self.inter_views[j % len(self.inter_views)]
+
+    def plan_piece(
+        self, j: int, behind: Codec | None, failed: bool
+    ) -> tuple[engine.Planned | None, BaseException | None]:
+        """Piece j's node-shard from the intra-node tier and its inter-node call
+        planned on its view: (the planned call, None), or (None, the error)
+        where planning failed, or (None, None) where this rank's intra-node
+        tier failed or ``failed`` (an earlier piece did): its peers there get
+        a failure notice instead of the agreement."""
+        got = self.reduced.get()
+        if isinstance(got, BaseException) or failed:
+            fail_inter_agreement(self.view(j), self.deadline)
+            return None, None
+        self.rs_stats.append(got[1])
+        a, b = piece_node_shard(self.cuts, j, self.per, self.g)
+        try:
+            c2 = inter_call(self.call, a, b, self.left())
+            return engine.plan_call(c2, got[0], self.view(j), behind), None
+        except Exception as e:  # noqa: BLE001 - raised by the calling thread
+            return None, e
+
+    def run_ahead(self, inter_stats: list[RunStats]) -> BaseException | None:
+        """Every piece's inter-node all-reduce, piece j + 1 planned on a helper
+        thread while piece j's hops run (see the class); returns this tier's
+        failure, if any."""
+        failure: BaseException | None = None
+        t_wait = time.perf_counter()
+        planned, error = self.plan_piece(0, None, False)
+        self.waited += time.perf_counter() - t_wait
+        for j in range(self.k):
+            nxt: _Ahead | None = None
+            y2 = None
+            if planned is None:
+                failure = failure or error
+            elif failure is not None:  # an earlier piece failed after this one was planned
+                # its peers get notices for what this rank owed them; the earlier
+                # failure is what this rank raises
+                with contextlib.suppress(Exception):
+                    engine.execute(planned, fail=failure)
+            else:
+                if j + 1 < self.k:
+                    nxt = _Ahead(self, j + 1, planned.r.codec)
+                try:
+                    y2, s2 = self.run_piece(j, planned, nxt)
+                except Exception as e:
+                    failure = e
+                else:
+                    inter_stats.append(s2)
+            self.summed.put(y2)
+            if j + 1 == self.k:
+                break
+            if nxt is not None:
+                nxt.join()
+                planned, error = nxt.planned, nxt.error
+                self.ahead_cpu += nxt.cpu
+            else:
+                t_wait = time.perf_counter()
+                planned, error = self.plan_piece(j + 1, None, failure is not None)
+                self.waited += time.perf_counter() - t_wait
+        return failure
+
+    def run_piece(
+        self, j: int, planned: engine.Planned, nxt: _Ahead | None
+    ) -> tuple[torch.Tensor, RunStats]:
+        """Piece j's hops and finish; its round ends once ``nxt``, the next
+        piece's planning, has ended."""
+        t0 = time.perf_counter()
+
+        def wait_next() -> None:
+            if nxt is not None:
+                t = time.perf_counter()
+                nxt.join()
+                self.waited += time.perf_counter() - t
+
+        y2, s2 = engine.execute(planned, before_finish=wait_next)
+        a, _ = piece_node_shard(self.cuts, j, self.per, self.g)
+        if self.call.op is ReduceOp.AVG:
+            y2 = y2 / self.inter_t.parent.world_size
+        s2.owned = tuple((a + lo, a + hi) for lo, hi in s2.owned)
+        if j > 0:  # planned on a helper thread, overlapped with piece j - 1's hops
+            s2.seconds = time.perf_counter() - t0
+            s2.comm_seconds -= planned.wait_seconds
+        return y2, s2
+
     def assemble(self, inter_stats: list[RunStats]) -> tuple[torch.Tensor, RunStats, RunStats]:
         if self.direct:  # every piece is in the input's memory already
             y = self.x
@@ -528,6 +659,31 @@ class _Pipeline:
         else:
             self.comm_seconds = intra_stats.comm_seconds + inter.comm_seconds
         return y, intra_stats, inter
+
+
+class _Ahead:
+    """Piece j of a pipeline planned on a helper thread (:meth:`_Pipeline.plan_piece`)."""
+
+    def __init__(self, pipe: _Pipeline, j: int, behind: Codec) -> None:
+        self.planned: engine.Planned | None = None
+        self.error: BaseException | None = None
+        self.cpu = 0.0
+        self.thread = threading.Thread(
+            target=self._plan, args=(pipe, j, behind), name="hopq-plan-ahead", daemon=True
+        )
+        self.thread.start()
+
+    def _plan(self, pipe: _Pipeline, j: int, behind: Codec) -> None:
+        c0 = time.thread_time()
+        try:
+            self.planned, self.error = pipe.plan_piece(j, behind, False)
+        except BaseException as e:  # noqa: BLE001 - raised by the calling thread
+            self.error = e
+        finally:
+            self.cpu = time.thread_time() - c0
+
+    def join(self) -> None:
+        self.thread.join()
 
 
 def addend(x: torch.Tensor, a: int, b: int, premul: float | None) -> torch.Tensor:

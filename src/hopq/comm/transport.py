@@ -182,10 +182,13 @@ class Transport(ABC):
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
         where: Where | None = None,
+        tag: int = 0,
     ) -> tuple[list[Handle], list[Handle]]:
         """Post sends of (peer, bytes) and receives into (peer, buffer); return their
-        handles. Messages between two ranks match in posting order. ``where``
-        names the step for error messages."""
+        handles. Messages between two ranks match in posting order, each
+        ``tag`` apart from the others (two views of the same ranks can run
+        calls at once under different tags). ``where`` names the step for
+        error messages."""
 
 
 #: The work of an operation whose batch has not been posted yet.
@@ -333,7 +336,7 @@ class DistTransport(Transport):
         self.staged_messages = 0
         self._stage_to: dict[str, torch.device | None] = {}
         #: The operations of an open batch (NCCL), posted when it closes.
-        self._batching: list[tuple[str, int, torch.Tensor, _DistHandle]] | None = None
+        self._batching: list[tuple[str, int, torch.Tensor, _DistHandle, int]] | None = None
 
     @property
     def group(self) -> torch.distributed.ProcessGroup:
@@ -434,20 +437,20 @@ class DistTransport(Transport):
             ops, self._batching = self._batching, None
             self._launch(ops)
 
-    def _launch(self, ops: list[tuple[str, int, torch.Tensor, _DistHandle]]) -> None:
+    def _launch(self, ops: list[tuple[str, int, torch.Tensor, _DistHandle, int]]) -> None:
         """Post ``ops`` as one group (NCCL's batch_isend_irecv)."""
         if not ops:
             return
         dist = self._dist
         group = self.group
         p2p = [
-            dist.P2POp(dist.isend if k == "send" else dist.irecv, t, self._global[p], group)
-            for k, p, t, _ in ops
+            dist.P2POp(dist.isend if k == "send" else dist.irecv, t, self._global[p], group, tag)
+            for k, p, t, _, tag in ops
         ]
         works = dist.batch_isend_irecv(p2p)
         # NCCL coalesces a batch into one work; other backends give one per op
         each = works if len(works) == len(ops) else [_Works(works)] * len(ops)
-        for w, (_, _, _, h) in zip(each, ops, strict=True):
+        for w, (_, _, _, h, _) in zip(each, ops, strict=True):
             h.work = w
 
     def post(
@@ -455,31 +458,32 @@ class DistTransport(Transport):
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
         where: Where | None = None,
+        tag: int = 0,
     ) -> tuple[list[Handle], list[Handle]]:
         dist = self._dist
         group = self.group
-        ops: list[tuple[str, int, torch.Tensor, _DistHandle]] = []
+        ops: list[tuple[str, int, torch.Tensor, _DistHandle, int]] = []
         for kind, items in (("send", sends), ("recv", recvs)):
             for p, t in items:
                 posted, h = self._staged(kind, p, t)
-                ops.append((kind, p, posted, h))
+                ops.append((kind, p, posted, h, tag))
         if not self.prepost:  # NCCL: every post, or every open batch, one group
             if self._batching is not None:
-                for *_, h in ops:
+                for *_, h, _ in ops:
                     h.work = _UNPOSTED
                 self._batching += ops
             else:
                 self._launch(ops)
         else:
-            for kind, p, t, h in ops:
+            for kind, p, t, h, _ in ops:
                 op = dist.isend if kind == "send" else dist.irecv
                 try:
-                    h.work = op(t, self._global[p], group=group)
+                    h.work = op(t, self._global[p], group=group, tag=tag)
                 except RuntimeError as e:  # a pair already closed fails at posting
                     raise _transport_error(
                         str(e), self.rank, p, kind, Deadline(1.0), where or Where("a call", 0, 0)
                     ) from e
-        handles: list[Handle] = [h for _, _, _, h in ops]
+        handles: list[Handle] = [h for _, _, _, h, _ in ops]
         return handles[: len(sends)], handles[len(sends) :]
 
 
@@ -488,24 +492,35 @@ class _Hub:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.boxes: dict[tuple[int, int], queue.Queue[torch.Tensor]] = {
-            (s, d): queue.Queue() for s in range(world_size) for d in range(world_size)
+        self.boxes: dict[tuple[int, int, int], queue.Queue[torch.Tensor]] = {
+            (s, d, 0): queue.Queue() for s in range(world_size) for d in range(world_size)
         }
+        self._lock = threading.Lock()
         self.failed = threading.Event()
+
+    def box(self, src: int, dst: int, tag: int) -> queue.Queue[torch.Tensor]:
+        """Messages from ``src`` to ``dst`` under ``tag``."""
+        key = (src, dst, tag)
+        if key not in self.boxes:
+            with self._lock:
+                self.boxes.setdefault(key, queue.Queue())
+        return self.boxes[key]
 
     def abort(self) -> None:
         self.failed.set()
 
 
 class _SimHandle(Handle):
-    def __init__(self, hub: _Hub, rank: int, peer: int, buf: torch.Tensor | None) -> None:
-        self.hub, self.rank, self.peer, self.buf = hub, rank, peer, buf
+    def __init__(
+        self, hub: _Hub, rank: int, peer: int, buf: torch.Tensor | None, tag: int = 0
+    ) -> None:
+        self.hub, self.rank, self.peer, self.buf, self.tag = hub, rank, peer, buf, tag
         self.kind = "send" if buf is None else "recv"
 
     def wait(self, deadline: Deadline, where: Where) -> None:
         if self.buf is None:
             return
-        box = self.hub.boxes[(self.peer, self.rank)]
+        box = self.hub.box(self.peer, self.rank, self.tag)
         while True:
             if self.hub.failed.is_set():
                 raise TransportError(f"rank {self.rank}: another simulated rank failed")
@@ -547,12 +562,13 @@ class InProcessTransport(Transport):
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
         where: Where | None = None,
+        tag: int = 0,
     ) -> tuple[list[Handle], list[Handle]]:
         out_s: list[Handle] = []
         for p, t in sends:
-            self.hub.boxes[(self.rank, p)].put(t.clone())
-            out_s.append(_SimHandle(self.hub, self.rank, p, None))
-        out_r: list[Handle] = [_SimHandle(self.hub, self.rank, p, b) for p, b in recvs]
+            self.hub.box(self.rank, p, tag).put(t.clone())
+            out_s.append(_SimHandle(self.hub, self.rank, p, None, tag))
+        out_r: list[Handle] = [_SimHandle(self.hub, self.rank, p, b, tag) for p, b in recvs]
         return out_s, out_r
 
 
@@ -565,10 +581,13 @@ class SubTransport(Transport):
     its own receive arena; batching, timeouts and what the backend takes are
     the parent's. Views whose members never share a pair of ranks (a node's
     ranks, and the ranks of one local rank across nodes) can run one after
-    another on the same parent without their messages meeting.
+    another on the same parent without their messages meeting; views of the
+    same ranks under different ``tag`` values can run calls at once.
     """
 
-    def __init__(self, parent: Transport, members: tuple[int, ...] | list[int]) -> None:
+    def __init__(
+        self, parent: Transport, members: tuple[int, ...] | list[int], tag: int = 0
+    ) -> None:
         super().__init__()
         members = tuple(int(m) for m in members)
         if parent.rank not in members:
@@ -582,6 +601,7 @@ class SubTransport(Transport):
             )
         self.parent = parent
         self.members = members
+        self.tag = tag
         self.rank = members.index(parent.rank)
         self.world_size = len(members)
         self.prepost = parent.prepost
@@ -605,9 +625,12 @@ class SubTransport(Transport):
         sends: list[tuple[int, torch.Tensor]],
         recvs: list[tuple[int, torch.Tensor]],
         where: Where | None = None,
+        tag: int = 0,
     ) -> tuple[list[Handle], list[Handle]]:
         m = self.members
-        return self.parent.post([(m[p], t) for p, t in sends], [(m[p], b) for p, b in recvs], where)
+        return self.parent.post(
+            [(m[p], t) for p, t in sends], [(m[p], b) for p, b in recvs], where, self.tag + tag
+        )
 
 
 def make_inprocess_group(world_size: int) -> list[InProcessTransport]:

@@ -120,6 +120,7 @@ class DynamiQ(ReadsOptimizer, Codec[DynamiQPlan]):
     #: at each chunk's start and are reordered inside their chunk; the
     #: statistics exchange and the bit allocation stay global.
     chunk_local: ClassVar[bool] = True
+    plans_ahead: ClassVar[bool] = True
 
     def __init__(self, config: CodecConfig | None = None, **overrides: Any) -> None:
         super().__init__(config, **overrides)

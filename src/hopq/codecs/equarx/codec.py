@@ -204,6 +204,7 @@ class EQuARXCodec(Codec[Plan]):
     config: EQuARXConfig
     layout_preserving: ClassVar[bool] = True
     chunk_local: ClassVar[bool] = True
+    plans_ahead: ClassVar[bool] = True
     gather_stage: ClassVar[bool] = True
 
     # -- plan ----------------------------------------------------------------

@@ -290,6 +290,7 @@ class GQSGDLinear(_PartwiseFinish, Codec[GQSGDLinearPlan]):
     layout_preserving: ClassVar[bool] = True
     chunk_local: ClassVar[bool] = True
     first_stats_nbytes: ClassVar[int | None] = 8
+    plans_ahead: ClassVar[bool] = True
 
     def nonfinite_block(self) -> int:
         return 1 << 62  # the global scale carries the poison everywhere
@@ -564,6 +565,7 @@ class GQSGDExp(_PartwiseFinish, Codec[GQSGDExpPlan]):
     layout_preserving: ClassVar[bool] = True
     chunk_local: ClassVar[bool] = True
     first_stats_nbytes: ClassVar[int | None] = 8
+    plans_ahead: ClassVar[bool] = True
 
     def nonfinite_block(self) -> int:
         return 1 << 62
