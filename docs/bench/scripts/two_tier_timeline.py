@@ -1,5 +1,7 @@
 """Where a two-tier all-reduce's time goes, per rank: the head (from the call's
-start to its first inter-node call), the inter-node calls together, the tail
+start to its first inter-node call), the inter-node calls together (where the
+pipeline plans each piece while the previous one's payloads flow: their hops
+and finish alone), the tail
 (from the last inter-node call's end to the call's end) and the process's CPU
 seconds, medians over the calls after two warm-up ones. The figures of
 docs/bench/allreduce.md's "Two nodes of two workers". Run it once per node of
@@ -43,7 +45,8 @@ def _timed(name: str) -> None:
     setattr(hierarchy._Pipeline, name, wrapper)
 
 
-_timed("inter")
+_timed("inter")  # a piece's inter-node call, planned in turn
+_timed("run_piece")  # a piece's hops and finish, planned while the previous piece's ran
 if "PIECE_COORDS" in os.environ:
     hierarchy.PIECE_COORDS = int(os.environ["PIECE_COORDS"])
 dist.init_process_group("gloo")
@@ -60,7 +63,7 @@ for call in range(int(os.environ.get("CALLS", 14))):
     hopq.all_reduce(x, codec="dynamiq", layout=None if layout == "flat" else layout)
     wall, cpu = time.perf_counter() - T0[0], time.process_time() - cpu
     if call >= 2:
-        inter = [e for e in EVENTS if e[0] == "inter"]
+        inter = [e for e in EVENTS if e[0] in ("inter", "run_piece")]
         head = min(e[1] for e in inter) if inter else float("nan")
         tail = wall - max(e[2] for e in inter) if inter else float("nan")
         rows.append((wall, head, sum(e[2] - e[1] for e in inter), tail, cpu))
