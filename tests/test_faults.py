@@ -22,6 +22,7 @@ from tests.workers import (
     group_freed_on_destroy,
     make_input,
     plan_fails_everywhere,
+    plan_fails_on_one_rank,
     straggler,
     wrong_sizes,
 )
@@ -95,6 +96,32 @@ def test_a_plan_failing_on_every_rank_leaves_the_group_usable():
     for r in res:
         assert r["failed"] == "ValueError: this plan refuses"
         assert torch.equal(r["after"], want)
+
+
+def test_a_plan_failing_on_one_rank_is_told_to_its_peers_at_once():
+    """A plan that raises on one rank before its agreement message went out:
+    its peers raise TransportError naming it within seconds (not at their
+    timeout), also where their call skips the agreement round, and the next
+    call on the group is correct."""
+    n = 3
+    res = run_workers(n, plan_fails_on_one_rank)
+    xs = [make_input("float", q, 4000) for q in range(n)]
+    exact = torch.stack([x.double() for x in xs]).sum(0)
+    for name in ("dynamiq", "bf16"):
+        for r, out in enumerate(res):
+            msg, seconds = out[name]
+            if r == 1:
+                assert msg == "ValueError: this plan refuses", msg
+            else:
+                assert msg.startswith("TransportError") and "rank 1" in msg, (name, r, msg)
+                assert seconds < 10, (name, r, seconds)
+            # the next call: the same bits on every rank, the codec's accuracy
+            after = out[(name, "after")]
+            assert torch.equal(after, res[0][(name, "after")]), (name, r)
+            err = float((after.double() - exact).square().sum() / exact.square().sum())
+            assert err < 0.1, (name, err)
+    want = hopq.simulate(xs, "bf16", "ring").outputs[0]
+    assert torch.equal(res[0][("bf16", "after")], want)
 
 
 def test_wrong_sizes_are_caught_without_stale_bytes_or_aborts():

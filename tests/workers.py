@@ -518,6 +518,40 @@ def plan_fails_everywhere(rank: int, n: int) -> dict[str, Any]:
     return out
 
 
+def plan_fails_on_one_rank(rank: int, n: int) -> dict[str, Any]:
+    """Rank 1's plan raises, for DynamiQ (whose agreement rides with its
+    statistics) and for bf16 on a signature agreed before (its peers skip the
+    round): what every rank raised and in how many seconds, then the next
+    call's result."""
+    import time
+
+    from hopq.codecs.registry import get_codec
+
+    out: dict[str, Any] = {}
+    for name in ("dynamiq", "bf16"):
+        codec = get_codec(name)
+        x = make_input("float", rank, 4000)
+        hopq.all_reduce(x.clone(), codec=codec, timeout=20.0)  # the signature is agreed
+        planned = codec.plan
+        if rank == 1:
+
+            def refuse(x: torch.Tensor, stats: Any) -> Any:
+                raise ValueError("this plan refuses")
+
+            codec.plan = refuse  # type: ignore[method-assign]
+        t = time.monotonic()
+        try:
+            hopq.all_reduce(x.clone(), codec=codec, timeout=20.0)
+            out[name] = ("returned", time.monotonic() - t)
+        except Exception as e:  # noqa: BLE001
+            out[name] = (f"{type(e).__name__}: {e}", time.monotonic() - t)
+        codec.plan = planned  # type: ignore[method-assign]
+        y = x.clone()
+        hopq.all_reduce(y, codec=codec, timeout=20.0)
+        out[(name, "after")] = y
+    return out
+
+
 def straggler(rank: int, n: int, late_s: float) -> dict[str, Any]:
     """Rank n - 1 calls ``late_s`` seconds after the others; every call takes the
     default timeout (None: the process group's own). Returns what each saw."""

@@ -961,8 +961,10 @@ def plan_call(
         if not agreed.done and not isinstance(e, KeyboardInterrupt):
             # the plan failed before this rank's agreement message went out: the
             # peers learn it in that message's place instead of at their timeout
+            # (peers whose call skips the round are settled at the next call)
             what = f"{r.label} failed on rank {transport.rank}"
-            _notice_in_agreement(transport, r.number, what, r.deadline)
+            skips = agreed.may_skip and agreed.sig in transport.agreed
+            _notice_in_agreement(transport, r.number, what, None if skips else r.deadline)
         if (
             agreed.done
             and not agreed.failed
