@@ -325,7 +325,7 @@ def test_batched_posts_and_staged_messages():
 
     fake = types.SimpleNamespace(
         isend="isend", irecv="irecv", batch_isend_irecv=batch,
-        P2POp=lambda op, t, peer, group: (op, t, peer),
+        P2POp=lambda op, t, peer, group, tag=0: (op, t, peer),
     )  # fmt: skip
     t = tr.DistTransport.__new__(tr.DistTransport)
     t._dist, t._group, t._global, t.rank = fake, lambda: object(), [0, 1, 2], 0
