@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -440,26 +441,16 @@ def test_planning_ahead_gives_the_bits_of_planning_in_turn(
         group = make_inprocess_group(4)
         codecs = [hopq.get_codec(codec) for _ in range(4)]
         outs: list = [[] for _ in range(4)]
-        errors: list = []
 
         def work(r: int) -> None:
-            try:
-                for _ in range(2):
-                    y, info = hierarchy.run(
-                        Call(codec=codecs[r], seed=3, timeout=30), xs[r].clone(), group[r],
-                        NodeLayout.parse("2x2"), hopq.get_codec("fp32"),
-                    )  # fmt: skip
-                    outs[r].append((y, info.bytes_sent))
-            except BaseException as e:  # noqa: BLE001 - raised below
-                errors.append(e)
+            for _ in range(2):
+                y, info = hierarchy.run(
+                    Call(codec=codecs[r], seed=3, timeout=30), xs[r].clone(), group[r],
+                    NodeLayout.parse("2x2"), hopq.get_codec("fp32"),
+                )  # fmt: skip
+                outs[r].append((y, info.bytes_sent))
 
-        threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-        if errors:
-            raise errors[0]
+        _on_threads(work, 4)
         ys = [y for o in outs for y, _ in o]
         return ys, [b for o in outs for _, b in o], [c.round for c in codecs]
 
@@ -483,26 +474,36 @@ def _two_tier_threads(
     """hierarchy.run on an in-process group (one thread per rank): outputs, stats."""
     group = group or make_inprocess_group(len(xs))
     outs: list = [None] * len(xs)
-    errors: list = []
 
     def work(r: int) -> None:
+        reduce = ReduceOp.AVG if op == "avg" else ReduceOp.SUM
+        call = Call(codec=hopq.get_codec(codec), op=reduce, premul=premul, seed=3, timeout=30)
+        outs[r] = hierarchy.run(
+            call, xs[r].clone(), group[r], NodeLayout.parse(layout), hopq.get_codec("fp32")
+        )
+
+    _on_threads(work, len(xs))
+    return [o[0] for o in outs], [o[1] for o in outs]
+
+
+def _on_threads(work: Callable[[int], None], n: int) -> None:
+    """``work(r)`` for r = 0..n - 1, one thread each (in-process ranks); raises
+    the first error."""
+    errors: list = []
+
+    def guarded(r: int) -> None:
         try:
-            reduce = ReduceOp.AVG if op == "avg" else ReduceOp.SUM
-            call = Call(codec=hopq.get_codec(codec), op=reduce, premul=premul, seed=3, timeout=30)
-            outs[r] = hierarchy.run(
-                call, xs[r].clone(), group[r], NodeLayout.parse(layout), hopq.get_codec("fp32")
-            )
+            work(r)
         except BaseException as e:  # noqa: BLE001 - raised below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(len(xs))]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
     for th in threads:
         th.start()
     for th in threads:
         th.join(60)
     if errors:
         raise errors[0]
-    return [o[0] for o in outs], [o[1] for o in outs]
 
 
 @pytest.mark.parametrize("layout", ["2x2", "2x3", "3x4"])
