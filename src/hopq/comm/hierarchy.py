@@ -571,9 +571,13 @@ class _Pipeline:
             return None, None
         self.rs_stats.append(got[1])
         a, b = piece_node_shard(self.cuts, j, self.per, self.g)
+        y1 = got[0]
+        # a helper thread starts on the first GPU, not on the calling thread's
+        on = torch.cuda.device(y1.device) if y1.is_cuda else contextlib.nullcontext()
         try:
             c2 = inter_call(self.call, a, b, self.left())
-            return engine.plan_call(c2, got[0], self.view(j), behind), None
+            with on:
+                return engine.plan_call(c2, y1, self.view(j), behind), None
         except Exception as e:  # noqa: BLE001 - raised by the calling thread
             return None, e
 
