@@ -964,7 +964,7 @@ def plan_call(
             # (peers whose call skips the round are settled at the next call)
             what = f"{r.label} failed on rank {transport.rank}"
             skips = agreed.may_skip and agreed.sig in transport.agreed
-            _notice_in_agreement(transport, r.number, what, None if skips else r.deadline)
+            notice_in_agreement(transport, r.number, what, None if skips else r.deadline)
         if (
             agreed.done
             and not agreed.failed
@@ -1118,10 +1118,10 @@ def refuse(transport: Transport, timeout: float | None, what: str) -> None:
         number = transport.next_call(deadline)
     except Exception:  # noqa: BLE001 - the refusal's own error is what the caller sees
         return
-    _notice_in_agreement(transport, number, f"{what} refused on rank {transport.rank}")
+    notice_in_agreement(transport, number, f"{what} refused on rank {transport.rank}")
 
 
-def _notice_in_agreement(
+def notice_in_agreement(
     transport: Transport, number: int, what: str, deadline: Deadline | None = None
 ) -> None:
     """Tell every peer, in the place of call ``number``'s agreement message, that

@@ -49,10 +49,8 @@ from hopq.comm.layout import NodeLayout
 from hopq.comm.topology import equal_shards, ring
 from hopq.comm.transport import (
     DIRECT_EXCHANGE_MAX,
-    TAIL_BYTES,
     SubTransport,
     Transport,
-    tails_ride,
 )
 from hopq.errors import TransportError
 
@@ -490,9 +488,15 @@ class _Pipeline:
         gave the bucket's key (DynamiQ's step sizes, GComp's thresholds) is
         cut to this node-shard for it."""
         a, b = piece_node_shard(self.cuts, j, self.per, self.g)
-        call = self.call
-        y2, s2 = engine.run(inter_call(call, a, b, self.left()), y1, self.inter_t)
-        if call.op is ReduceOp.AVG:
+        y2, s2 = engine.run(inter_call(self.call, a, b, self.left()), y1, self.inter_t)
+        return self.node_shard_result(a, y2, s2)
+
+    def node_shard_result(
+        self, a: int, y2: torch.Tensor, s2: RunStats
+    ) -> tuple[torch.Tensor, RunStats]:
+        """An inter-node all-reduce's result and stats for the node-shard at
+        ``a``: averaged where the call averages, owned entries in the vector's."""
+        if self.call.op is ReduceOp.AVG:
             y2 = y2 / self.inter_t.parent.world_size
         s2.owned = tuple((a + lo, a + hi) for lo, hi in s2.owned)
         return y2, s2
@@ -504,11 +508,31 @@ class _Pipeline:
         if self.k > 1:
             thread = threading.Thread(target=self.worker, name="hopq-intra-tier", daemon=True)
             thread.start()
-        failure: BaseException | None = None
         inter_stats: list[RunStats] = []
         if len(self.inter_views) > 1:
             failure = self.run_ahead(inter_stats)
-        for j in range(self.k if len(self.inter_views) == 1 else 0):
+        else:
+            failure = self.run_in_turn(inter_stats, thread)
+        if thread is not None:
+            t_wait = time.perf_counter()
+            thread.join()
+            self.waited += time.perf_counter() - t_wait
+        if self.intra_failure is not None and not _is_notice(self.intra_failure, failure):
+            raise self.intra_failure
+        if failure is not None:
+            raise failure
+        if self.intra_failure is not None:
+            raise self.intra_failure
+        return self.assemble(inter_stats)
+
+    def run_in_turn(
+        self, inter_stats: list[RunStats], thread: threading.Thread | None
+    ) -> BaseException | None:
+        """Every piece's inter-node all-reduce, one after another (with one
+        piece, the intra-node tier in between on this thread); returns this
+        tier's failure, if any."""
+        failure: BaseException | None = None
+        for j in range(self.k):
             if thread is None:
                 try:
                     self.reduced.put(self.reduce(j))
@@ -540,17 +564,7 @@ class _Pipeline:
                 except Exception as e:
                     if self.intra_failure is None:
                         self.intra_failure = e
-        if thread is not None:
-            t_wait = time.perf_counter()
-            thread.join()
-            self.waited += time.perf_counter() - t_wait
-        if self.intra_failure is not None and not _is_notice(self.intra_failure, failure):
-            raise self.intra_failure
-        if failure is not None:
-            raise failure
-        if self.intra_failure is not None:
-            raise self.intra_failure
-        return self.assemble(inter_stats)
+        return failure
 
     # -- the inter-node tier, planned a piece ahead -------------------------------
     def view(self, j: int) -> SubTransport:
@@ -564,8 +578,12 @@ class _Pipeline:
         planned on its view: (the planned call, None), or (None, the error)
         where planning failed, or (None, None) where this rank's intra-node
         tier failed or ``failed`` (an earlier piece did): its peers there get
-        a failure notice instead of the agreement."""
+        a failure notice instead of the agreement. Planned on the calling
+        thread (``behind`` None), its wait for the worker is counted."""
+        t_wait = time.perf_counter()
         got = self.reduced.get()
+        if behind is None:
+            self.waited += time.perf_counter() - t_wait
         if isinstance(got, BaseException) or failed:
             fail_inter_agreement(self.view(j), self.deadline)
             return None, None
@@ -586,9 +604,7 @@ class _Pipeline:
         thread while piece j's hops run (see the class); returns this tier's
         failure, if any."""
         failure: BaseException | None = None
-        t_wait = time.perf_counter()
         planned, error = self.plan_piece(0, None, False)
-        self.waited += time.perf_counter() - t_wait
         for j in range(self.k):
             nxt: _Ahead | None = None
             y2 = None
@@ -616,9 +632,7 @@ class _Pipeline:
                 planned, error = nxt.planned, nxt.error
                 self.ahead_cpu += nxt.cpu
             else:
-                t_wait = time.perf_counter()
                 planned, error = self.plan_piece(j + 1, None, failure is not None)
-                self.waited += time.perf_counter() - t_wait
         return failure
 
     def run_piece(
@@ -635,14 +649,10 @@ class _Pipeline:
                 self.waited += time.perf_counter() - t
 
         y2, s2 = engine.execute(planned, before_finish=wait_next)
-        a, _ = piece_node_shard(self.cuts, j, self.per, self.g)
-        if self.call.op is ReduceOp.AVG:
-            y2 = y2 / self.inter_t.parent.world_size
-        s2.owned = tuple((a + lo, a + hi) for lo, hi in s2.owned)
         if j > 0:  # planned on a helper thread, overlapped with piece j - 1's hops
             s2.seconds = time.perf_counter() - t0
             s2.comm_seconds -= planned.wait_seconds
-        return y2, s2
+        return self.node_shard_result(piece_node_shard(self.cuts, j, self.per, self.g)[0], y2, s2)
 
     def assemble(self, inter_stats: list[RunStats]) -> tuple[torch.Tensor, RunStats, RunStats]:
         if self.direct:  # every piece is in the input's memory already
@@ -958,35 +968,16 @@ def reduce_scatter(
 
 
 def fail_inter_agreement(inter: Transport, deadline: Deadline) -> None:
-    """This rank failed before its inter-node call: tell its inter-node peers
-    (their call's agreement raises TransportError naming this rank, instead of
-    waiting for the timeout) and receive what they send there, so that nothing
-    stale is left for the next call. Best effort; beyond
-    :data:`~hopq.comm.transport.DIRECT_EXCHANGE_MAX` ranks (where the agreement is
-    an all-gather) the peers wait for the call's timeout."""
-    n = inter.world_size
+    """This rank failed before its inter-node call: number that call, as its
+    inter-node peers do, and tell them in its agreement's place (their call
+    raises TransportError naming this rank instead of waiting for the timeout),
+    taking what they send there, so that nothing stale is left for the next
+    call (:func:`~hopq.comm.engine.notice_in_agreement`). Best effort; beyond
+    :data:`~hopq.comm.transport.DIRECT_EXCHANGE_MAX` ranks (where the agreement
+    is an all-gather) the peers wait for the call's timeout."""
     number = inter.next_call()  # the peers count this call too
-    if n == 1 or n > DIRECT_EXCHANGE_MAX:
-        return
-    where = Where("the inter-node tier of a two-tier call", number, -1000, 0, "agreement")
-    block = 8 * (len(agreement.FIELDS) + 1) + agreement.FOLD_BYTES
-    bound = block + TAIL_BYTES if tails_ride(inter) else block
-    header = framing.frame(where, [0], framing.SENDER_FAILED)
-    sends, recvs = [], []
-    for q in range(n):
-        if q != inter.rank:
-            sends += [(q, p) for p in framing.pack(header, None, bound, not inter.short_messages)]
-            recvs += [
-                (q, torch.empty(nb, dtype=torch.uint8))
-                for nb in framing.expect(1, bound, inter.short_messages)
-            ]
-    try:
-        with inter.batch():
-            sh, rh = inter.post(sends, recvs, where)
-        for h in [*rh, *sh]:
-            h.wait(Deadline(max(0.1, deadline.remaining())), where)
-    except Exception:  # noqa: BLE001 - best effort: the call has failed already
-        pass
+    what = "the inter-node tier of a two-tier call"
+    engine.notice_in_agreement(inter, number, what, Deadline(max(0.1, deadline.remaining())))
 
 
 def node_gather(
