@@ -250,6 +250,27 @@ def test_the_least_exposed_share_is_bounded_by_the_last_bucket_and_the_cores():
     assert exposure_floor(runs, 4, 16, 0.0) == ""
 
 
+def test_the_step_floor_is_the_compute_plus_the_last_buckets_wire_time():
+    from hopq.train.records import CodecRun, StepRecord
+    from hopq.train.report import step_floor
+
+    def run(codec, step, last):
+        # 0.6 s of compute, 10 MB sent, the last bucket 9 of 10 MiB
+        steps = [
+            StepRecord(i, step, step, 0.6, 0.1, 0.3, 10e6, 16.0, exposed_s=step - 0.6,
+                       last_bytes=last)
+            for i in range(3)
+        ]  # fmt: skip
+        return CodecRun(codec, 10, steps, [(0.0, 1.0)], bucket_bytes=[1 << 20, 9 << 20])
+
+    runs = [run("torch:fp16", 1.5, float("nan")), run("dynamiq", 0.88, 2e6)]
+    line = step_floor(runs, 100.0)
+    # torch: 90% of its 10 MB, 0.72 s at 100 Mbit/s; DynamiQ: 2 MB, 0.16 s
+    assert "torch:fp16 1.320 s (1.14x)" in line
+    assert "dynamiq 0.760 s (1.16x)" in line
+    assert step_floor(runs, 0.0) == ""  # no emulated link: no floor
+
+
 def test_the_cpu_bound_counts_this_machines_workers_only(monkeypatch):
     from hopq.train.report import local_workers
 

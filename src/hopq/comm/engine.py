@@ -620,6 +620,14 @@ class _Hops:
         self.prepared: set[int] = set()  # parts passed through Codec.prepare_part
         self.finished: set[int] = set()  # parts passed through Codec.finish_part
         self.op = ReduceOp.SUM  # the call's op, for Codec.finish_part
+        #: What runs once this rank's first messages are posted (:func:`execute`).
+        self.after_posts: Callable[[], None] | None = None
+
+    def posted_first(self) -> None:
+        """This rank's first step's messages are posted: run ``after_posts`` (once)."""
+        if self.after_posts is not None:
+            run, self.after_posts = self.after_posts, None
+            run()
 
     def own(self, m: int) -> torch.Tensor:
         """Part m holding this rank's own values, prepared on first use
@@ -979,16 +987,22 @@ def execute(
     p: Planned,
     before_finish: Callable[[], None] | None = None,
     fail: BaseException | None = None,
+    after_posts: Callable[[], None] | None = None,
 ) -> tuple[torch.Tensor, RunStats]:
     """The second half of :func:`run`: the planned call's hops, then its finish.
     ``before_finish`` runs between the two (the codec's round is still open);
+    ``after_posts`` once this rank's first messages are on their way (its first
+    step's first microshard posted; if the hops end without any, before the finish), for a
+    caller that starts other work there rather than before its own messages;
     ``fail``: this rank gives the call up instead of running its hops (it failed
     elsewhere after planning it): its peers get failure notices for what it
     owes them and what they send is drained, then ``fail`` is raised, as when
     a hop fails."""
     cpu_start = time.thread_time()
     r = p.r
-    st = _stages(r, p.plan, p.gplan, p.agreed, fail)
+    st = _stages(r, p.plan, p.gplan, p.agreed, fail, after_posts)
+    if st.after_posts is not None:
+        st.after_posts()
     if before_finish is not None:
         before_finish()
     y = _finish(r, st, p.stats, p.agreed)
@@ -1265,7 +1279,12 @@ def _plan(r: _Resolved, agreed: _Agreement, ahead: int = 0) -> tuple[_StatsExcha
 
 
 def _stages(
-    r: _Resolved, plan: Plan, gplan: Plan, agreed: _Agreement, fail: BaseException | None = None
+    r: _Resolved,
+    plan: Plan,
+    gplan: Plan,
+    agreed: _Agreement,
+    fail: BaseException | None = None,
+    after_posts: Callable[[], None] | None = None,
 ) -> _Hops:
     """Step 3: the schedule's steps, reduce and gather stages, on the codec's
     working vector. On a failure this rank tells its peers what it still owes
@@ -1285,6 +1304,7 @@ def _stages(
     )  # fmt: skip
     st.op = r.call.op
     st.fast, st.ident = agreed.skipped, agreed.ident
+    st.after_posts = after_posts
     # a reduce-scatter skips the gather steps, but for the deliveries to rank shards
     active = (
         list(range(len(schedule.steps)))
@@ -1498,6 +1518,7 @@ def _hops(st: _Hops, active: list[int], pipelined: bool) -> None:
                     except BaseException:
                         st.fail_remaining([s], j)  # the notices ride in this group
                         raise
+                st.posted_first()
                 st.process_recvs(s, j)
                 st.wait_sends()
         return
@@ -1509,6 +1530,7 @@ def _hops(st: _Hops, active: list[int], pipelined: bool) -> None:
             st.post_recvs(nxt)
         for j in range(u):
             st.build_and_post(s, j)
+            st.posted_first()
         for j in range(u):
             st.process_recvs(s, j)
             if nxt is not None:

@@ -335,6 +335,10 @@ class _Pipeline:
             self.inter_views = (inter_t, ahead_view(inter_t.parent, lay))
         #: CPU seconds the helper threads spent planning pieces ahead.
         self.ahead_cpu = 0.0
+        #: Set once the first piece is planned: the worker's next reduce-scatters
+        #: wait for it, so as not to take the GIL from that plan, which every
+        #: rank's first inter-node payloads wait for.
+        self.head = threading.Event()
 
     def left(self) -> float:
         return _left(self.deadline)
@@ -457,6 +461,8 @@ class _Pipeline:
     def intra_tier(self) -> None:
         """Every piece's reduce-scatter, then every piece's all-gather."""
         for j in range(self.k):
+            if j == 1:
+                self.head.wait(self.left())
             try:
                 self.reduced.put(self.reduce(j))
             except BaseException as e:  # noqa: BLE001 - raised on the calling thread
@@ -531,6 +537,7 @@ class _Pipeline:
         """Every piece's inter-node all-reduce, one after another (with one
         piece, the intra-node tier in between on this thread); returns this
         tier's failure, if any."""
+        self.head.set()
         failure: BaseException | None = None
         for j in range(self.k):
             if thread is None:
@@ -604,7 +611,10 @@ class _Pipeline:
         thread while piece j's hops run (see the class); returns this tier's
         failure, if any."""
         failure: BaseException | None = None
-        planned, error = self.plan_piece(0, None, False)
+        try:
+            planned, error = self.plan_piece(0, None, False)
+        finally:
+            self.head.set()
         for j in range(self.k):
             nxt: _Ahead | None = None
             y2 = None
@@ -648,7 +658,9 @@ class _Pipeline:
                 nxt.join()
                 self.waited += time.perf_counter() - t
 
-        y2, s2 = engine.execute(planned, before_finish=wait_next)
+        y2, s2 = engine.execute(
+            planned, before_finish=wait_next, after_posts=None if nxt is None else nxt.start
+        )
         if j > 0:  # planned on a helper thread, overlapped with piece j - 1's hops
             s2.seconds = time.perf_counter() - t0
             s2.comm_seconds -= planned.wait_seconds
@@ -676,16 +688,24 @@ class _Pipeline:
 
 
 class _Ahead:
-    """Piece j of a pipeline planned on a helper thread (:meth:`_Pipeline.plan_piece`)."""
+    """Piece j of a pipeline planned on a helper thread (:meth:`_Pipeline.plan_piece`),
+    started once the previous piece's first messages are posted (:meth:`start`):
+    a thread started earlier takes the GIL from the one about to post them, and
+    the link waits."""
 
     def __init__(self, pipe: _Pipeline, j: int, behind: Codec) -> None:
         self.planned: engine.Planned | None = None
         self.error: BaseException | None = None
         self.cpu = 0.0
+        self.started = False
         self.thread = threading.Thread(
             target=self._plan, args=(pipe, j, behind), name="hopq-plan-ahead", daemon=True
         )
-        self.thread.start()
+
+    def start(self) -> None:
+        if not self.started:
+            self.started = True
+            self.thread.start()
 
     def _plan(self, pipe: _Pipeline, j: int, behind: Codec) -> None:
         c0 = time.thread_time()
@@ -697,6 +717,8 @@ class _Ahead:
             self.cpu = time.thread_time() - c0
 
     def join(self) -> None:
+        """Wait for the plan (started here if the previous piece posted nothing)."""
+        self.start()
         self.thread.join()
 
 

@@ -182,6 +182,35 @@ def local_workers(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+def last_bucket_wire(run: CodecRun, rate_mbit: float) -> float:
+    """Seconds the last bucket's bytes take at the link rate (0.0 without a
+    rate or bytes): that bucket is ready only when the backward pass ends."""
+    last = steady(run, "last_bytes")
+    if math.isnan(last) and run.bucket_bytes:  # torch: the bucket's share of the bytes
+        last = steady(run, "bytes") * run.bucket_bytes[-1] / sum(run.bucket_bytes)
+    return last * 8 / (rate_mbit * 1e6) if rate_mbit > 0 and not math.isnan(last) else 0.0
+
+
+def step_floor(runs: list[CodecRun], rate_mbit: float) -> str:
+    """The shortest step each contender could take with these buckets, as a line
+    of the report ("" without a link rate): its compute probe plus its last
+    bucket's bytes at the link rate (no hook moves that bucket before the
+    backward pass ends), and its mean step against it."""
+    if rate_mbit <= 0:
+        return ""
+    parts = []
+    for r in runs:
+        floor = steady(r, "compute_s") + last_bucket_wire(r, rate_mbit)
+        if floor > 0 and not math.isnan(floor):
+            parts.append(f"{r.codec} {floor:.3f} s ({steady(r, 'step_s') / floor:.2f}x)")
+    if not parts:
+        return ""
+    return (
+        "Step floor (compute probe + the last bucket's bytes at the link rate) and the mean"
+        f" step against it: {', '.join(parts)}."
+    )
+
+
 def exposure_floor(runs: list[CodecRun], workers: int, n_cores: int, rate_mbit: float) -> str:
     """The least exposed synchronization each contender could reach with these
     buckets on this machine, as a line of the report ("" when nothing bounds it):
@@ -197,10 +226,7 @@ def exposure_floor(runs: list[CodecRun], workers: int, n_cores: int, rate_mbit: 
     parts = []
     for r in runs:
         step = steady(r, "step_s")
-        last = steady(r, "last_bytes")
-        if math.isnan(last) and r.bucket_bytes:  # torch: the bucket's share of the bytes
-            last = steady(r, "bytes") * r.bucket_bytes[-1] / sum(r.bucket_bytes)
-        wire = last * 8 / (rate_mbit * 1e6) if rate_mbit > 0 and not math.isnan(last) else 0.0
+        wire = last_bucket_wire(r, rate_mbit)
         hook_cpu = steady(r, "cpu_s")  # NaN for torch's contenders
         cpu = workers / n_cores * hook_cpu if full and not math.isnan(hook_cpu) else 0.0
         floor = max(wire, cpu)
@@ -650,6 +676,7 @@ def report(runs: list[CodecRun], o: ReportOptions, network: str, folder: Path) -
                 )
                 else []
             ),
+            *([line] if (line := step_floor(runs, o.rate_mbit)) else []),
             *([line] if (line := timeline_line(runs)) else []),
             *([line] if (line := backward_line(runs)) else []),
             *([line] if (line := sync_cpu_line(runs)) else []),
