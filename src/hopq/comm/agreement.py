@@ -34,6 +34,7 @@ a position-weighted integer checksum of their bits, computed with torch).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -78,7 +79,12 @@ def digest(value: Any) -> int:
 
 
 def _feed(h: Any, v: Any) -> None:
-    if isinstance(v, torch.Tensor):
+    t = type(v)
+    if t is int:  # the common cases first, the same bytes as the general one
+        h.update(b"int:%d;" % v)
+    elif t is str:
+        h.update(f"str:{v!r};".encode())
+    elif isinstance(v, torch.Tensor):
         h.update(f"T{v.dtype}{tuple(v.shape)}:{tensor_checksum(v)};".encode())
     elif isinstance(v, dict):
         h.update(b"{")
@@ -114,8 +120,28 @@ def tensor_checksum(t: torch.Tensor) -> int:
     return int((words * weights).sum()) ^ words.numel()
 
 
+@functools.lru_cache(maxsize=1024)
 def _name_digest(s: str) -> int:
     return digest(s)
+
+
+#: Digests of codec configurations (frozen: a configuration's digest never
+#: changes), by the configuration's id, with the configuration kept so that its
+#: id stays its own.
+_CONFIG_DIGESTS: dict[int, tuple[Any, int]] = {}
+
+
+def config_digest(config: Any) -> int:
+    """``digest(repr(config))`` of a frozen codec configuration, computed once per
+    configuration."""
+    hit = _CONFIG_DIGESTS.get(id(config))
+    if hit is not None and hit[0] is config:
+        return hit[1]
+    value = digest(repr(config))
+    if len(_CONFIG_DIGESTS) >= 1024:
+        _CONFIG_DIGESTS.clear()
+    _CONFIG_DIGESTS[id(config)] = (config, value)
+    return value
 
 
 def fingerprint(
@@ -134,7 +160,7 @@ def fingerprint(
     """This rank's fingerprint of the call (one int64 per :data:`FIELDS`)."""
 
     def codec_parts(c: Any) -> tuple[int, int]:
-        return digest(c.name), digest(repr(c.config))
+        return _name_digest(c.name), config_digest(c.config)
 
     name, config = codec_parts(codec)
     gname, gconfig = codec_parts(gather_codec) if gather_codec is not codec else (0, 0)

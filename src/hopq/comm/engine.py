@@ -269,10 +269,10 @@ class _Agreement:
 
     def __init__(
         self, transport: Transport, mine: list[int], deadline: Deadline, where: Where,
-        describe: dict[str, str], fold: int | None,
+        describe: Callable[[], dict[str, str]], fold: int | None,
     ) -> None:  # fmt: skip
         self.transport, self.mine, self.deadline = transport, mine, deadline
-        self.where, self.describe, self.fold = where, describe, fold
+        self.where, self._describe, self.fold = where, describe, fold
         self.done = not AGREEMENT or transport.world_size == 1
         #: The agreement itself raised: every peer's agreement fails alike (each
         #: waits for every block before it checks), so none waits for this rank.
@@ -288,6 +288,11 @@ class _Agreement:
         self.may_skip = False
         #: The call skipped its round (its signature was agreed before).
         self.skipped = False
+
+    @property
+    def describe(self) -> dict[str, str]:
+        """This rank's readable value of each field (built when a message needs it)."""
+        return self._describe()
 
     def skip(self) -> bool:
         """Skip the round when the ranks agreed on this call's signature before
@@ -1192,21 +1197,25 @@ def _agreement(r: _Resolved) -> _Agreement:
         call=r.number, x=x, codec=codec, gather_codec=r.gcodec, topology=r.schedule.topology,
         op=r.op_name, seed=call.seed, key=call.key, kind=r.kind, microshards=r.u,
     )  # fmt: skip
-    describe = {
-        "numel": str(x.numel()),
-        "dtype": str(x.dtype),
-        "device": x.device.type,
-        "codec": codec.name,
-        "config": repr(codec.config),
-        "gather codec": r.gcodec.name,
-        "topology": r.schedule.topology,
-        "op": r.op_name,
-        "seed": str(call.seed),
-        "round": str(codec.round),
-        "key": str(call.key),
-        "kind": r.kind,
-        "microshards": str(r.u),
-    }
+    rnd = codec.round
+
+    def describe() -> dict[str, str]:  # for a MismatchError's message only
+        return {
+            "numel": str(x.numel()),
+            "dtype": str(x.dtype),
+            "device": x.device.type,
+            "codec": codec.name,
+            "config": repr(codec.config),
+            "gather codec": r.gcodec.name,
+            "topology": r.schedule.topology,
+            "op": r.op_name,
+            "seed": str(call.seed),
+            "round": str(rnd),
+            "key": str(call.key),
+            "kind": r.kind,
+            "microshards": str(r.u),
+        }
+
     fold = codec.first_stats_nbytes
     agreed = _Agreement(
         r.transport, mine, r.deadline, Where(r.label, r.number, -1000, 0, "agreement"), describe,
