@@ -467,6 +467,59 @@ def test_planning_ahead_gives_the_bits_of_planning_in_turn(
     assert ahead_rounds == in_turn_rounds == [8] * 4  # 4 pieces a call
 
 
+def test_planning_ahead_leaves_the_lock_to_the_payloads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next piece's plan starts only once the current piece has posted
+    payloads (on the thread that posts them), and the node's reduce-scatters
+    after the first start only once the first piece is planned."""
+    from hopq.comm import engine
+
+    d = 20011
+    monkeypatch.setattr(hierarchy, "PIECE_COORDS", d // 4)
+    xs = _inputs(4, d)
+    posts: dict[int, int] = {}  # build_and_post calls, per thread
+    starts: list[tuple[int, int, int]] = []  # (thread, posts before this start, before the last)
+    early: list[int] = []  # reduce-scatters of pieces >= 1 begun before piece 0 was planned
+    inner_post = engine._Hops.build_and_post
+    inner_start = hierarchy._Ahead.start
+    inner_reduce = hierarchy._Pipeline.reduce
+    last: dict[int, int] = {}
+
+    def post(self: engine._Hops, *args: object) -> None:
+        t = threading.get_ident()
+        posts[t] = posts.get(t, 0) + 1
+        inner_post(self, *args)  # type: ignore[arg-type]
+
+    def start(self: hierarchy._Ahead) -> None:
+        t = threading.get_ident()
+        if not self.started:
+            starts.append((t, posts.get(t, 0), last.get(t, 0)))
+            last[t] = posts.get(t, 0)
+        inner_start(self)
+
+    def reduce(self: hierarchy._Pipeline, j: int) -> object:
+        if j > 0 and not self.head.is_set():
+            early.append(j)
+        return inner_reduce(self, j)
+
+    monkeypatch.setattr(engine._Hops, "build_and_post", post)
+    monkeypatch.setattr(hierarchy._Ahead, "start", start)
+    monkeypatch.setattr(hierarchy._Pipeline, "reduce", reduce)
+    group = make_inprocess_group(4)
+    codecs = [hopq.get_codec("dynamiq") for _ in range(4)]
+
+    def work(r: int) -> None:
+        hierarchy.run(
+            Call(codec=codecs[r], seed=3, timeout=30), xs[r].clone(), group[r],
+            NodeLayout.parse("2x2"), hopq.get_codec("fp32"),
+        )  # fmt: skip
+
+    _on_threads(work, 4)
+    assert len(starts) == 4 * 3  # every rank, pieces 1-3
+    for _, now, before in starts:
+        assert now > before  # the current piece posted since the last plan began
+    assert early == []
+
+
 def _two_tier_threads(
     xs: list[torch.Tensor], layout: str, codec: str, op: str = "sum", premul: float | None = None,
     group: list | None = None,
