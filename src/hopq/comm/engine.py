@@ -996,10 +996,10 @@ def execute(
 ) -> tuple[torch.Tensor, RunStats]:
     """The second half of :func:`run`: the planned call's hops, then its finish.
     ``before_finish`` runs between the two (the codec's round is still open);
-    ``after_posts`` once this rank's first messages are on their way (its first
-    step's first microshard posted; if the hops end without any, before the finish), for a
-    caller that starts other work there rather than before its own messages;
-    ``fail``: this rank gives the call up instead of running its hops (it failed
+    ``after_posts`` once this rank's first messages are on their way (its
+    first step's first microshard posted; with no messages, before the
+    finish), for a caller that starts other work there rather than before
+    them; ``fail``: this rank gives the call up instead of running its hops (it failed
     elsewhere after planning it): its peers get failure notices for what it
     owes them and what they send is drained, then ``fail`` is raised, as when
     a hop fails."""
