@@ -1,7 +1,7 @@
 """Where a small all-reduce's time goes on one machine: a hopq call beside the
 bare messages of the same pattern and beside what torch's fp16 hook does, each
 timed on rank 0 as wall-clock and as the calling thread's CPU, with the median
-cost of posting one receive and one send (Gloo's ``irecv`` and ``isend``,
+cost of posting one receive and one send (the Gloo group's ``recv`` and ``send``,
 which return once the operation is queued). The figures of
 docs/bench/allreduce.md's "hopq's bf16 beside torch's fp16 hook". Run it with
 torchrun on one machine:
@@ -29,10 +29,11 @@ POSTS: dict[str, list[float]] = {"irecv": [], "isend": []}
 
 
 def _timed_posts() -> None:
-    """Wrap torch.distributed's isend and irecv (which hopq's transport calls)
+    """Wrap the process group's own ``recv`` and ``send`` (which hopq's transport
+    calls, and torch.distributed's ``irecv`` and ``isend`` behind their checks)
     to record each post's wall-clock seconds."""
-    for name in POSTS:
-        inner = getattr(dist, name)
+    for name, method in (("irecv", "recv"), ("isend", "send")):
+        inner = getattr(dist.ProcessGroup, method)
 
         def wrapper(*args, _inner=inner, _name=name, **kwargs):  # type: ignore[no-untyped-def]
             t = time.perf_counter()
@@ -41,7 +42,7 @@ def _timed_posts() -> None:
             finally:
                 POSTS[_name].append(time.perf_counter() - t)
 
-        setattr(dist, name, wrapper)
+        setattr(dist.ProcessGroup, method, wrapper)
 
 
 def _busy(seconds: float) -> None:

@@ -45,7 +45,7 @@ def _within(x: torch.Tensor, limit: float) -> bool:
     if x.numel() == 0:
         return True
     lo, hi = torch.aminmax(x)
-    return bool(lo >= -limit) and bool(hi <= limit)
+    return -limit <= lo.item() and hi.item() <= limit  # False with a NaN
 
 
 class WireCodec(Codec[P]):

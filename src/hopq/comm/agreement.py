@@ -87,12 +87,21 @@ def _feed(h: Any, v: Any) -> None:
     elif isinstance(v, torch.Tensor):
         h.update(f"T{v.dtype}{tuple(v.shape)}:{tensor_checksum(v)};".encode())
     elif isinstance(v, dict):
+        keys = sorted(v, key=repr)
+        if all(type(k) is str and type(v[k]) is int for k in keys):  # a round counter
+            h.update(
+                b"{%s}" % b"".join([b"str:%s;int:%d;" % (repr(k).encode(), v[k]) for k in keys])
+            )
+            return
         h.update(b"{")
-        for k in sorted(v, key=repr):
+        for k in keys:
             _feed(h, k)
             _feed(h, v[k])
         h.update(b"}")
     elif isinstance(v, list | tuple):
+        if all(type(x) is int for x in v):  # the fingerprint's words
+            h.update(b"[%s]" % b"".join([b"int:%d;" % x for x in v]))
+            return
         h.update(b"[")
         for x in v:
             _feed(h, x)

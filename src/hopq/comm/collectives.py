@@ -247,10 +247,12 @@ def all_reduce(
     transport = _transport(group)
     flat = tensor.detach().reshape(-1)  # a view when contiguous: then the work can be in place
     in_place = tensor.is_contiguous()
+    if call.in_place != in_place:
+        call = replace(call, in_place=in_place)
     if spec is None:
-        y, info = engine.run(replace(call, in_place=in_place), flat, transport)
+        y, info = engine.run(call, flat, transport)
     else:
-        y, info = hierarchy.run(replace(call, in_place=in_place), flat, transport, spec, intra)
+        y, info = hierarchy.run(call, flat, transport, spec, intra)
     if not (in_place and y.data_ptr() == tensor.data_ptr() and y.dtype == tensor.dtype):
         with torch.no_grad():
             tensor.copy_(y.view(tensor.shape))

@@ -39,6 +39,7 @@ a message longer than the posted receive, which no caller can catch).
 
 from __future__ import annotations
 
+import struct
 import time
 from dataclasses import dataclass
 
@@ -124,8 +125,11 @@ class Where:
 def frame(where: Where, lengths: list[int], status: int = OK, ident: int = 0) -> torch.Tensor:
     """A header as uint8 bytes."""
     word = status | (len(lengths) << PARTS_SHIFT)
-    words = [MAGIC, where.call, where.tag(), word, ident, *lengths]
-    return torch.tensor(words, dtype=torch.int64).view(torch.uint8)
+    # int64 words in the host's byte order, as the receiver's view reads them
+    raw = struct.pack(
+        f"={5 + len(lengths)}q", MAGIC, where.call, where.tag(), word, ident, *lengths
+    )
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
 #: Most parts a message carries (a schedule's chunks in one transfer), for
@@ -157,13 +161,23 @@ def peek(buf: torch.Tensor) -> list[int] | None:
     h0 = header_nbytes(0)
     if buf.numel() < h0:
         return None
-    head = buf[:h0].clone().view(torch.int64).cpu().tolist()
+    head = _words(buf[:h0])
     if head[0] != MAGIC:
         return None
     parts = head[3] >> PARTS_SHIFT
     if not 0 <= parts <= MAX_PARTS or buf.numel() < header_nbytes(parts):
         return None
-    return buf[: header_nbytes(parts)].clone().view(torch.int64).cpu().tolist()
+    return head if parts == 0 else _words(buf[: header_nbytes(parts)])
+
+
+def _words(b: torch.Tensor) -> list[int]:
+    """The int64 words of a byte buffer (a whole number of words): read in place
+    from host memory at a word-aligned offset, else through an aligned copy."""
+    if b.device.type != "cpu":
+        b = b.cpu()
+    elif b.storage_offset() % 8:
+        b = b.clone()
+    return b.view(torch.int64).tolist()
 
 
 def body_after(words: list[int]) -> int | None:
@@ -204,9 +218,7 @@ def expect(parts: int, bound: int, room: bool = True) -> list[int]:
     return [h + bound + extra] if bound <= COALESCE_BYTES else [h, bound + extra]
 
 
-def unpack(
-    received: list[torch.Tensor], parts: int, bound: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack(received: list[torch.Tensor], parts: int, bound: int) -> tuple[list[int], torch.Tensor]:
     """(header words, body buffer of at least ``bound`` bytes) from the received
     parts (:func:`check` says how many of them are the message's)."""
     h = header_nbytes(parts)
@@ -215,11 +227,11 @@ def unpack(
         head, body = buf[:h], buf[h:]
     else:
         head, body = received
-    return head.clone().view(torch.int64).cpu(), body
+    return _words(head), body
 
 
 def check(
-    head: torch.Tensor,
+    head: list[int],
     where: Where,
     peer: int,
     rank: int,
@@ -228,7 +240,7 @@ def check(
 ) -> list[int]:
     """Validate a received header against what this rank expects; return the part
     lengths. Raises TransportError naming the peer and the step."""
-    words = head.tolist()
+    words = head
     if len(words) != header_words(len(bounds)) or words[0] != MAGIC:
         raise TransportError(
             f"rank {rank}: message from rank {peer} in {where.describe()} is not a hopq "

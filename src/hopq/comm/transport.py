@@ -475,10 +475,18 @@ class DistTransport(Transport):
             else:
                 self._launch(ops)
         else:
+            # the group's own posts, without torch.distributed's wrappers (their
+            # checks cost as much as the post; hopq's messages are plain byte
+            # tensors, addressed by group rank)
+            direct = dist is torch.distributed
             for kind, p, t, h, _ in ops:
-                op = dist.isend if kind == "send" else dist.irecv
                 try:
-                    h.work = op(t, self._global[p], group=group, tag=tag)
+                    if direct:
+                        post = group.send if kind == "send" else group.recv
+                        h.work = post([t], p, tag)
+                    else:
+                        op = dist.isend if kind == "send" else dist.irecv
+                        h.work = op(t, self._global[p], group=group, tag=tag)
                 except RuntimeError as e:  # a pair already closed fails at posting
                     raise _transport_error(
                         str(e), self.rank, p, kind, Deadline(1.0), where or Where("a call", 0, 0)
@@ -729,8 +737,8 @@ def _each_peer(
                 ):
                     foreign[q] = (words, bufs[q][0])
                     continue
-            head, body = framing.unpack(bufs[q], 1, want)
-            (length,) = framing.check(head, where, q, transport.rank, [want], exact=bound is None)
+            hwords, body = framing.unpack(bufs[q], 1, want)
+            (length,) = framing.check(hwords, where, q, transport.rank, [want], exact=bound is None)
             got[q] = body[:length].clone()
     except Exception:
         # a dropped send may never leave (Gloo): its peer still expects it
