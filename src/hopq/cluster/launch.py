@@ -12,6 +12,13 @@ rank begins with torch and hopq imported instead of importing them (about
 nothing else from the fork server: it takes the launcher's environment as it
 is when the ranks start, and imports the worker function's module itself, as a
 spawned process does.
+
+Each rank runs in a session of its own, as torchrun starts its workers
+(``start_new_session``). Where Linux groups processes by session for the
+scheduler (autogroup, ``/proc/sys/kernel/sched_autogroup_enabled``), ranks of
+one session would share one group's CPU share and wait longer for a core each
+time a message wakes one: with more ranks than cores, hopq's small calls took
+far longer here than under torchrun (``docs/bench/allreduce.md``, "Method").
 """
 
 from __future__ import annotations
@@ -148,6 +155,8 @@ def _entry(
     workers_per_node: int | None = None,
 ) -> None:
     _die_with(launcher)
+    with contextlib.suppress(OSError):  # its own session, as under torchrun
+        os.setsid()
     # the launcher's environment now, not the fork server's from its start
     os.environ.clear()
     os.environ.update(env)
