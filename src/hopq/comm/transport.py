@@ -460,7 +460,6 @@ class DistTransport(Transport):
         where: Where | None = None,
         tag: int = 0,
     ) -> tuple[list[Handle], list[Handle]]:
-        dist = self._dist
         group = self.group
         ops: list[tuple[str, int, torch.Tensor, _DistHandle, int]] = []
         for kind, items in (("send", sends), ("recv", recvs)):
@@ -475,18 +474,13 @@ class DistTransport(Transport):
             else:
                 self._launch(ops)
         else:
-            # the group's own posts, without torch.distributed's wrappers (their
-            # checks cost as much as the post; hopq's messages are plain byte
-            # tensors, addressed by group rank)
-            direct = dist is torch.distributed
+            # the group's own posts, without isend's and irecv's checks around
+            # them (they cost as much as the post; hopq's messages are plain
+            # byte tensors, addressed by group rank)
             for kind, p, t, h, _ in ops:
                 try:
-                    if direct:
-                        post = group.send if kind == "send" else group.recv
-                        h.work = post([t], p, tag)
-                    else:
-                        op = dist.isend if kind == "send" else dist.irecv
-                        h.work = op(t, self._global[p], group=group, tag=tag)
+                    post = group.send if kind == "send" else group.recv
+                    h.work = post([t], p, tag)
                 except RuntimeError as e:  # a pair already closed fails at posting
                     raise _transport_error(
                         str(e), self.rank, p, kind, Deadline(1.0), where or Where("a call", 0, 0)
