@@ -23,6 +23,7 @@ from tests.workers import (
     make_input,
     plan_fails_everywhere,
     plan_fails_on_one_rank,
+    setsid_of,
     straggler,
     wrong_sizes,
 )
@@ -177,6 +178,14 @@ def test_ranks_see_the_launchers_environment_and_run_their_exit_handlers(tmp_pat
     want = {"HOPQ_LAUNCH_CHECK": "set after the server started", "TRITON_INTERPRET": None}
     assert res == [want, want]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first0", "gone0", "gone1"]
+
+
+def test_each_rank_calls_setsid_as_under_torchrun():
+    """As torchrun starts its workers: where Linux's scheduler groups processes
+    by ``setsid()`` (autogroup), ranks in one group would share one CPU share."""
+    res = run_workers(3, setsid_of)
+    assert all(r["sid"] == r["pid"] == r["pgid"] for r in res), res
+    assert os.getsid(0) not in {r["sid"] for r in res}
 
 
 def test_destroying_the_group_frees_it_after_hopq_used_it():

@@ -618,3 +618,11 @@ def environ_of(rank: int, n: int, names: list[str], marker: str) -> dict[str, st
 
     atexit.register(lambda: open(f"{marker}{rank}", "w").close())
     return {k: os.environ.get(k) for k in names}
+
+
+def setsid_of(rank: int, n: int) -> dict[str, int]:
+    """This rank's process id and the ids that ``setsid()`` sets (``getsid``,
+    ``getpgid``)."""
+    import os
+
+    return {"pid": os.getpid(), "sid": os.getsid(0), "pgid": os.getpgid(0)}

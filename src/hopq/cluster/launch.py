@@ -13,12 +13,13 @@ nothing else from the fork server: it takes the launcher's environment as it
 is when the ranks start, and imports the worker function's module itself, as a
 spawned process does.
 
-Each rank runs in a session of its own, as torchrun starts its workers
-(``start_new_session``). Where Linux groups processes by session for the
-scheduler (autogroup, ``/proc/sys/kernel/sched_autogroup_enabled``), ranks of
-one session would share one group's CPU share and wait longer for a core each
-time a message wakes one: with more ranks than cores, hopq's small calls took
-far longer here than under torchrun (``docs/bench/allreduce.md``, "Method").
+Each rank calls ``setsid()`` first, as torchrun starts its workers
+(``start_new_session``), and so has a scheduling group of its own where Linux
+groups processes that way (autogroup, ``/proc/sys/kernel/sched_autogroup_enabled``):
+ranks in one group would share one group's CPU share and wait longer for a
+core each time a message wakes one; with more ranks than cores, hopq's small
+calls took far longer here than under torchrun (``docs/bench/allreduce.md``,
+"Method").
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ def _entry(
     workers_per_node: int | None = None,
 ) -> None:
     _die_with(launcher)
-    with contextlib.suppress(OSError):  # its own session, as under torchrun
+    with contextlib.suppress(OSError):  # its own scheduling group, as under torchrun
         os.setsid()
     # the launcher's environment now, not the fork server's from its start
     os.environ.clear()
