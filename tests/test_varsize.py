@@ -57,6 +57,20 @@ def test_counted_bytes_equal_produced_payloads():
     assert len({r.stats[q].payload_bytes for q in range(n)}) > 1
 
 
+def test_a_header_reads_the_same_at_any_offset_of_a_buffer():
+    """Headers are read in place from aligned buffers and through a copy
+    otherwise: the same words either way, as they were written."""
+    where = framing.Where("t", 7, 3, 2)
+    h = framing.frame(where, [5, 9], ident=11)
+    want = [framing.MAGIC, 7, where.tag(), 2 << framing.PARTS_SHIFT, 11, 5, 9]
+    for off in (0, 1, 8, 13):
+        buf = torch.zeros(off + h.numel() + 4, dtype=torch.uint8)
+        buf[off : off + h.numel()] = h
+        assert framing.peek(buf[off:]) == want, off
+        head, _ = framing.unpack([buf[off:]], 2, 4)
+        assert framing.check(head, where, 0, 1, [5, 9], exact=False) == [5, 9], off
+
+
 def test_padding_for_exact_size_transports():
     h = framing.frame(framing.Where("t", 1, 0), [3])
     body = torch.arange(3, dtype=torch.uint8)
