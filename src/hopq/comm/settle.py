@@ -39,6 +39,7 @@ skip its round does), a refusal or a failure (:class:`~hopq.TransportError`).
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -122,13 +123,44 @@ def settle(
     TransportError when a peer does not settle in time."""
     rank = transport.rank
     mine: list[Handle] = list(sends or [])
+    own = len(mine)
+    try:
+        return _settle(transport, streams, status, deadline, where, mine, origin, rank)
+    except BaseException:
+        # whatever ends this rank's settling, the ENDs and fillers it posted
+        # leave before it raises: a rank that exits at once would otherwise take
+        # its END to a live peer with it, and that peer would blame it
+        grace = Deadline(max(0.05, min(0.5, deadline.remaining())))
+        for h in mine[own:]:
+            with contextlib.suppress(Exception):
+                h.wait(grace, where)
+        raise
+
+
+def _settle(
+    transport: Transport,
+    streams: dict[int, Stream],
+    status: int,
+    deadline: Deadline,
+    where: Where,
+    mine: list[Handle],
+    origin: int,
+    rank: int,
+) -> dict[int, int]:
+    failed: TransportError | None = None
     for q, s in streams.items():
         if s.send_end:
             # one length word: the END fits any receive a peer posted from this rank
             head = framing.frame(where, [s.posted], status, ident=origin + 1)
-            ends, _ = transport.post([(q, head)], [], where)
+            try:  # every live peer gets its END, whichever peer is gone
+                ends, _ = transport.post([(q, head)], [], where)
+            except TransportError as e:
+                failed = failed or e
+                continue
             mine += ends
             s.sent += 1
+    if failed is not None:
+        raise failed
     for q, s in streams.items():
         while s.ended is None or s.body is not None:
             first = s.read == 0
