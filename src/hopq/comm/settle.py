@@ -121,11 +121,10 @@ def settle(
     to wait on; ``origin``: the rank whose failure this rank's END_FAILED reports
     (-1: not known), which the END carries in its identity word. Raises
     TransportError when a peer does not settle in time."""
-    rank = transport.rank
     mine: list[Handle] = list(sends or [])
     own = len(mine)
     try:
-        return _settle(transport, streams, status, deadline, where, mine, origin, rank)
+        return _settle(transport, streams, status, deadline, where, mine, origin)
     except BaseException:
         # whatever ends this rank's settling, the ENDs and fillers it posted
         # leave before it raises: a rank that exits at once would otherwise take
@@ -145,8 +144,8 @@ def _settle(
     where: Where,
     mine: list[Handle],
     origin: int,
-    rank: int,
 ) -> dict[int, int]:
+    rank = transport.rank
     failed: TransportError | None = None
     for q, s in streams.items():
         if s.send_end:
